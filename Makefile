@@ -1,0 +1,45 @@
+# Recompute recipes: `make help` lists the targets. Variables: SIZE, SWEEP, DIR, BUDGET, ARGS.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+SIZE ?= tiny
+SWEEP ?= standard_attn
+DIR ?= $(shell ls -dt multirun/*/* 2>/dev/null | head -1)
+BUDGET ?= 80
+ARGS ?=
+# A Python >= 3.12 (megatron-core 0.17+ needs it): PYTHON=..., else python3.13/3.12 on PATH, else pyenv's 3.12.x.
+PYTHON ?= $(shell for p in python3.13 python3.12; do command -v $$p >/dev/null && { command -v $$p; exit; }; done; \
+	for v in $$(pyenv versions --bare 2>/dev/null | grep -E '^3\.1[2-9]' | sort -V | tail -1); do echo "$$(pyenv prefix $$v)/bin/python3"; done)
+
+.PHONY: help install run test sweep report advise estimate bench data clean
+
+help: ## Show this menu
+	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  \033[36m%-10s\033[0m %s\n", $$1, $$2}'
+
+$(VENV)/.installed: pyproject.toml
+	@test -n "$(PYTHON)" || { echo "error: no Python >= 3.12 found; set PYTHON=/path/to/python3.12"; exit 1; }
+	@echo "using $(PYTHON) ($$($(PYTHON) --version))"
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e ".[test]"
+	touch $@
+
+install: $(VENV)/.installed ## Build .venv with Python >= 3.12 and the pinned dependencies
+
+run: install ## Main job: a small recompute comparison (CPU without a GPU); prints a table, writes multirun/
+	$(PY) train.py -m size=$(SIZE) attention=unfused recompute=none,control,selective/core_attn,selective/mlp,full $(ARGS)
+
+test: install ## Run the test suite (GPU tests skip on a CPU)
+	$(PY) -m pytest -q $(ARGS)
+
+sweep: install ## A versioned sweep: make sweep SWEEP=moe [SIZE=h200] [ARGS=...]
+	$(PY) train.py -m sweep=$(SWEEP) size=$(SIZE) $(ARGS)
+
+report: install ## Table, CSV and plot of a sweep: make report [DIR=multirun/...]
+	$(PY) -m recipes.report $(DIR)
+
+advise: install ## The guide's choice for a budget: make advise [DIR=...] BUDGET=80
+	$(PY) -m recipes.advise $(DIR) --budget-gib $(BUDGET)
+
+clean: ## Remove outputs/ and multirun/ (results of earlier runs)
+	rm -rf outputs multirun

@@ -1,0 +1,1 @@
+"""Launchers: how the controller starts a run's worker processes (torchrun here, Slurm via Hydra)."""

@@ -1,0 +1,200 @@
+"""The Hydra schema: slim dataclasses registered in Hydra's ConfigStore.
+
+Field names are megatron-core's own (``TransformerConfig``, ``MLATransformerConfig``,
+``ModelParallelConfig``) wherever a field is passed through, so ``recipes.model`` can splat them and
+``tests/test_config.py`` checks that every such field still exists after a megatron-core upgrade.
+Types are primitives only (OmegaConf rejects ``Callable``/``Literal``), so typos and wrong types fail
+at compose time. Cross-field rules live in ``recipes.validate``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, List, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+
+@dataclass
+class ModelConfig:
+    """A GPT model in megatron-core's vocabulary; ``family`` picks the attention/MLP variant."""
+
+    family: str = MISSING  # standard_attn | mla | moe
+    num_layers: int = MISSING
+    hidden_size: int = MISSING
+    ffn_hidden_size: int = MISSING
+    num_attention_heads: int = MISSING
+    num_query_groups: Optional[int] = None  # GQA: key/value head groups (None = MHA)
+    kv_channels: Optional[int] = None  # per-head dim (None = hidden/heads)
+    vocab_size: int = MISSING  # GPTModel argument, not a TransformerConfig field
+    normalization: str = "RMSNorm"
+    gated_linear_unit: bool = True  # SwiGLU with activation=silu
+    activation: str = "silu"  # silu | gelu (megatron's activation_func)
+    add_bias_linear: bool = False
+    position_embedding_type: str = "rope"  # GPTModel argument: rope | learned_absolute | none
+    rotary_base: int = 10000
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
+    attention_softmax_in_fp32: bool = False  # Megatron-LM's CLI default; True doubles unfused scores
+    init_method_std: float = 0.02
+    untie_embeddings_and_output_weights: bool = True
+    qk_layernorm: bool = False
+    bias_activation_fusion: bool = False
+    # Multi-Latent Attention (family=mla): MLATransformerConfig fields
+    q_lora_rank: Optional[int] = None
+    kv_lora_rank: int = 512
+    qk_head_dim: int = 128
+    qk_pos_emb_head_dim: int = 64
+    v_head_dim: int = 128
+    # Mixture of experts (family=moe)
+    num_moe_experts: Optional[int] = None
+    moe_router_topk: int = 2
+    moe_ffn_hidden_size: Optional[int] = None
+    moe_shared_expert_intermediate_size: Optional[int] = None  # None = no shared experts
+    moe_aux_loss_coeff: float = 0.0
+    moe_router_load_balancing_type: str = "aux_loss"
+    moe_token_dispatcher_type: str = "allgather"  # allgather works on CPU and GPU
+    moe_grouped_gemm: bool = True  # megatron's flag; the experts module is chosen by ``experts``
+    experts: str = "grouped"  # grouped (recipes.experts, one grouped GEMM) | sequential (megatron)
+    moe_shared_expert_overlap: bool = False
+
+
+@dataclass
+class AttentionConfig:
+    """Core attention backend: unfused (materialized scores), sdpa (torch SDPA), te (TE fused)."""
+
+    backend: str = "sdpa"
+
+
+@dataclass
+class RecomputeConfig:
+    """Activation recompute: megatron-core's recompute_* fields. ``granularity: null`` = off."""
+
+    recompute_granularity: Optional[str] = None  # null | selective | full
+    recompute_modules: List[str] = field(default_factory=list)
+    recompute_method: Optional[str] = None  # full only: uniform | block
+    recompute_num_layers: Optional[int] = None  # full only
+    distribute_saved_activations: bool = False
+
+
+@dataclass
+class ParallelConfig:
+    """Parallel layout; data parallel = world size / (tp * pp * cp)."""
+
+    tensor_model_parallel_size: int = 1
+    sequence_parallel: bool = False
+    pipeline_model_parallel_size: int = 1
+    virtual_pipeline_model_parallel_size: Optional[int] = None
+    context_parallel_size: int = 1
+    expert_model_parallel_size: int = 1
+    expert_tensor_parallel_size: Optional[int] = None
+    overlap_moe_expert_parallel_comm: bool = False
+
+
+@dataclass
+class LauncherConfig:
+    """How the controller starts the worker process group."""
+
+    name: str = "local"  # local: torchrun on this machine
+    nproc_per_node: int = 1
+    nnodes: int = 1
+    master_port: int = 0  # 0 = pick a free port
+
+
+@dataclass
+class DataConfig:
+    """Training data: mock tokens, or megatron indexed datasets (``data/indexed``)."""
+
+    name: str = "mock"  # mock | indexed
+    paths: List[str] = field(default_factory=list)  # indexed: [weight, prefix, weight, prefix...]
+    split: str = "98,2,0"
+    eval_interval: int = 0  # validation loss every N steps (0 = off)
+    eval_iters: int = 2
+    num_workers: int = 0
+
+
+@dataclass
+class LoggerConfig:
+    """Experiment logger: wandb (offline unless ``mode=online``) or none."""
+
+    name: str = "none"
+    project: str = "recompute-recipes"
+    entity: Optional[str] = None
+    mode: str = "offline"  # offline | online | disabled
+    group: Optional[str] = None  # defaults to the sweep name / run dir
+    tags: List[str] = field(default_factory=list)
+
+
+@dataclass
+class TrainConfig:
+    """Run knobs."""
+
+    seed: int = 1234
+    train_iters: int = 8  # total steps
+    warmup_iters: int = 3  # steps excluded from timing and from the memory peak
+    micro_batch_size: int = 1
+    global_batch_size: Optional[int] = None  # None = micro_batch_size * data-parallel size
+    seq_length: int = MISSING
+    lr: float = 1.0e-4
+    weight_decay: float = 0.01
+    clip_grad: float = 1.0
+    precision: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | bf16 | fp32
+    optimizer: str = "auto"  # auto (megatron DistributedOptimizer on GPU, AdamW on CPU) | adamw
+
+
+@dataclass
+class MeasureConfig:
+    """What each run measures."""
+
+    ledger: bool = True  # saved-for-backward bytes by module kind, one microbatch
+    peak_tflops: float = 989.0  # for MFU: H200/H100 dense bf16
+    expandable_segments: bool = False  # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+    memory_fraction: Optional[float] = None  # cap this process's share of GPU memory (forces OOMs)
+    profile: str = "none"  # none | peak (allocator timeline and peak attribution)
+
+
+@dataclass
+class RecipeConfig:
+    """The root config: one training run (or, with -m, one sweep point)."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    attention: AttentionConfig = field(default_factory=AttentionConfig)
+    recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    measure: MeasureConfig = field(default_factory=MeasureConfig)
+    size: Any = None  # the size knob's values, interpolated into model/train by the size group
+    name: Optional[str] = None  # run name; defaults to the Hydra choices
+    output_dir: Optional[str] = None  # defaults to Hydra's run/sweep directory
+    rerun: bool = False  # in a sweep, re-run points that already have a complete result
+    dry_run: bool = False  # validate and write the config, start no worker
+
+
+def slug(text: str) -> str:
+    """A directory-safe form of Hydra overrides (``recompute=selective/core_attn`` has a slash)."""
+    return str(text).replace("/", ".").replace(",", "__") or "defaults"
+
+
+def register_configs() -> None:
+    """Register the schema so conf/config.yaml and every group are type-checked at compose time."""
+    from omegaconf import OmegaConf
+
+    if not OmegaConf.has_resolver("slug"):
+        OmegaConf.register_new_resolver("slug", slug)
+    cs = ConfigStore.instance()
+    cs.store(name="recipe_schema", node=RecipeConfig)
+    groups = {
+        "model": ModelConfig,
+        "attention": AttentionConfig,
+        "recompute": RecomputeConfig,
+        "parallel": ParallelConfig,
+        "launcher": LauncherConfig,
+        "data": DataConfig,
+        "logger": LoggerConfig,
+    }
+    for group, node in groups.items():
+        cs.store(group=group, name=f"{group}_schema", node=node)

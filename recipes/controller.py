@@ -1,0 +1,172 @@
+"""The controller: compose once, validate, freeze the config, start the workers, record the result.
+
+``train.py`` calls ``run(cfg)`` inside ``@hydra.main``. Workers are a fresh process group per run
+(per sweep point), so CUDA memory and NCCL state start clean and memory comparisons are fair.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from recipes.results import load_result, merge_result, summary, write_json_atomic
+from recipes.validate import ConfigError, validate
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+#: Statuses that count as a complete result (a sweep re-run skips them unless rerun=true).
+COMPLETE = ("ok", "oom")
+
+
+def hydra_choices() -> dict[str, str]:
+    """The config-group choices of this run (model, recompute, ...), or {} outside Hydra."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return {}
+    return {k: v for k, v in HydraConfig.get().runtime.choices.items() if not k.startswith("hydra")}
+
+
+def run_directory(cfg: DictConfig) -> Path:
+    """Where this run writes: ``output_dir``, else Hydra's run or sweep-point directory."""
+    if cfg.output_dir:
+        return Path(cfg.output_dir)
+    from hydra.core.hydra_config import HydraConfig
+
+    return Path(HydraConfig.get().runtime.output_dir)
+
+
+def run_name(cfg: DictConfig, choices: dict[str, str]) -> str:
+    """``model/attention/recompute`` unless the user named the run."""
+    if cfg.name:
+        return cfg.name
+    parts = [choices.get("model", cfg.model.family), choices.get("attention", cfg.attention.backend),
+             choices.get("recompute", "custom")]
+    return " ".join(str(p) for p in parts)
+
+
+def worker_command(cfg: dict, run_dir: Path) -> list[str]:
+    """torchrun for several processes; a single process is started directly (same environment)."""
+    launch = cfg["launcher"]
+    if launch["nproc_per_node"] * launch["nnodes"] == 1:
+        return [sys.executable, "-m", "recipes.worker", str(run_dir)]
+    from launch.torchrun import torchrun_command
+
+    return torchrun_command(launch, ["-m", "recipes.worker", str(run_dir)])
+
+
+def worker_environment(cfg: dict) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    env.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # megatron's TP/SP comm ordering
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // cfg["launcher"]["nproc_per_node"])))
+    if cfg["measure"]["expandable_segments"]:
+        env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    if env.get("RANK") is None and cfg["launcher"]["nproc_per_node"] * cfg["launcher"]["nnodes"] == 1:
+        env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    return env
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def in_multirun() -> bool:
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+
+
+def run(cfg: DictConfig) -> dict:
+    """One run (one sweep point): validate, write config, launch, merge, report, log.
+
+    A refused configuration raises ``ConfigError`` for a single run; in a sweep it is recorded as a
+    ``refused`` point and the sweep goes on.
+    """
+    choices = hydra_choices()
+    plain = OmegaConf.to_container(cfg, resolve=True)
+    run_dir = run_directory(cfg)
+    name = run_name(cfg, choices)
+    try:
+        validate(plain)  # before any worker starts
+    except ConfigError as err:
+        if not in_multirun():
+            raise
+        result = {"schema_version": 1, "name": name, "choices": choices, "run_dir": str(run_dir),
+                  "status": "refused", "error": str(err), "config": plain, "ranks": []}
+        write_json_atomic(run_dir / "result.json", result)
+        print_run(result)
+        return result
+    existing = run_dir / "result.json"
+    if existing.exists() and not cfg.rerun:
+        previous = load_result(existing)
+        if previous.get("status") in COMPLETE:
+            print(f"[skip] {name}: complete result in {run_dir} (rerun=true to run again)")
+            return previous
+    run_dir.mkdir(parents=True, exist_ok=True)
+    OmegaConf.save(OmegaConf.create(plain), run_dir / "config.yaml")
+    if cfg.dry_run:
+        print(f"[dry-run] {name}: config written to {run_dir / 'config.yaml'}")
+        return {"status": "dry_run", "name": name, "run_dir": str(run_dir)}
+    for stale in (run_dir / "ranks").glob("rank*.json"):
+        stale.unlink()
+    start = time.time()
+    log_path = run_dir / "worker.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.run(worker_command(plain, run_dir), env=worker_environment(plain),
+                              stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT)
+    launch_error = None
+    if proc.returncode:
+        launch_error = f"workers exited with code {proc.returncode}; see {log_path}"
+    meta = {
+        "name": name,
+        "choices": choices,
+        "run_dir": str(run_dir),
+        "wall_s": time.time() - start,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "config": plain,
+    }
+    world = plain["launcher"]["nproc_per_node"] * plain["launcher"]["nnodes"]
+    result = merge_result(run_dir, meta, world, launch_error)
+    if result["status"] == "failed" and not result.get("ranks"):
+        result["log_tail"] = log_path.read_text()[-4000:]
+    write_json_atomic(run_dir / "result.json", result)
+    print_run(result)
+    from recipes.logger import log_run
+
+    log_run(plain, result)
+    return result
+
+
+def print_run(result: dict) -> None:
+    """A short console summary of one run."""
+    row = summary(result)
+    status = row["status"]
+    parts = [f"[{status}] {row['name']}"]
+    if row.get("peak_allocated_gib") is not None:
+        parts.append(f"peak alloc {row['peak_allocated_gib']:.2f} GiB")
+    if row.get("peak_reserved_gib") is not None:
+        parts.append(f"reserved {row['peak_reserved_gib']:.2f} GiB")
+    if row.get("ledger_bytes") is not None:
+        parts.append(f"ledger {row['ledger_bytes'] / 2**20:.2f} MiB")
+    if row.get("step_time_s") is not None:
+        parts.append(f"step {row['step_time_s'] * 1e3:.1f} ms")
+    if row.get("tokens_per_s") is not None:
+        parts.append(f"{row['tokens_per_s']:.0f} tok/s")
+    if row.get("mfu") is not None:
+        parts.append(f"MFU {row['mfu'] * 100:.1f}%")
+    print(" | ".join(parts))
+    if status != "ok":
+        print(f"  error: {result.get('error')}")
+    for warning in result.get("warnings", []):
+        print(f"  warning: {warning}")

@@ -1,0 +1,77 @@
+"""Matrix FLOPs of one training step, and what each recompute label replays.
+
+Counted from the model shape (matmuls only; elementwise work is ignored). Causal attention counts
+half of the s x s products, the work a causal kernel actually does. A training step is forward +
+backward = 3x the forward; recompute adds the forward FLOPs of every replayed region ("hardware
+FLOPs"). Model FLOPs (no replay) are what MFU is measured against.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def layer_forward_flops(cfg: Any) -> dict[str, float]:
+    """Forward matmul FLOPs of one transformer layer for one micro-batch, by region."""
+    m, t = cfg["model"], cfg["train"]
+    b, s, h = t["micro_batch_size"], t["seq_length"], m["hidden_size"]
+    tokens = b * s
+    heads = m["num_attention_heads"]
+    glu = 2 if m["gated_linear_unit"] else 1
+    out: dict[str, float] = {}
+    if m["family"] == "mla":
+        dq, dv = m["qk_head_dim"] + m["qk_pos_emb_head_dim"], m["v_head_dim"]
+        if m["q_lora_rank"]:
+            q_down = 2 * tokens * h * m["q_lora_rank"]
+            q_up = 2 * tokens * m["q_lora_rank"] * heads * dq
+        else:
+            q_down, q_up = 0.0, 2 * tokens * h * heads * dq
+        kv_down = 2 * tokens * h * (m["kv_lora_rank"] + m["qk_pos_emb_head_dim"])
+        kv_up = 2 * tokens * m["kv_lora_rank"] * heads * (m["qk_head_dim"] + dv)
+        out["mla_up_proj"] = q_up + kv_up
+        out["attn_proj"] = q_down + kv_down + q_up + kv_up + 2 * tokens * heads * dv * h
+    else:
+        d = m["kv_channels"] or h // heads
+        dq = dv = d
+        groups = m["num_query_groups"] or heads
+        out["attn_proj"] = 2 * tokens * h * (heads + 2 * groups) * d + 2 * tokens * heads * d * h
+    out["core_attn"] = 0.5 * 2 * b * heads * s * s * (dq + dv)  # causal: half of QK^T and PV
+    if m["family"] == "moe":
+        ffn = m["moe_ffn_hidden_size"] or m["ffn_hidden_size"]
+        experts = m["moe_router_topk"] * 2 * tokens * h * ffn * (glu + 1)
+        shared = 0.0
+        if m["moe_shared_expert_intermediate_size"]:
+            shared = 2 * tokens * h * m["moe_shared_expert_intermediate_size"] * (glu + 1)
+        out["shared_experts"] = shared
+        out["moe"] = 2 * tokens * h * m["num_moe_experts"] + experts + shared
+    else:
+        out["mlp"] = 2 * tokens * h * m["ffn_hidden_size"] * (glu + 1)
+    return out
+
+
+def step_flops(cfg: Any, num_microbatches: int) -> dict[str, float]:
+    """Model and hardware FLOPs of one optimizer step across all ranks."""
+    m, t = cfg["model"], cfg["train"]
+    layer = layer_forward_flops(cfg)
+    per_layer = layer["attn_proj"] + layer["core_attn"] + layer.get("mlp", 0.0) + layer.get("moe", 0.0)
+    logits = 2 * t["micro_batch_size"] * t["seq_length"] * m["hidden_size"] * m["vocab_size"]
+    forward = m["num_layers"] * per_layer + logits
+    replay = m["num_layers"] * replayed_layer_flops(cfg, layer, per_layer)
+    dp = cfg.get("_data_parallel_size", 1)
+    scale = num_microbatches * dp
+    return {"model": 3 * forward * scale, "hardware": (3 * forward + replay) * scale}
+
+
+def replayed_layer_flops(cfg: Any, layer: dict[str, float], per_layer: float) -> float:
+    """Forward FLOPs one layer replays in backward under this run's recompute policy."""
+    rc = cfg["recompute"]
+    if rc["recompute_granularity"] == "full":
+        if rc["recompute_method"] == "block":
+            pp = cfg["parallel"]["pipeline_model_parallel_size"]
+            per_stage = cfg["model"]["num_layers"] // pp
+            return per_layer * min(rc["recompute_num_layers"] or 0, per_stage) / per_stage
+        return per_layer
+    if rc["recompute_granularity"] != "selective":
+        return 0.0
+    # moe_act, layernorm and gdn_norm_out replay elementwise work only.
+    return sum(layer.get(label, 0.0) for label in rc["recompute_modules"])

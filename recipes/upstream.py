@@ -1,0 +1,58 @@
+"""Workarounds for megatron-core 0.19.2 bugs, each in one place, each naming the bug.
+
+Every function here has a test in ``tests/test_upstream.py`` that reproduces the bug on a pristine
+megatron-core and fails once upstream fixes it, so the workaround can be deleted.
+
+Bugs handled elsewhere (by design, not by patching):
+- MLA cannot be built with the local spec (``DotProductAttention`` rejects ``k_channels``,
+  Megatron-LM issue 1589): ``recipes.attention`` provides core-attention modules that accept
+  ``k_channels``/``v_channels``.
+- ``moe_act`` is implemented only in ``TEGroupedMLP``; the local spec builds ``SequentialMLP`` where
+  it is a silent no-op: ``recipes.experts.GroupedExperts`` implements it without TE.
+- ``selective mlp`` with ``add_bias_linear=True`` recurses in backward and MoE with biases fails in
+  place (mlp.py:354): ``recipes.validate`` refuses ``add_bias_linear=True``.
+"""
+
+from __future__ import annotations
+
+_FIXED: set[str] = set()
+
+
+def transformer_engine_available() -> bool:
+    """True when Transformer Engine imports (megatron's own HAVE_TE)."""
+    from megatron.core.extensions.transformer_engine import HAVE_TE
+
+    return bool(HAVE_TE)
+
+
+def fix_checkpoint_without_output_fp8_default() -> bool:
+    """``CheckpointWithoutOutput(fp8=False)`` sets ``self.fp8 = (fp8 is not None)``, i.e. True.
+
+    Its forward then takes the FP8 branch and raises ``NameError: FP8GlobalStateManager`` without
+    Transformer Engine (random.py ~L693), breaking ``layernorm``, ``moe_act`` and ``gdn_norm_out``
+    recompute. Upstream documents the default as deliberate for FP8 amax bookkeeping *with* TE, so
+    the fix applies only when TE is absent (FP8 cannot be on then): ``self.fp8 = bool(fp8)``.
+    Returns True when the fix was applied.
+    """
+    if "cwo_fp8" in _FIXED:
+        return True
+    if transformer_engine_available():
+        return False
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    cls = mcore_random.CheckpointWithoutOutput
+    original_init = cls.__init__
+
+    def __init__(self, fp8=False):
+        original_init(self, fp8)
+        self.fp8 = bool(fp8)
+
+    cls.__init__ = __init__
+    cls._recipes_original_init = original_init
+    _FIXED.add("cwo_fp8")
+    return True
+
+
+def apply_all() -> None:
+    """Apply every workaround that applies to this environment (idempotent)."""
+    fix_checkpoint_without_output_fp8_default()

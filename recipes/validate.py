@@ -1,0 +1,279 @@
+"""Cross-field checks, run by the controller before any worker starts.
+
+Every refusal is a ``ConfigError`` that names the option and the fix, in this project's vocabulary
+(``recompute=selective/moe_act``, ``model=moe``, ``parallel.tensor_model_parallel_size=2``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+FAMILIES = ("standard_attn", "mla", "moe")
+BACKENDS = ("unfused", "sdpa", "te")
+
+#: Selective labels: which families they apply to, and what to use instead where they do not.
+LABELS: dict[str, dict] = {
+    "core_attn": {"families": FAMILIES, "what": "core attention (scores, softmax, context)"},
+    "mlp": {
+        "families": ("standard_attn", "mla"),
+        "what": "the dense MLP",
+        "instead": "on MoE layers use recompute=selective/moe_act (or selective/moe)",
+    },
+    "moe_act": {
+        "families": ("moe",),
+        "what": "the MoE expert activation between FC1 and FC2",
+        "instead": "use model=moe, or recompute=selective/mlp for a dense MLP",
+    },
+    "moe": {
+        "families": ("moe",),
+        "what": "the whole MoE layer (router, dispatch, experts)",
+        "instead": "use model=moe, or recompute=selective/mlp for a dense MLP",
+    },
+    "shared_experts": {
+        "families": ("moe",),
+        "what": "the shared experts",
+        "instead": "use model=moe with model.moe_shared_expert_intermediate_size=<size>",
+    },
+    "mla_up_proj": {
+        "families": ("mla",),
+        "what": "MLA's Q/KV up-projections",
+        "instead": "use model=mla, or recompute=selective/core_attn for standard attention",
+    },
+    "layernorm": {"families": FAMILIES, "what": "the input and pre-MLP norms"},
+    "gdn_norm_out": {
+        "families": (),
+        "what": "the GatedDeltaNet normalization output",
+        "instead": "no model family here has GatedDeltaNet layers yet (model/gdn is not built); "
+        "use recompute=selective/core_attn",
+    },
+}
+
+
+def transformer_engine_importable() -> bool:
+    """Whether Transformer Engine imports, checked without importing megatron (fast, quiet)."""
+    import importlib.util
+
+    if importlib.util.find_spec("transformer_engine") is None:
+        return False
+    try:
+        import transformer_engine  # noqa: F401
+    except Exception:  # installed but broken (e.g. no CUDA): treat as absent
+        return False
+    return True
+
+
+class ConfigError(ValueError):
+    """A refused configuration: ``option`` is what to change, the message says how."""
+
+    def __init__(self, option: str, problem: str, fix: str):
+        self.option, self.problem, self.fix = option, problem, fix
+        super().__init__(f"{option}: {problem}\n  fix: {fix}")
+
+
+def _check(cond: bool, option: str, problem: str, fix: str) -> None:
+    if not cond:
+        raise ConfigError(option, problem, fix)
+
+
+def validate(cfg: Any, num_gpus: int | None = None, te_available: bool | None = None) -> None:
+    """Refuse configurations that would crash, silently do nothing, or measure the wrong thing."""
+    if num_gpus is None:
+        import torch
+
+        num_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if te_available is None:
+        te_available = transformer_engine_importable()
+    _validate_model(cfg)
+    _validate_attention(cfg, te_available)
+    _validate_recompute(cfg)
+    _validate_parallel(cfg, num_gpus)
+    _validate_run(cfg)
+
+
+def _validate_model(cfg) -> None:
+    m = cfg["model"]
+    _check(m["family"] in FAMILIES, "model", f"unknown family {m['family']!r}",
+           f"use model=<one of {', '.join(FAMILIES)}>")
+    _check(not m["add_bias_linear"], "model.add_bias_linear",
+           "biases break megatron-core 0.19.2's selective mlp recompute (infinite recursion in "
+           "backward) and MoE (in-place error, mlp.py:354)", "keep model.add_bias_linear=false")
+    _check(m["activation"] in ("silu", "gelu"), "model.activation",
+           f"unknown activation {m['activation']!r}", "use model.activation=silu or gelu")
+    heads, groups = m["num_attention_heads"], m["num_query_groups"] or m["num_attention_heads"]
+    _check(heads % groups == 0, "model.num_query_groups",
+           f"{heads} attention heads are not divisible into {groups} query groups",
+           "pick num_query_groups dividing num_attention_heads")
+    if m["kv_channels"] is None and m["family"] != "mla":
+        _check(m["hidden_size"] % heads == 0, "model.hidden_size",
+               f"hidden_size {m['hidden_size']} is not divisible by {heads} heads",
+               "set model.kv_channels or a hidden size divisible by the head count")
+    if m["family"] == "moe":
+        _check(bool(m["num_moe_experts"]), "model.num_moe_experts", "model=moe needs experts",
+               "set model.num_moe_experts (e.g. 8)")
+        _check(m["moe_router_topk"] <= m["num_moe_experts"], "model.moe_router_topk",
+               f"top-{m['moe_router_topk']} of {m['num_moe_experts']} experts",
+               "use moe_router_topk <= num_moe_experts")
+        _check(m["experts"] in ("grouped", "sequential"), "model.experts",
+               f"unknown experts module {m['experts']!r}", "use model.experts=grouped or sequential")
+        _check(m["moe_token_dispatcher_type"] in ("allgather", "alltoall"),
+               "model.moe_token_dispatcher_type", f"{m['moe_token_dispatcher_type']!r} is not "
+               "supported here", "use allgather (any device) or alltoall (GPU)")
+
+
+def _validate_attention(cfg, te_available: bool) -> None:
+    backend = cfg["attention"]["backend"]
+    _check(backend in BACKENDS, "attention", f"unknown backend {backend!r}",
+           f"use attention=<one of {', '.join(BACKENDS)}>")
+    if backend == "te":
+        _check(te_available, "attention=te", "Transformer Engine is not installed (it does not "
+               "import here)", "use attention=sdpa (flash/cuDNN through PyTorch) or attention=unfused")
+
+
+def recompute_labels(cfg) -> list[str]:
+    """The selective labels this run asks for ([] when recompute is off or full)."""
+    rc = cfg["recompute"]
+    return list(rc["recompute_modules"]) if rc["recompute_granularity"] == "selective" else []
+
+
+def _validate_recompute(cfg) -> None:
+    rc, m, par = cfg["recompute"], cfg["model"], cfg["parallel"]
+    gran = rc["recompute_granularity"]
+    _check(gran in (None, "selective", "full"), "recompute.recompute_granularity",
+           f"unknown granularity {gran!r}", "use recompute=none, control, selective/<label> or full")
+    if gran is None:
+        _check(not rc["recompute_modules"], "recompute.recompute_modules",
+               "modules are listed but recompute is off (granularity null): they would be ignored",
+               "use recompute=selective/<label>, or recompute=control for an empty selective list")
+    if gran != "full":
+        _check(rc["recompute_method"] is None and rc["recompute_num_layers"] is None,
+               "recompute.recompute_method", "method/num_layers only apply to full recompute",
+               "use recompute=full or recompute=full/block, or drop recompute_method/num_layers")
+        _check(not rc["distribute_saved_activations"], "recompute.distribute_saved_activations",
+               "distributing saved activations only applies to full recompute (a silent no-op here)",
+               "use recompute=full, or set recompute.distribute_saved_activations=false")
+    if gran == "full":
+        _check(not rc["recompute_modules"], "recompute.recompute_modules",
+               "full recompute ignores recompute_modules", "drop recompute_modules, or use selective")
+        _check(rc["recompute_method"] in ("uniform", "block"), "recompute.recompute_method",
+               f"full recompute needs method uniform or block, got {rc['recompute_method']!r}",
+               "use recompute=full (uniform) or recompute=full/block")
+        per_stage = m["num_layers"] // par["pipeline_model_parallel_size"]
+        if par["virtual_pipeline_model_parallel_size"]:
+            per_stage //= par["virtual_pipeline_model_parallel_size"]
+        n = rc["recompute_num_layers"]
+        _check(n is not None and 1 <= n <= per_stage, "recompute.recompute_num_layers",
+               f"{n} is outside 1..{per_stage} (layers per pipeline stage)",
+               f"set recompute.recompute_num_layers between 1 and {per_stage}")
+        if rc["distribute_saved_activations"]:
+            _check(not par["sequence_parallel"], "recompute.distribute_saved_activations",
+                   "cannot distribute saved activations with sequence parallel",
+                   "set parallel.sequence_parallel=false or distribute_saved_activations=false")
+    for label in recompute_labels(cfg):
+        _check(label in LABELS, "recompute.recompute_modules", f"unknown label {label!r}",
+               f"use labels from: {', '.join(LABELS)}")
+        info = LABELS[label]
+        if label == "gdn_norm_out":
+            raise ConfigError("recompute=selective/gdn_norm_out",
+                              "gdn_norm_out is not yet supported: " + info["instead"].split(";")[0],
+                              info["instead"].split("; ")[-1])
+        _check(m["family"] in info["families"], f"recompute=selective/{label}",
+               f"{label} recomputes {info['what']}, but model={m['family']} has none "
+               "(megatron-core would accept it and recompute nothing)", info.get("instead", ""))
+        if label == "shared_experts":
+            _check(bool(m["moe_shared_expert_intermediate_size"]), "recompute=selective/shared_experts",
+                   "the model has no shared experts (a silent no-op)", info["instead"])
+            _check(not m["moe_shared_expert_overlap"], "recompute=selective/shared_experts",
+                   "shared_experts recompute cannot work with shared-expert overlap",
+                   "set model.moe_shared_expert_overlap=false")
+        if label == "moe_act":
+            _check(m["experts"] == "grouped", "recompute=selective/moe_act",
+                   "model.experts=sequential (megatron's SequentialMLP) silently ignores moe_act",
+                   "use model.experts=grouped (the default for model=moe)")
+        if label == "layernorm":
+            _check(cfg["attention"]["backend"] != "te", "recompute=selective/layernorm",
+                   "with Transformer Engine the norms are fused into the following linear, so "
+                   "layernorm recompute does nothing", "use attention=sdpa/unfused, or another label")
+    if (gran == "full" or "moe" in recompute_labels(cfg)) and par["overlap_moe_expert_parallel_comm"]:
+        raise ConfigError("parallel.overlap_moe_expert_parallel_comm",
+                          "whole-moe and full recompute are incompatible with expert-parallel "
+                          "communication overlap", "set parallel.overlap_moe_expert_parallel_comm=false")
+
+
+def _validate_parallel(cfg, num_gpus: int) -> None:
+    par, m, launch = cfg["parallel"], cfg["model"], cfg["launcher"]
+    tp, pp, cp, ep = (par[k] for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                                       "context_parallel_size", "expert_model_parallel_size"))
+    world = launch["nproc_per_node"] * launch["nnodes"]
+    _check(launch["name"] == "local", "launcher", f"unknown launcher {launch['name']!r}",
+           "use launcher=local (torchrun); for Slurm add hydra/launcher=submitit_slurm")
+    if num_gpus:
+        _check(launch["nproc_per_node"] <= num_gpus, "launcher.nproc_per_node",
+               f"{launch['nproc_per_node']} processes but this machine has {num_gpus} GPU(s)",
+               f"set launcher.nproc_per_node<={num_gpus} or add nodes (launcher.nnodes)")
+    else:
+        _check(m["moe_token_dispatcher_type"] != "alltoall" or m["family"] != "moe",
+               "model.moe_token_dispatcher_type", "the alltoall dispatcher needs CUDA streams",
+               "use model.moe_token_dispatcher_type=allgather on a CPU")
+    model_parallel = tp * pp * cp
+    _check(world % model_parallel == 0, "parallel", f"tp*pp*cp = {tp}*{pp}*{cp} = {model_parallel} "
+           f"does not divide the world size {world}",
+           f"set launcher.nproc_per_node to a multiple of {model_parallel}, or shrink the layout")
+    heads = m["num_attention_heads"]
+    _check(heads % tp == 0, "parallel.tensor_model_parallel_size",
+           f"{heads} heads are not divisible by TP={tp}", "pick a TP size dividing the head count")
+    groups = m["num_query_groups"] or heads
+    _check(groups % tp == 0, "parallel.tensor_model_parallel_size",
+           f"{groups} query groups are not divisible by TP={tp}", "pick TP dividing num_query_groups")
+    _check(not par["sequence_parallel"] or tp > 1, "parallel.sequence_parallel",
+           "sequence parallel needs tensor parallel > 1", "set tensor_model_parallel_size>1 or "
+           "sequence_parallel=false")
+    vpp = par["virtual_pipeline_model_parallel_size"]
+    _check(vpp is None or pp > 1, "parallel.virtual_pipeline_model_parallel_size",
+           "virtual stages need pipeline parallel > 1", "set pipeline_model_parallel_size>1 or vpp=null")
+    _check(m["num_layers"] % (pp * (vpp or 1)) == 0, "parallel.pipeline_model_parallel_size",
+           f"{m['num_layers']} layers do not split into {pp} stages x {vpp or 1} virtual stages",
+           "pick sizes whose product divides model.num_layers")
+    seq = cfg["train"]["seq_length"]
+    if par["sequence_parallel"]:
+        _check(seq % tp == 0, "train.seq_length", f"{seq} is not divisible by TP={tp} "
+               "(sequence parallel splits the sequence)", f"use a multiple of {tp}")
+    if cp > 1:
+        _check(cfg["attention"]["backend"] == "te", "parallel.context_parallel_size",
+               "context parallel needs Transformer Engine attention", "use context_parallel_size=1")
+        _check(seq % (2 * cp) == 0, "train.seq_length", f"{seq} is not divisible by 2*CP={2 * cp}",
+               f"use a multiple of {2 * cp}")
+    if m["family"] == "moe":
+        _check(m["num_moe_experts"] % ep == 0, "parallel.expert_model_parallel_size",
+               f"{m['num_moe_experts']} experts do not split over EP={ep}", "pick EP dividing the experts")
+        etp = par["expert_tensor_parallel_size"] or tp
+        _check(world % (etp * ep * pp) == 0, "parallel.expert_model_parallel_size",
+               f"expert layout etp*ep*pp = {etp * ep * pp} does not divide the world size {world}",
+               "shrink EP/ETP or add processes")
+    else:
+        _check(ep == 1, "parallel.expert_model_parallel_size", "expert parallel needs model=moe",
+               "set expert_model_parallel_size=1")
+
+
+def _validate_run(cfg) -> None:
+    t, meas, log, data = cfg["train"], cfg["measure"], cfg["logger"], cfg["data"]
+    _check(t["seq_length"] > 0, "train.seq_length", "must be positive", "set train.seq_length>0")
+    _check(t["train_iters"] >= 2, "train.train_iters", "need at least 2 steps (warm-up + timed)",
+           "set train.train_iters>=2")
+    _check(t["warmup_iters"] < t["train_iters"], "train.warmup_iters",
+           f"{t['warmup_iters']} warm-up steps leave no timed steps of {t['train_iters']}",
+           "set train.warmup_iters < train.train_iters")
+    _check(t["precision"] in ("auto", "bf16", "fp32"), "train.precision",
+           f"unknown precision {t['precision']!r}", "use auto, bf16 or fp32")
+    _check(t["optimizer"] in ("auto", "adamw"), "train.optimizer",
+           f"unknown optimizer {t['optimizer']!r}", "use auto or adamw")
+    _check(log["name"] in ("none", "wandb"), "logger", f"unknown logger {log['name']!r}",
+           "use logger=none or logger=wandb")
+    _check(log["mode"] in ("offline", "online", "disabled"), "logger.mode",
+           f"unknown W&B mode {log['mode']!r}", "use offline, online or disabled")
+    _check(meas["profile"] in ("none", "peak"), "measure.profile",
+           f"unknown profile {meas['profile']!r}", "use measure.profile=none or peak")
+    frac = meas["memory_fraction"]
+    _check(frac is None or 0 < frac <= 1, "measure.memory_fraction", f"{frac} is not in (0, 1]",
+           "use a fraction such as 0.5, or null")
+    _check(data["name"] in ("mock", "indexed"), "data", f"unknown data {data['name']!r}",
+           "use data=mock or data=indexed")

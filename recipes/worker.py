@@ -1,0 +1,310 @@
+"""The training worker: one process per rank, started by the controller through torchrun.
+
+It reads the frozen, resolved config the controller wrote (``RUN_DIR/config.yaml``) and never runs
+Hydra. Order of work: distributed init -> model -> optimizer -> warm-up steps (the first one also
+records the activation ledger) -> timed steady-state steps -> this rank's measurements, written
+atomically to ``RUN_DIR/ranks/rank<N>.json``. An OOM or crash writes a rank file with status
+``oom``/``failed`` and the error, so the controller can always record the point.
+
+    python -m torch.distributed.run --standalone --nproc_per_node 1 -m recipes.worker RUN_DIR
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from recipes import compat, upstream
+from recipes.results import GIB, write_json_atomic
+
+
+def init_distributed(cfg: dict) -> None:
+    """torch.distributed from torchrun's environment, then megatron's parallel state."""
+    from megatron.core import parallel_state
+
+    if compat.cuda_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    compat.install_cpu_compat()
+    upstream.apply_all()
+    if not torch.distributed.is_initialized():
+        backend = "nccl" if compat.cuda_available() else "gloo"
+        torch.distributed.init_process_group(backend=backend)
+    par = cfg["parallel"]
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=par["tensor_model_parallel_size"],
+        pipeline_model_parallel_size=par["pipeline_model_parallel_size"],
+        virtual_pipeline_model_parallel_size=par["virtual_pipeline_model_parallel_size"],
+        context_parallel_size=par["context_parallel_size"],
+        expert_model_parallel_size=par["expert_model_parallel_size"],
+        expert_tensor_parallel_size=par["expert_tensor_parallel_size"],
+    )
+    compat.seed_model_parallel_rng(cfg["train"]["seed"])
+
+
+def rank_coordinates() -> dict:
+    """This rank's place in every parallel dimension."""
+    from megatron.core import parallel_state as ps
+
+    return {
+        "rank": torch.distributed.get_rank(),
+        "tp": ps.get_tensor_model_parallel_rank(),
+        "pp": ps.get_pipeline_model_parallel_rank(),
+        "cp": ps.get_context_parallel_rank(),
+        "ep": ps.get_expert_model_parallel_rank(),
+        "dp": ps.get_data_parallel_rank(),
+    }
+
+
+class Trainer:
+    """Model chunks, optimizer and one ``step()``: megatron's schedule, grads, optimizer."""
+
+    def __init__(self, cfg: dict):
+        from megatron.core import parallel_state as ps
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        from recipes.data import batches, build_datasets
+        from recipes.ledger import ActivationLedger, CheckpointCounter
+        from recipes.model import build_model, build_transformer_config
+
+        self.cfg = cfg
+        self.on_gpu = compat.cuda_available()
+        self.config = build_transformer_config(cfg, self.on_gpu)
+        self.chunks = build_model(cfg, self.config)
+        self.dp_size = ps.get_data_parallel_world_size()
+        train = cfg["train"]
+        gbs = train["global_batch_size"] or train["micro_batch_size"] * self.dp_size
+        self.num_microbatches = gbs // (train["micro_batch_size"] * self.dp_size)
+        self.optimizer_kind = self._build_optimizer()
+        samples = train["train_iters"] * gbs
+        datasets = build_datasets(cfg, [samples, 0, 0])
+        self.data = batches(datasets[0], train["micro_batch_size"], compat.device())
+        self.forward_backward = get_forward_backward_func(
+            pp_size=ps.get_pipeline_model_parallel_world_size(),
+            vp_size=cfg["parallel"]["virtual_pipeline_model_parallel_size"],
+        )
+        self.counter = CheckpointCounter().install()
+        self.ledger = ActivationLedger()
+        self._record_ledger = False
+
+    def _build_optimizer(self) -> str:
+        train = self.cfg["train"]
+        use_megatron = self.on_gpu and train["optimizer"] == "auto"
+        if use_megatron:
+            from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+            from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+            ddp_config = DistributedDataParallelConfig(
+                grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=True
+            )
+            self.chunks = [
+                DistributedDataParallel(self.config, ddp_config, chunk) for chunk in self.chunks
+            ]
+            opt_config = OptimizerConfig(
+                optimizer="adam",
+                lr=train["lr"],
+                weight_decay=train["weight_decay"],
+                bf16=self.config.bf16,
+                params_dtype=self.config.params_dtype,
+                use_distributed_optimizer=True,
+                clip_grad=train["clip_grad"],
+            )
+            self.optimizer = get_megatron_optimizer(opt_config, self.chunks)
+            return "megatron DistributedOptimizer (adam)"
+        params = [p for c in self.chunks for p in c.parameters()]
+        self.optimizer = torch.optim.AdamW(params, lr=train["lr"], weight_decay=train["weight_decay"])
+        return "torch AdamW (CPU fallback)" if not self.on_gpu else "torch AdamW"
+
+    def _forward_step(self, data_iterator, model):
+        batch = next(data_iterator)
+        if self._record_ledger:
+            self._record_ledger = False  # exactly one micro-batch
+            with self.ledger.record(self.chunks):
+                output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+        else:
+            output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+        loss_mask = batch["loss_mask"]
+
+        def loss_func(output_tensor):
+            losses = output_tensor.float().view(-1)
+            mask = loss_mask.view(-1).float()
+            loss = (losses * mask).sum() / mask.sum()
+            return loss, {"lm loss": loss.detach()}
+
+        return output, loss_func
+
+    def step(self, record_ledger: bool = False) -> float | None:
+        """One optimizer step over all micro-batches; returns the mean loss (last stage) or None."""
+        self._record_ledger = record_ledger
+        if hasattr(self.chunks[0], "zero_grad_buffer"):
+            for c in self.chunks:
+                c.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        train = self.cfg["train"]
+        vpp = self.cfg["parallel"]["virtual_pipeline_model_parallel_size"]
+        data = [self.data] * len(self.chunks) if vpp else self.data
+        losses = self.forward_backward(
+            forward_step_func=self._forward_step,
+            data_iterator=data,
+            model=self.chunks if vpp else self.chunks[0],
+            num_microbatches=self.num_microbatches,
+            seq_length=train["seq_length"],
+            micro_batch_size=train["micro_batch_size"],
+            forward_only=False,
+        )
+        self._finalize_grads()
+        self.optimizer.step()
+        if losses:
+            return float(torch.stack([l["lm loss"] for l in losses]).mean())
+        return None
+
+    def _finalize_grads(self) -> None:
+        """Data-parallel gradient reduction: megatron's on a GPU, a plain all-reduce on a CPU."""
+        from megatron.core import parallel_state as ps
+
+        if self.optimizer_kind.startswith("megatron"):
+            from megatron.core.distributed import finalize_model_grads
+
+            finalize_model_grads(self.chunks)
+            return
+        params = [p for c in self.chunks for p in c.parameters() if p.grad is not None]
+        if self.config.sequence_parallel:
+            for p in params:
+                if getattr(p, "sequence_parallel", False):
+                    torch.distributed.all_reduce(p.grad, group=ps.get_tensor_model_parallel_group())
+        if self.dp_size > 1:
+            for p in params:
+                torch.distributed.all_reduce(p.grad, group=ps.get_data_parallel_group())
+                p.grad.div_(self.dp_size)
+        if self.cfg["train"]["clip_grad"]:
+            torch.nn.utils.clip_grad_norm_(params, self.cfg["train"]["clip_grad"])
+
+
+def _sync() -> None:
+    if compat.cuda_available():
+        torch.cuda.synchronize()
+
+
+def memory_now() -> dict:
+    """The allocator's numbers now (GPU only)."""
+    if not compat.cuda_available():
+        return {}
+    return {
+        "allocated_gib": torch.cuda.memory_allocated() / GIB,
+        "reserved_gib": torch.cuda.memory_reserved() / GIB,
+        "peak_allocated_gib": torch.cuda.max_memory_allocated() / GIB,
+        "peak_reserved_gib": torch.cuda.max_memory_reserved() / GIB,
+    }
+
+
+def train_and_measure(cfg: dict, result: dict) -> None:
+    """Warm up, record the ledger, time steady-state steps; fill ``result`` as it goes."""
+    from recipes.flops import step_flops
+    from recipes.model import num_parameters
+
+    train = cfg["train"]
+    if compat.cuda_available() and cfg["measure"]["memory_fraction"]:
+        torch.cuda.set_per_process_memory_fraction(cfg["measure"]["memory_fraction"])
+    t0 = time.perf_counter()
+    trainer = Trainer(cfg)
+    result["num_parameters"] = num_parameters(trainer.chunks)
+    result["optimizer"] = trainer.optimizer_kind
+    result["precision"] = "bf16" if trainer.config.bf16 else "fp32"
+    result["memory_after_init"] = memory_now()
+    result["phase"] = "warmup"
+    warmup = max(1, min(train["warmup_iters"], train["train_iters"] - 1))
+    losses: list[float | None] = []
+    for i in range(warmup):
+        losses.append(trainer.step(record_ledger=(i == 0 and cfg["measure"]["ledger"])))
+    _sync()
+    result["setup_s"] = time.perf_counter() - t0
+    result["ledger"] = {
+        "bytes_by_kind": trainer.ledger.bytes_by_kind,
+        "total_bytes": trainer.ledger.total_bytes,
+    }
+    static = memory_now()
+    if compat.cuda_available():
+        torch.cuda.reset_peak_memory_stats()
+    trainer.counter.reset()
+    result["phase"] = "steady"
+    times = []
+    for _ in range(train["train_iters"] - warmup):
+        _sync()
+        start = time.perf_counter()
+        losses.append(trainer.step())
+        _sync()
+        times.append(time.perf_counter() - start)
+    steps = len(times)
+    result["checkpoints"] = {
+        label: {k: v // max(steps, 1) for k, v in counts.items()}
+        for label, counts in trainer.counter.as_dict().items()
+    }
+    result["loss"] = losses
+    median = statistics.median(times)
+    world = torch.distributed.get_world_size()
+    flops = step_flops({**cfg, "_data_parallel_size": trainer.dp_size}, trainer.num_microbatches)
+    tokens = train["micro_batch_size"] * trainer.num_microbatches * trainer.dp_size * train["seq_length"]
+    peak = cfg["measure"]["peak_tflops"]
+    result["timing"] = {
+        "steps": steps,
+        "step_time_s": median,
+        "step_time_min_s": min(times),
+        "step_time_max_s": max(times),
+        "tokens_per_s": tokens / median,
+        "model_tflops_per_gpu": flops["model"] / median / world / 1e12,
+        "hardware_tflops_per_gpu": flops["hardware"] / median / world / 1e12,
+        "mfu": flops["model"] / median / world / 1e12 / peak if compat.cuda_available() else None,
+        "recompute_flops_fraction": flops["hardware"] / flops["model"] - 1.0,
+    }
+    if compat.cuda_available():
+        mem = memory_now()
+        result["memory"] = {
+            "peak_allocated_gib": mem["peak_allocated_gib"],
+            "peak_reserved_gib": mem["peak_reserved_gib"],
+            "static_allocated_gib": static["allocated_gib"],
+            "activation_gib": mem["peak_allocated_gib"] - static["allocated_gib"],
+            "fragmentation_gib": mem["peak_reserved_gib"] - mem["peak_allocated_gib"],
+            "total_gib": torch.cuda.get_device_properties(0).total_memory / GIB,
+        }
+    result["status"] = "ok"
+    trainer.counter.uninstall()
+
+
+def main(run_dir: str) -> int:
+    from omegaconf import OmegaConf
+
+    run = Path(run_dir)
+    cfg = OmegaConf.to_container(OmegaConf.load(run / "config.yaml"), resolve=True)
+    rank = int(os.environ.get("RANK", 0))
+    result: dict[str, Any] = {"rank": rank, "status": "failed", "host": socket.gethostname()}
+    result["device"] = torch.cuda.get_device_name() if compat.cuda_available() else "cpu"
+    exit_code = 0
+    try:
+        init_distributed(cfg)
+        result["coords"] = rank_coordinates()
+        train_and_measure(cfg, result)
+    except torch.OutOfMemoryError as err:
+        result.update(status="oom", error=str(err).splitlines()[0], memory_at_failure=memory_now())
+        exit_code = 3
+    except Exception as err:  # recorded, never lost: the sweep goes on
+        result.update(status="failed", error=f"{type(err).__name__}: {err}")
+        result["traceback"] = traceback.format_exc(limit=20)
+        exit_code = 1
+    write_json_atomic(run / "ranks" / f"rank{rank}.json", result)
+    if exit_code:
+        print(f"[rank {rank}] {result['status']}: {result.get('error')}", file=sys.stderr)
+    if torch.distributed.is_initialized() and exit_code == 0:
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+    return exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))
