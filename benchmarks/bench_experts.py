@@ -197,6 +197,7 @@ def main() -> None:
         mib = saved_mib(module, *inputs)
         peak = ""
         if cuda:
+            module.zero_grad(set_to_none=True)
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             before = torch.cuda.memory_allocated()

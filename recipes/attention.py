@@ -66,9 +66,12 @@ class _CoreAttention(MegatronModule):
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
         self._mask_cache: dict[tuple, torch.Tensor] = {}
 
-    def _expand_groups(self, key: torch.Tensor, value: torch.Tensor):
-        """GQA: repeat key/value groups to the number of query heads (as megatron does)."""
-        rep = self.num_heads // self.num_query_groups
+    def _expand_groups(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
+        """GQA: repeat key/value groups to the number of query heads (as megatron does).
+
+        Read from the shapes: MLA has as many key/value heads as query heads, whatever
+        ``num_query_groups`` says."""
+        rep = query.size(2) // key.size(2)
         if rep > 1:
             key = key.repeat_interleave(rep, dim=2)
             value = value.repeat_interleave(rep, dim=2)
@@ -107,7 +110,7 @@ class UnfusedAttention(_CoreAttention):
     ):
         if packed_seq_params is not None or attention_bias is not None:
             raise ValueError("UnfusedAttention supports neither packed sequences nor attention bias")
-        key, value = self._expand_groups(key, value)
+        key, value = self._expand_groups(query, key, value)
         sq, b, np_, _ = query.shape
         sk = key.size(0)
         q = query.reshape(sq, b * np_, -1).transpose(0, 1)  # [b*np, sq, dk]
@@ -148,7 +151,7 @@ class SDPAAttention(_CoreAttention):
         if packed_seq_params is not None or attention_bias is not None:
             raise ValueError("SDPAAttention supports neither packed sequences nor attention bias")
         sq, b, np_, _ = query.shape
-        rep = self.num_heads // self.num_query_groups
+        rep = query.size(2) // key.size(2)
         # [s, b, h, d] -> [b, h, s, d]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type

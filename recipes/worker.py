@@ -84,8 +84,15 @@ class Trainer:
         self.num_microbatches = gbs // (train["micro_batch_size"] * self.dp_size)
         self.optimizer_kind = self._build_optimizer()
         samples = train["train_iters"] * gbs
-        datasets = build_datasets(cfg, [samples, 0, 0])
+        eval_interval = cfg["data"]["eval_interval"]
+        eval_samples = 0
+        if eval_interval:
+            eval_samples = (train["train_iters"] // eval_interval + 1) * cfg["data"]["eval_iters"] * gbs
+        datasets = build_datasets(cfg, [samples, eval_samples, 0])
         self.data = batches(datasets[0], train["micro_batch_size"], compat.device())
+        self.valid_data = None
+        if eval_interval and datasets[1] is not None:
+            self.valid_data = batches(datasets[1], train["micro_batch_size"], compat.device())
         self.forward_backward = get_forward_backward_func(
             pp_size=ps.get_pipeline_model_parallel_world_size(),
             vp_size=cfg["parallel"]["virtual_pipeline_model_parallel_size"],
@@ -142,6 +149,16 @@ class Trainer:
 
     def step(self, record_ledger: bool = False) -> float | None:
         """One optimizer step over all micro-batches; returns the mean loss (last stage) or None."""
+        loss = self.compute_gradients(record_ledger)
+        self.optimizer.step()
+        return loss
+
+    def close(self) -> None:
+        """Undo the checkpoint counter's patches (tests build several trainers in one process)."""
+        self.counter.uninstall()
+
+    def compute_gradients(self, record_ledger: bool = False) -> float | None:
+        """Forward and backward over all micro-batches and the gradient reduction; no update."""
         self._record_ledger = record_ledger
         if hasattr(self.chunks[0], "zero_grad_buffer"):
             for c in self.chunks:
@@ -160,10 +177,34 @@ class Trainer:
             forward_only=False,
         )
         self._finalize_grads()
-        self.optimizer.step()
         if losses:
             return float(torch.stack([l["lm loss"] for l in losses]).mean())
         return None
+
+    def evaluate(self) -> float | None:
+        """Mean validation loss over ``data.eval_iters`` batches (forward only), or None."""
+        if self.valid_data is None:
+            return None
+        for c in self.chunks:
+            c.eval()
+        train = self.cfg["train"]
+        vpp = self.cfg["parallel"]["virtual_pipeline_model_parallel_size"]
+        values = []
+        with torch.no_grad():
+            for _ in range(self.cfg["data"]["eval_iters"]):
+                losses = self.forward_backward(
+                    forward_step_func=self._forward_step,
+                    data_iterator=[self.valid_data] * len(self.chunks) if vpp else self.valid_data,
+                    model=self.chunks if vpp else self.chunks[0],
+                    num_microbatches=self.num_microbatches,
+                    seq_length=train["seq_length"],
+                    micro_batch_size=train["micro_batch_size"],
+                    forward_only=True,
+                )
+                values += [float(l["lm loss"]) for l in losses or []]
+        for c in self.chunks:
+            c.train()
+        return sum(values) / len(values) if values else None
 
     def _finalize_grads(self) -> None:
         """Data-parallel gradient reduction: megatron's on a GPU, a plain all-reduce on a CPU."""
@@ -204,7 +245,7 @@ def memory_now() -> dict:
     }
 
 
-def train_and_measure(cfg: dict, result: dict) -> None:
+def train_and_measure(cfg: dict, result: dict, run_dir: Path | None = None) -> "Trainer":
     """Warm up, record the ledger, time steady-state steps; fill ``result`` as it goes."""
     from recipes.flops import step_flops
     from recipes.model import num_parameters
@@ -221,8 +262,16 @@ def train_and_measure(cfg: dict, result: dict) -> None:
     result["phase"] = "warmup"
     warmup = max(1, min(train["warmup_iters"], train["train_iters"] - 1))
     losses: list[float | None] = []
+    evals: list[dict] = []
+    eval_interval = cfg["data"]["eval_interval"]
+
+    def maybe_evaluate(step: int) -> None:
+        if eval_interval and trainer.valid_data is not None and step % eval_interval == 0:
+            evals.append({"step": step, "loss": trainer.evaluate()})
+
     for i in range(warmup):
         losses.append(trainer.step(record_ledger=(i == 0 and cfg["measure"]["ledger"])))
+        maybe_evaluate(i + 1)
     _sync()
     result["setup_s"] = time.perf_counter() - t0
     result["ledger"] = {
@@ -241,12 +290,15 @@ def train_and_measure(cfg: dict, result: dict) -> None:
         losses.append(trainer.step())
         _sync()
         times.append(time.perf_counter() - start)
+        maybe_evaluate(len(losses))
     steps = len(times)
     result["checkpoints"] = {
         label: {k: v // max(steps, 1) for k, v in counts.items()}
         for label, counts in trainer.counter.as_dict().items()
     }
     result["loss"] = losses
+    if evals:
+        result["eval_loss"] = evals
     median = statistics.median(times)
     world = torch.distributed.get_world_size()
     flops = step_flops({**cfg, "_data_parallel_size": trainer.dp_size}, trainer.num_microbatches)
@@ -273,8 +325,13 @@ def train_and_measure(cfg: dict, result: dict) -> None:
             "fragmentation_gib": mem["peak_reserved_gib"] - mem["peak_allocated_gib"],
             "total_gib": torch.cuda.get_device_properties(0).total_memory / GIB,
         }
+    if cfg["measure"]["profile"] != "none":
+        from recipes.profile import profile_step  # one extra, profiled step (not timed)
+
+        result["profile"] = profile_step(trainer, cfg, run_dir)
     result["status"] = "ok"
-    trainer.counter.uninstall()
+    trainer.close()
+    return trainer
 
 
 def main(run_dir: str) -> int:
@@ -289,7 +346,7 @@ def main(run_dir: str) -> int:
     try:
         init_distributed(cfg)
         result["coords"] = rank_coordinates()
-        train_and_measure(cfg, result)
+        train_and_measure(cfg, result, run)
     except torch.OutOfMemoryError as err:
         result.update(status="oom", error=str(err).splitlines()[0], memory_at_failure=memory_now())
         exit_code = 3

@@ -1,0 +1,95 @@
+"""Shared test helpers: compose real configs, and run megatron-core in this process on a CPU.
+
+``compose(...)`` returns the resolved run config (a plain dict, exactly what a worker reads).
+``megatron_world`` initializes a single-process gloo group once per session; ``train_in_process``
+and ``gradients`` build a fresh ``Trainer`` on it (same parallel sizes: 1), so tests avoid the
+seconds a subprocess start costs while running the same worker code.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+CONF = str(REPO / "conf")
+
+
+def compose(*overrides: str) -> dict:
+    """The resolved config for these overrides, as the worker would read it."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from recipes.config import register_configs
+
+    register_configs()
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        cfg = hydra_compose(config_name="config", overrides=list(overrides))
+    return OmegaConf.to_container(cfg, resolve=True)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def megatron_world():
+    """A single-process gloo world with megatron's parallel state (all sizes 1)."""
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    from recipes.worker import init_distributed
+
+    init_distributed(compose())
+    yield
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    torch.distributed.destroy_process_group()
+
+
+def build_trainer(cfg: dict):
+    """A fresh Trainer for ``cfg`` (reseeded, so equal seeds give equal weights)."""
+    from recipes.compat import seed_model_parallel_rng
+    from recipes.worker import Trainer
+
+    seed_model_parallel_rng(cfg["train"]["seed"])
+    return Trainer(cfg)
+
+
+def train_in_process(cfg: dict) -> dict:
+    """Run the worker's measurement loop in this process; returns the rank result dict."""
+    from recipes.compat import seed_model_parallel_rng
+    from recipes.worker import train_and_measure
+
+    seed_model_parallel_rng(cfg["train"]["seed"])
+    result: dict = {"rank": 0}
+    train_and_measure(cfg, result)
+    return result
+
+
+def gradients(cfg: dict, record_ledger: bool = True):
+    """(loss, {param name: grad}, ledger bytes by kind, checkpoint counts) of one step, no update."""
+    trainer = build_trainer(cfg)
+    try:
+        loss = trainer.compute_gradients(record_ledger=record_ledger)
+        grads = {
+            name: p.grad.detach().clone()
+            for chunk in trainer.chunks
+            for name, p in chunk.named_parameters()
+            if p.grad is not None
+        }
+        return loss, grads, dict(trainer.ledger.bytes_by_kind), trainer.counter.as_dict()
+    finally:
+        trainer.close()
