@@ -8,7 +8,11 @@ Both modules hold the same weights; the script checks their outputs agree (relat
 prints a markdown table: median fwd+bwd time over N iterations (CUDA events after warm-up), the
 ratio to SequentialMLP, and the bytes autograd saves for backward (unique storages after the
 forward; what ``moe_act`` shrinks). With ``--moe-act`` it adds GroupedExperts with moe_act and
-checks that its gradients equal those without it, bit for bit.
+checks that its gradients equal those without it, bit for bit. "peak alloc" (CUDA) is the most
+memory allocated above parameters and inputs during one fwd+bwd of the experts alone: there the
+backward's own temporaries dominate, so it does not show what moe_act saves across a whole model
+(the saved-for-backward column does). At this shape SequentialMLP is host-bound: its GPU kernels
+take about as long as the loop path's; the wall-time gap is Python and launch overhead.
 """
 
 from __future__ import annotations
@@ -164,28 +168,35 @@ def main() -> None:
     looped.load_state_dict(grouped.state_dict())
     looped.gemm_impl = "loop"
     inputs = routed_inputs(args, device)
-    auto_path = "grouped_mm" if use_grouped_mm(inputs[0], grouped.weight1, grouped.weight2) else "loop"
-    rows = [("SequentialMLP (megatron)", "loop of MLPs", sequential),
-            ("GroupedExperts", auto_path, grouped),
-            ("GroupedExperts", "loop", looped)]
+    auto = "grouped_mm" if use_grouped_mm(inputs[0], grouped.weight1, grouped.weight2) else "loop"
+    rows = [
+        ("SequentialMLP (megatron)", "loop of MLPs", sequential),
+        ("GroupedExperts", auto, grouped),
+        ("GroupedExperts", "loop", looped),
+    ]
     if args.moe_act:
-        recomputed = GroupedExperts(args.experts, make_config(args, moe_act=True), pg_collection=pgs)
+        recompute_config = make_config(args, moe_act=True)
+        recomputed = GroupedExperts(args.experts, recompute_config, pg_collection=pgs)
         recomputed.load_state_dict(grouped.state_dict())
-        rows.append(("GroupedExperts + moe_act", auto_path, recomputed))
+        rows.append(("GroupedExperts + moe_act", auto, recomputed))
 
-    where = "CUDA: " + torch.cuda.get_device_name() if cuda else "CPU smoke run (tiny shape; times mean nothing)"
-    print(f"# experts benchmark, {where}")
+    dtype = str(args.dtype).removeprefix("torch.")
+    if cuda:
+        print(f"# experts benchmark, CUDA: {torch.cuda.get_device_name()}")
+    else:
+        print("# experts benchmark, CPU smoke run (tiny shape; the times mean nothing)")
     print(f"tokens {args.tokens} x top-{args.topk}, hidden {args.hidden}, moe_ffn_hidden_size "
-          f"{args.ffn}, {args.experts} experts, {str(args.dtype).removeprefix('torch.')}, SwiGLU, "
-          f"tokens per expert {inputs[1].tolist()}, torch {torch.__version__}")
+          f"{args.ffn}, {args.experts} experts, {dtype}, SwiGLU, tokens per expert "
+          f"{inputs[1].tolist()}, torch {torch.__version__}")
     reference = fwd_bwd(sequential, *inputs)
     for name, path, module in rows[1:]:
-        result = fwd_bwd(module, *inputs)
-        print(f"{name} [{path}] vs SequentialMLP: output rel. error {rel_err(result[0], reference[0]):.2e}, "
-              f"input grad {rel_err(result[1], reference[1]):.2e}, probs grad {rel_err(result[2], reference[2]):.2e}")
+        errors = [rel_err(a, b) for a, b in zip(fwd_bwd(module, *inputs)[:3], reference)]
+        print(f"{name} [{path}] vs SequentialMLP, relative error: output {errors[0]:.2e}, "
+              f"input grad {errors[1]:.2e}, probs grad {errors[2]:.2e}")
     if args.moe_act:
-        same = all(torch.equal(a, b) for a, b in zip(fwd_bwd(recomputed, *inputs), fwd_bwd(grouped, *inputs)))
-        print(f"moe_act output and gradients bit-identical to no recompute: {same}")
+        pairs = zip(fwd_bwd(recomputed, *inputs), fwd_bwd(grouped, *inputs))
+        same = all(torch.equal(a, b) for a, b in pairs)
+        print(f"moe_act output and all gradients bit-identical to no recompute: {same}")
 
     print(f"\n| experts | GEMM path | fwd+bwd ms (median of {args.iters}) | speed vs SequentialMLP "
           "| saved for backward MiB |" + (" peak alloc MiB |" if cuda else ""))
@@ -204,7 +215,6 @@ def main() -> None:
             fwd_bwd(module, *inputs)
             peak = f" {(torch.cuda.max_memory_allocated() - before) / MIB:.0f} |"
         print(f"| {name} | {path} | {ms:.3f} | {base / ms:.2f}x | {mib:.1f} |{peak}")
-
 
 if __name__ == "__main__":
     main()

@@ -87,6 +87,50 @@ def in_multirun() -> bool:
     return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
 
 
+#: Keys that do not change what a point measures: a stored result with other values still counts.
+NOT_MEASURED = ("rerun", "dry_run", "name", "output_dir", "logger")
+
+
+def changed_keys(stored: dict | None, current: dict) -> list[str]:
+    """Top-level config sections that differ between a stored result and this run (resume check)."""
+    stored = stored or {}
+    keys = (set(stored) | set(current)) - set(NOT_MEASURED)
+    return sorted(k for k in keys if stored.get(k) != current.get(k))
+
+
+def num_sweep_points(master: DictConfig) -> int:
+    """How many jobs Hydra's basic sweeper makes of a multirun.yaml (sweep file params + command line)."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    params = [f"{k}={v}" for k, v in (master.hydra.sweeper.get("params") or {}).items()]
+    overrides = OverridesParser.create().parse_overrides(params + list(master.hydra.overrides.task))
+    return sum(len(batch) for batch in BasicSweeper.split_arguments(overrides, None))
+
+
+def sweep_progress(name: str) -> str:
+    """``[point i/N] name | elapsed | ETA`` for this sweep point. Elapsed counts from the sweep's
+    start (Hydra writes multirun.yaml just before the first point); the ETA assumes the remaining
+    points take the mean time of those done (skipped points are quick, so it errs low on resume)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    hc = HydraConfig.get()
+    i = int(hc.job.num)
+    master = Path(hc.sweep.dir) / "multirun.yaml"
+    try:
+        n = num_sweep_points(OmegaConf.load(master))
+        elapsed = time.time() - master.stat().st_mtime
+    except Exception:  # another sweeper plugin, glob(): the point number alone still helps
+        return f"[point {i + 1}] {name}"
+    eta = _clock(elapsed / i * (n - i)) if i else "-"
+    return f"[point {i + 1}/{n}] {name} | elapsed {_clock(elapsed)} | ETA {eta}"
+
+
+def _clock(seconds: float) -> str:
+    minutes, secs = divmod(int(max(0.0, seconds)), 60)
+    return f"{minutes // 60}:{minutes % 60:02d}:{secs:02d}"
+
+
 def run(cfg: DictConfig) -> dict:
     """One run (one sweep point): validate, write config, launch, merge, report, log.
 
@@ -97,6 +141,8 @@ def run(cfg: DictConfig) -> dict:
     plain = OmegaConf.to_container(cfg, resolve=True)
     run_dir = run_directory(cfg)
     name = run_name(cfg, choices)
+    if in_multirun():
+        print(sweep_progress(name), flush=True)
     try:
         validate(plain)  # before any worker starts
     except ConfigError as err:
@@ -110,9 +156,12 @@ def run(cfg: DictConfig) -> dict:
     existing = run_dir / "result.json"
     if existing.exists() and not cfg.rerun:
         previous = load_result(existing)
-        if previous.get("status") in COMPLETE:
+        changed = changed_keys(previous.get("config"), plain)
+        if previous.get("status") in COMPLETE and not changed:
             print(f"[skip] {name}: complete result in {run_dir} (rerun=true to run again)")
             return previous
+        if previous.get("status") in COMPLETE:
+            print(f"[rerun] {name}: the stored result was measured with other {', '.join(changed)}")
     run_dir.mkdir(parents=True, exist_ok=True)
     OmegaConf.save(OmegaConf.create(plain), run_dir / "config.yaml")
     if cfg.dry_run:

@@ -1,9 +1,9 @@
 """Grouped MoE experts for megatron-core's local (no Transformer Engine) spec, with ``moe_act``.
 
-Why this exists (see ``recipes.upstream`` and ../shared/FACTS.md): megatron-core 0.19.2 implements
-``moe_act`` recompute only in ``TEGroupedMLP``. The local spec always builds ``SequentialMLP``, where
-``moe_act`` is accepted and silently does nothing. ``GroupedExperts`` is a drop-in replacement for
-``SequentialMLP`` (same constructor, same forward call and return) that
+Why this exists (see ``recipes.upstream`` and ../shared/FACTS.md): megatron-core 0.19.2
+implements ``moe_act`` recompute only in ``TEGroupedMLP``. The local spec always builds
+``SequentialMLP``, where ``moe_act`` is accepted and silently does nothing. ``GroupedExperts`` is a
+drop-in replacement for ``SequentialMLP`` (same constructor, same forward call and return) that
 
 - runs all local experts as one grouped GEMM (``torch._grouped_mm``) on CUDA, or as a loop of plain
   matmuls over each expert's token slice elsewhere (``use_grouped_mm`` decides, per call);
@@ -14,10 +14,10 @@ Why this exists (see ``recipes.upstream`` and ../shared/FACTS.md): megatron-core
   in backward when FC2's output gradient arrives.
 
 Parameters are the per-expert ``linear_fc1.weight`` / ``linear_fc2.weight`` of ``SequentialMLP``
-stacked along a leading expert dimension (``weight1``: [E, fc1 out, in], ``weight2``: [E, out, ffn]),
-so ``load_from_sequential`` is a plain copy. Limits: ``add_bias_linear=False``, expert tensor
-parallel size 1, no FP8/FP4 (those need Transformer Engine), no ``sharded_state_dict`` mapping
-(``torch.save``-style state dicts work; megatron's distributed checkpoints of experts do not).
+stacked along a leading expert dimension (``weight1``: [E, fc1 out, in], ``weight2``:
+[E, out, ffn]), so ``load_from_sequential`` is a plain copy. Limits: ``add_bias_linear=False``,
+expert tensor parallel size 1, no FP8/FP4 (those need Transformer Engine), no ``sharded_state_dict``
+mapping (plain state dicts work; megatron's distributed checkpoints of experts do not).
 """
 
 from __future__ import annotations
@@ -70,8 +70,8 @@ class GroupedExperts(MegatronModule):
 
     ``gemm_impl`` ("auto", "grouped_mm" or "loop") forces a path; "auto" asks ``use_grouped_mm``.
     ``submodules`` is accepted for ``SequentialMLP``'s signature and ignored: there are no
-    ``ColumnParallelLinear``/``RowParallelLinear`` children, and the TE activation module cannot exist
-    without Transformer Engine.
+    ``ColumnParallelLinear``/``RowParallelLinear`` children, and the TE activation module cannot
+    exist without Transformer Engine.
     """
 
     def __init__(
@@ -126,13 +126,14 @@ class GroupedExperts(MegatronModule):
             config.expert_model_parallel_size > 1
             or config.expert_tensor_parallel_size != config.tensor_model_parallel_size
         )
-        for weight, dim, stride in ((self.weight1, 1, 2 if config.gated_linear_unit else 1),
-                                    (self.weight2, 2, 1)):
+        fc1_stride = 2 if config.gated_linear_unit else 1
+        for weight, dim, stride in ((self.weight1, 1, fc1_stride), (self.weight2, 2, 1)):
             set_tensor_model_parallel_attributes(weight, is_parallel=True, dim=dim, stride=stride)
             weight.allreduce = not use_expert_pgs
         if config.perform_initialization:
             # Expert by expert, fc1 then fc2, under the expert RNG tracker: SequentialMLP's order.
-            with torch.no_grad(), get_cuda_rng_tracker().fork(get_expert_parallel_rng_tracker_name()):
+            rng = get_cuda_rng_tracker().fork(get_expert_parallel_rng_tracker_name())
+            with torch.no_grad(), rng:
                 for w1, w2 in zip(self.weight1, self.weight2):
                     config.init_method(w1)
                     config.output_layer_init_method(w2)
@@ -149,7 +150,7 @@ class GroupedExperts(MegatronModule):
         return self
 
     def activation(self, fc1_output: torch.Tensor, permuted_probs: torch.Tensor) -> torch.Tensor:
-        """megatron ``MLP``'s expert activation: act (GLU: first half gates the second), then x probs.
+        """megatron ``MLP``'s expert activation (GLU: the first half gates the second), x probs.
 
         The probs (one per routed token) multiply the activation output, in their dtype (fp32 from
         the router), and the result is cast back, exactly as ``MLP.forward(per_token_scale=...)``.

@@ -23,6 +23,8 @@ from typing import Any
 import torch
 
 from recipes import compat, upstream
+from recipes.labels import LabelError, check_resolved, label_findings, resolve_labels
+from recipes.validate import recompute_labels
 from recipes.results import GIB, write_json_atomic
 
 
@@ -153,6 +155,14 @@ class Trainer:
         self.optimizer.step()
         return loss
 
+    def ledger_pass(self, disabled_labels: list[str] = ()) -> dict[str, int]:
+        """Ledger bytes by kind of one micro-batch with some labels switched off (no update)."""
+        from recipes.labels import labels_disabled
+
+        with labels_disabled(self.chunks, list(disabled_labels)):
+            self.compute_gradients(record_ledger=True)
+        return dict(self.ledger.bytes_by_kind)
+
     def close(self) -> None:
         """Undo the checkpoint counter's patches (tests build several trainers in one process)."""
         self.counter.uninstall()
@@ -259,6 +269,9 @@ def train_and_measure(cfg: dict, result: dict, run_dir: Path | None = None) -> "
     result["optimizer"] = trainer.optimizer_kind
     result["precision"] = "bf16" if trainer.config.bf16 else "fp32"
     result["memory_after_init"] = memory_now()
+    labels = recompute_labels(cfg)
+    result["labels"] = resolve_labels(trainer.chunks, labels)
+    check_resolved(result["labels"])  # a label that wraps nothing is refused before training
     result["phase"] = "warmup"
     warmup = max(1, min(train["warmup_iters"], train["train_iters"] - 1))
     losses: list[float | None] = []
@@ -278,6 +291,13 @@ def train_and_measure(cfg: dict, result: dict, run_dir: Path | None = None) -> "
         "bytes_by_kind": trainer.ledger.bytes_by_kind,
         "total_bytes": trainer.ledger.total_bytes,
     }
+    if labels and cfg["measure"]["ledger"]:
+        # The matched control inside this run: the same micro-batch with the labels switched off.
+        control = trainer.ledger_pass(labels)
+        result["ledger"]["control_bytes_by_kind"] = control
+        result["ledger"]["control_total_bytes"] = sum(control.values())
+        alone = {l: sum(trainer.ledger_pass([l]).values()) for l in labels} if len(labels) > 1 else {}
+        result["ledger"]["without_label_total_bytes"] = alone
     static = memory_now()
     if compat.cuda_available():
         torch.cuda.reset_peak_memory_stats()
@@ -296,6 +316,7 @@ def train_and_measure(cfg: dict, result: dict, run_dir: Path | None = None) -> "
         label: {k: v // max(steps, 1) for k, v in counts.items()}
         for label, counts in trainer.counter.as_dict().items()
     }
+    result["warnings"] = label_findings(result, labels)
     result["loss"] = losses
     if evals:
         result["eval_loss"] = evals
@@ -347,6 +368,9 @@ def main(run_dir: str) -> int:
         init_distributed(cfg)
         result["coords"] = rank_coordinates()
         train_and_measure(cfg, result, run)
+    except LabelError as err:
+        result.update(status="refused", error=str(err))
+        exit_code = 2
     except torch.OutOfMemoryError as err:
         result.update(status="oom", error=str(err).splitlines()[0], memory_at_failure=memory_now())
         exit_code = 3

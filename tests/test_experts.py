@@ -230,8 +230,8 @@ def test_refuses_expert_tensor_parallel():
 @pytest.mark.parametrize("moe_act", [False, True])
 def test_moe_layer_with_grouped_experts_matches_sequential(moe_act):
     """megatron's MoELayer (router, allgather dispatcher, combine) with either experts module."""
-    extra = dict(recompute_granularity="selective", recompute_modules=["moe_act"]) if moe_act else {}
-    config = make_config(**extra)
+    recompute = dict(recompute_granularity="selective", recompute_modules=["moe_act"])
+    config = make_config(**(recompute if moe_act else {}))
     pgs = ProcessGroupCollection.use_mpu_process_groups()
     submodules = MoESubmodules(
         experts=lambda n, cfg, pg_collection=None, name=None: make_sequential(cfg)

@@ -1,0 +1,240 @@
+"""``data=indexed``: megatron-core's ``GPTDataset`` over indexed datasets (``PREFIX.bin``/``PREFIX.idx``).
+
+``data.paths`` is Megatron-LM's ``--data-path`` list: ``[prefix]``, ``[prefix, prefix]`` (weighted by size),
+or ``[weight, prefix, weight, prefix...]``. ``BlendedMegatronDatasetBuilder`` splits every prefix into
+train/valid/test by ``data.split`` (by document) and blends them; samples are ``train.seq_length`` tokens.
+
+Two halves, so that bad input is refused before any worker starts:
+- ``validate_data(cfg)`` runs in the controller and stays cheap (file existence, the 34-byte ``.idx``
+  header, the small ``PREFIX.meta.json`` sidecar written by ``recipes.preprocess``; no megatron import):
+  missing prefix, ``.bin`` without ``.idx``, empty dataset, a split part with no documents (megatron
+  would loop forever on it), and a tokenizer vocabulary larger than ``model.vocab_size``.
+- ``build_indexed_datasets(cfg, num_samples)`` runs in the worker (``recipes.data.build_datasets``).
+
+Relative prefixes are resolved against the repository root (the worker's working directory), so the
+controller checks the same files the worker reads. Megatron's sample/shuffle index cache goes to
+``data.cache_dir`` (default ``$XDG_CACHE_HOME/recompute-recipes/megatron-indices``), never the data folder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import struct
+from pathlib import Path
+from typing import Any
+
+from recipes.validate import ConfigError
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+META_SUFFIX = ".meta.json"
+#: What the byte-level tokenizer declares (``recipes.data.ByteTokenizer``, kept import-free here).
+BYTE_TOKENIZER = {"name": "byte", "path": None, "sha256": None, "vocab_size": 257, "eod": 256}
+_INDEX_HEADER = b"MMIDIDX\x00\x00"  # megatron.core.datasets.indexed_dataset._INDEX_HEADER
+
+
+def meta_path(prefix: str) -> str:
+    """The sidecar that records how ``prefix`` was tokenized."""
+    return f"{prefix}{META_SUFFIX}"
+
+
+def write_meta(prefix: str, meta: dict) -> None:
+    from recipes.results import write_json_atomic
+
+    write_json_atomic(Path(meta_path(prefix)), meta)
+
+
+def read_meta(prefix: str) -> dict | None:
+    path = Path(meta_path(prefix))
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def resolve_prefix(prefix: str) -> str:
+    """An absolute prefix: ``~`` expanded, relative paths taken from the repository root."""
+    path = Path(os.path.expanduser(str(prefix)))
+    return str(path if path.is_absolute() else REPO_ROOT / path)
+
+
+def parse_blend(paths: list) -> tuple[list[str], list[float] | None]:
+    """(prefixes, weights or None) from ``data.paths``, as megatron's ``get_blend_from_list`` reads it."""
+    items = [str(p) for p in paths]
+    if not items:
+        raise ConfigError("data.paths", "data=indexed needs at least one dataset prefix",
+                          "data.paths=[data/stdlib_text_document] (make data builds it), or "
+                          "data.paths=[0.7,data/a_text_document,0.3,data/b_text_document]")
+
+    def number(text: str) -> float | None:
+        try:
+            return float(text)
+        except ValueError:
+            return None
+
+    pairs = len(items) % 2 == 0 and all(number(w) is not None for w in items[::2])
+    if not pairs:
+        if any(number(p) is not None for p in items):
+            raise ConfigError("data.paths", f"{items} mixes weights and prefixes unevenly",
+                              "give [prefix, ...] or [weight, prefix, weight, prefix, ...]")
+        return items, None
+    weights = [float(w) for w in items[::2]]
+    if any(w <= 0 for w in weights):
+        raise ConfigError("data.paths", f"weights {weights} must be positive",
+                          "drop a dataset instead of giving it weight 0")
+    return items[1::2], weights
+
+
+def split_fractions(split: str) -> list[float]:
+    """``data.split`` ("98,2,0") as normalized train/valid/test fractions (megatron's parsing)."""
+    parts = [float(x) for x in re.findall(r"[.0-9]+", str(split))]
+    parts += [0.0] * (3 - len(parts))
+    if len(parts) != 3 or sum(parts) <= 0:
+        raise ConfigError("data.split", f"{split!r} is not three non-negative weights",
+                          "use e.g. data.split=98,2,0 (train,valid,test)")
+    return [p / sum(parts) for p in parts]
+
+
+def split_documents(num_documents: int, fractions: list[float]) -> list[int]:
+    """Documents per split, rounded exactly as ``BlendedMegatronDatasetBuilder`` rounds them."""
+    bookends = [0.0, fractions[0], fractions[0] + fractions[1], 1.0]
+    edges = [int(round(b * num_documents)) for b in bookends]
+    return [edges[i + 1] - edges[i] for i in range(3)]
+
+
+def read_index_header(idx_path: str) -> tuple[int, int]:
+    """(number of sequences, number of documents) from a ``.idx`` header, without megatron."""
+    with open(idx_path, "rb") as f:
+        head = f.read(34)
+    if len(head) < 34 or head[:9] != _INDEX_HEADER:
+        raise ConfigError("data.paths", f"{idx_path} is not a megatron index (bad header)",
+                          "rebuild it: python -m recipes.preprocess INPUT... --output-prefix PREFIX")
+    sequences, documents = struct.unpack("<QQ", head[18:34])
+    return sequences, max(documents - 1, 0)
+
+
+def declared_tokenizer(spec: str) -> dict:
+    """``data.tokenizer``: ``byte``, or a tokenizer.json (vocabulary read from the JSON, no library)."""
+    if spec == "byte":
+        return dict(BYTE_TOKENIZER)
+    path = Path(os.path.expanduser(spec))
+    if not path.is_file():
+        raise ConfigError("data.tokenizer", f"{spec}: no such file",
+                          "use data.tokenizer=byte or a path to the tokenizer.json the data was made with")
+    tj = json.loads(path.read_text())
+    vocab = tj.get("model", {}).get("vocab") or {}
+    ids = list(vocab.values()) if isinstance(vocab, dict) else list(range(len(vocab)))
+    ids += [t["id"] for t in tj.get("added_tokens") or []]
+    return {"name": "huggingface", "path": str(path.resolve()), "sha256": None,
+            "vocab_size": max(ids) + 1 if ids else 0, "eod": None}
+
+
+def inspect_data(cfg: Any) -> dict:
+    """Check every prefix of ``data.paths``; returns prefixes, weights and the tokenizer they share."""
+    data, model = cfg["data"], cfg["model"]
+    raw_prefixes, weights = parse_blend(list(data["paths"]))
+    fractions = split_fractions(data["split"])
+    if data["eval_interval"] and fractions[1] == 0:
+        raise ConfigError("data.split", f"data.eval_interval={data['eval_interval']} but "
+                          f"data.split={data['split']} has no validation part",
+                          "give the split a validation weight (data.split=98,2,0) or data.eval_interval=0")
+    declared = declared_tokenizer(data["tokenizer"]) if data.get("tokenizer") else None
+    tokenizer, source = declared, "data.tokenizer"
+    prefixes = []
+    for raw in raw_prefixes:
+        prefix = resolve_prefix(raw)
+        if raw.endswith((".bin", ".idx")):
+            raise ConfigError("data.paths", f"{raw} is a file; data.paths takes prefixes",
+                              f"use {raw[:-4]} (without .bin/.idx)")
+        bin_path, idx_path = f"{prefix}.bin", f"{prefix}.idx"
+        if not os.path.exists(bin_path) and not os.path.exists(idx_path):
+            raise ConfigError("data.paths", f"missing prefix {raw}: neither {bin_path} nor {idx_path} "
+                              "exists", "build it with python -m recipes.preprocess (make data for "
+                              "data/stdlib_text_document), or fix the path (relative to the repository root)")
+        for have, lacks in ((bin_path, idx_path), (idx_path, bin_path)):
+            if not os.path.exists(lacks):
+                raise ConfigError("data.paths", f"{have} has no {Path(lacks).suffix} file: {lacks} "
+                                  "is missing", "copy both files of the dataset, or re-run recipes.preprocess")
+        sequences, documents = read_index_header(idx_path)
+        if sequences == 0 or os.path.getsize(bin_path) == 0:
+            raise ConfigError("data.paths", f"{bin_path} is empty (0 documents, 0 tokens)",
+                              "re-run recipes.preprocess on non-empty inputs, or drop the prefix")
+        per_split = split_documents(sequences, fractions)
+        for name, fraction, count in zip(("train", "validation", "test"), fractions, per_split):
+            if fraction > 0 and count == 0:
+                raise ConfigError("data.split", f"{raw} has {sequences} document(s): data.split="
+                                  f"{data['split']} leaves its {name} part empty (megatron cannot "
+                                  "sample from it)", "add documents, or change the split (a single "
+                                  "document needs data.split=100,0,0 and data.eval_interval=0)")
+        meta = read_meta(prefix)
+        if meta is not None:
+            found, where = meta["tokenizer"], meta_path(prefix)
+            if declared and declared["vocab_size"] != found["vocab_size"]:
+                raise ConfigError("data.tokenizer", f"{data['tokenizer']} has {declared['vocab_size']} "
+                                  f"tokens but {where} says the data was made with {found['name']} "
+                                  f"({found['vocab_size']} tokens)", "drop data.tokenizer (the sidecar "
+                                  "is used), or give the tokenizer the data was made with")
+            if not declared and tokenizer is not None and _identity(tokenizer) != _identity(found):
+                raise ConfigError("data.paths", f"{where} was made with {found['name']} (vocab "
+                                  f"{found['vocab_size']}), {source} with {tokenizer['name']} (vocab "
+                                  f"{tokenizer['vocab_size']})", "blend only datasets made with one tokenizer")
+            if not declared:
+                tokenizer, source = found, where
+        elif declared is None:
+            raise ConfigError("data.tokenizer", f"{raw} has no {Path(meta_path(prefix)).name} "
+                              "(written by recipes.preprocess), so its tokenizer is unknown",
+                              "set data.tokenizer=byte or data.tokenizer=/path/to/tokenizer.json: "
+                              "the tokenizer the data was made with")
+        prefixes.append(prefix)
+    if tokenizer["vocab_size"] > model["vocab_size"]:
+        raise ConfigError("model.vocab_size", f"{source}: the {tokenizer['name']} tokenizer has "
+                          f"{tokenizer['vocab_size']} tokens but the model's vocabulary is "
+                          f"{model['vocab_size']} (ids past it would index outside the embedding)",
+                          f"set model.vocab_size={tokenizer['vocab_size']} or more, or use a smaller tokenizer")
+    return {"prefixes": prefixes, "weights": weights, "tokenizer": tokenizer, "tokenizer_source": source}
+
+
+def _identity(tokenizer: dict) -> tuple:
+    return tokenizer["name"], tokenizer["vocab_size"], tokenizer.get("sha256")
+
+
+def validate_data(cfg: Any) -> None:
+    """Controller-side refusal of bad ``data=indexed`` input (cheap: no megatron, no token reads)."""
+    if cfg["data"]["name"] == "indexed":
+        inspect_data(cfg)
+
+
+class DatasetTokenizer:
+    """What ``GPTDataset`` needs of the tokenizer the data was made with: vocabulary size, eod, pad.
+
+    ``pad`` is megatron's "no pad" id (-1): ``ByteTokenizer`` pads with its eod id for mock data, and
+    ``GPTDataset`` would then zero every real end-of-document token and mask its loss.
+    """
+
+    pad = -1
+
+    def __init__(self, info: dict):
+        self.vocab_size = info["vocab_size"]
+        self.eod = info["eod"] if info.get("eod") is not None else -1
+        self.unique_identifiers = {"class": "DatasetTokenizer", "name": info["name"],
+                                   "vocab_size": self.vocab_size, "sha256": info.get("sha256")}
+
+
+def default_cache_dir() -> str:
+    """Megatron's index cache when ``data.cache_dir`` is null: a per-user cache, keyed by megatron's
+    hash of prefix, split, seed, sequence length and sample count, so runs share it safely."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+    return os.path.join(base, "recompute-recipes", "megatron-indices")
+
+
+def build_indexed_datasets(cfg: Any, num_samples: list[int]):
+    """(train, valid, test) ``GPTDataset``/``BlendedDataset`` splits of ``data.paths`` (None where empty)."""
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDataset
+
+    from recipes.data import gpt_dataset_config
+
+    found = inspect_data(cfg)
+    config = gpt_dataset_config(cfg, DatasetTokenizer(found["tokenizer"]),
+                                blend=(found["prefixes"], found["weights"]), split=cfg["data"]["split"])
+    config.path_to_cache = cfg["data"].get("cache_dir") or default_cache_dir()
+    builder = BlendedMegatronDatasetBuilder(GPTDataset, num_samples, lambda: True, config)
+    return builder.build()

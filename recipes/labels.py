@@ -1,0 +1,125 @@
+"""Resolve recompute labels against the built model: no label may be accepted and ignored.
+
+megatron-core decides at build time, module by module, whether a label applies (attributes such as
+``Attention.checkpoint_core_attention`` or ``TransformerLayer.recompute_mlp``) and silently does
+nothing where it does not. ``resolve_labels`` reads those attributes back, so the worker can refuse
+a label that wraps no module before training. ``labels_disabled`` flips them off for one
+micro-batch, which gives each run its own in-process control ledger: the bytes a label saves are
+measured inside the run, not inferred.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+
+#: label -> module attributes that megatron (or recipes.experts) sets when the label applies.
+LABEL_FLAGS: dict[str, tuple[str, ...]] = {
+    "core_attn": ("checkpoint_core_attention",),
+    "mlp": ("recompute_mlp",),
+    "layernorm": ("recompute_input_layernorm", "recompute_pre_mlp_layernorm"),
+    "moe_act": ("activation_recompute",),
+    "moe": ("moe_layer_recompute",),
+    "shared_experts": ("shared_experts_recompute",),
+    "mla_up_proj": ("recompute_up_proj",),
+}
+#: What a label that wraps nothing should be replaced with.
+ADVICE = {
+    "core_attn": "this model has no attention modules that megatron checkpoints",
+    "mlp": "every MLP here is an MoE layer: use selective/moe_act or selective/moe",
+    "layernorm": "the norms are fused into the next linear (or absent): use another label",
+    "moe_act": "no experts module here implements moe_act: use model=moe with model.experts=grouped",
+    "moe": "no MoE layer here: use selective/mlp for dense MLPs",
+    "shared_experts": "no shared experts here: set model.moe_shared_expert_intermediate_size",
+    "mla_up_proj": "no MLA attention here: use model=mla, or selective/core_attn",
+}
+
+
+class LabelError(ValueError):
+    """A requested label wraps nothing in the built model."""
+
+
+def _flag_owners(chunks: list[torch.nn.Module], label: str) -> list[tuple[str, torch.nn.Module, str]]:
+    """(module name, module, attribute) for every module that carries one of the label's flags."""
+    owners = []
+    for chunk in chunks:
+        for name, module in chunk.named_modules():
+            if type(module).__name__ == "TransformerBlock":
+                continue  # its checkpoint_core_attention only forwards a hint to TE attention
+            for attr in LABEL_FLAGS[label]:
+                value = module.__dict__.get(attr)
+                if isinstance(value, bool):
+                    if label == "shared_experts" and getattr(module, "shared_experts", None) is None:
+                        continue
+                    owners.append((name, module, attr))
+    return owners
+
+
+def resolve_labels(chunks: list[torch.nn.Module], labels: list[str]) -> dict[str, dict]:
+    """For each requested selective label: how many modules it wraps here, and which."""
+    resolved = {}
+    for label in labels:
+        if label not in LABEL_FLAGS:
+            raise LabelError(f"recompute label {label!r} is not supported here")
+        on = [(n, a) for n, m, a in _flag_owners(chunks, label) if getattr(m, a)]
+        resolved[label] = {"wraps": len(on), "modules": [f"{n}.{a}" for n, a in on[:6]]}
+    return resolved
+
+
+def check_resolved(resolved: dict[str, dict]) -> None:
+    """Refuse labels that wrap nothing (megatron would accept them and recompute nothing)."""
+    empty = [label for label, info in resolved.items() if info["wraps"] == 0]
+    if empty:
+        reasons = "; ".join(f"{label}: {ADVICE.get(label, 'no module applies')}" for label in empty)
+        raise LabelError(f"recompute label(s) {', '.join(empty)} wrap no module in this model "
+                         f"(a silent no-op): {reasons}")
+
+
+@contextlib.contextmanager
+def labels_disabled(chunks: list[torch.nn.Module], labels: list[str]) -> Iterator[None]:
+    """Turn the given labels' flags off (the matched control) for the duration of the block."""
+    flipped = []
+    for label in labels:
+        for _, module, attr in _flag_owners(chunks, label):
+            if getattr(module, attr):
+                setattr(module, attr, False)
+                flipped.append((module, attr))
+    try:
+        yield
+    finally:
+        for module, attr in flipped:
+            setattr(module, attr, True)
+
+
+def label_findings(result: dict, labels: list[str]) -> list[str]:
+    """Per label: did its checkpoint regions run and recompute, and what did it save vs control?
+
+    Fills ``result["labels"][label]`` with the counts and saved bytes, and returns warnings for
+    labels that ran but saved (almost) nothing, so the user sees it (e.g. core_attn under SDPA).
+    """
+    warnings = []
+    ledger = result.get("ledger") or {}
+    control = ledger.get("control_total_bytes")
+    total = ledger.get("total_bytes")
+    alone = ledger.get("without_label_total_bytes") or {}
+    for label in labels:
+        info = result["labels"].setdefault(label, {})
+        counts = (result.get("checkpoints") or {}).get(label, {"forward": 0, "recompute": 0})
+        info.update(forward=counts["forward"], recompute=counts["recompute"])
+        if control is not None and total is not None:
+            base = alone.get(label, control)  # this label switched off, the others kept on
+            info["saved_bytes"] = base - total
+            info["saved_fraction_of_control"] = (base - total) / control if control else 0.0
+        if counts["forward"] == 0 or counts["recompute"] == 0:
+            warnings.append(f"{label}: wraps {info.get('wraps', 0)} module(s) but ran "
+                            f"{counts['forward']} forward / {counts['recompute']} recompute region(s)")
+        elif info.get("saved_fraction_of_control", 1.0) < 0.01:
+            warnings.append(f"{label}: recomputed {counts['recompute']} region(s) per step but saved "
+                            f"{info.get('saved_bytes', 0) / 2**20:.2f} MiB "
+                            f"({info['saved_fraction_of_control']:.1%} of the control's activations): "
+                            "it costs time for nothing here (e.g. fused/SDPA attention already "
+                            "rematerializes its internals)")
+        info["flagged"] = any(w.startswith(label + ":") for w in warnings)
+    return warnings
