@@ -1,0 +1,109 @@
+"""Every config composes; typos and bad combinations are refused with a message naming the fix."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+from hydra.errors import ConfigCompositionException
+from omegaconf.errors import ConfigKeyError, ValidationError
+
+from conftest import CONF, compose
+from recipes.validate import ConfigError, validate
+
+RECOMPUTE = sorted(
+    str(p.relative_to(Path(CONF) / "recompute").with_suffix(""))
+    for p in (Path(CONF) / "recompute").rglob("*.yaml")
+)
+FAMILIES = ["standard_attn", "mla", "moe"]
+
+
+def _check(cfg: dict) -> None:
+    validate(cfg, num_gpus=0, te_available=False)
+
+
+def test_every_group_option_composes():
+    for group in ("model", "size", "attention", "parallel", "launcher", "data", "logger"):
+        for path in (Path(CONF) / group).glob("*.yaml"):
+            cfg = compose(f"{group}={path.stem}")
+            assert cfg[group] is not None if group != "size" else cfg["size"] is None
+
+
+@pytest.mark.parametrize("option", RECOMPUTE)
+def test_every_recompute_option_composes(option):
+    cfg = compose(f"recompute={option}")
+    assert cfg["recompute"]["recompute_granularity"] in (None, "selective", "full")
+
+
+def test_schema_fields_exist_in_megatron():
+    """Fields passed through to megatron-core must still exist after an upgrade."""
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    from recipes.config import ModelConfig, ParallelConfig, RecomputeConfig
+    from recipes.model import NON_TRANSFORMER_FIELDS
+
+    megatron = {f.name for f in dataclasses.fields(MLATransformerConfig)}
+    for cls in (ModelConfig, ParallelConfig, RecomputeConfig):
+        for f in dataclasses.fields(cls):
+            if f.name not in NON_TRANSFORMER_FIELDS:
+                assert f.name in megatron, f"{cls.__name__}.{f.name} is not a megatron field"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_transformer_config_builds(family):
+    from recipes.model import build_transformer_config
+
+    config = build_transformer_config(compose(f"model={family}", "size=h200"), on_gpu=False)
+    assert config.num_layers == 8 and config.hidden_size == 2048
+    assert config.recompute_modules == []  # never megatron's implicit ["core_attn"]
+
+
+@pytest.mark.parametrize("override, exc", [
+    ("model.hidden_sise=3", ConfigCompositionException),
+    ("model.num_layers=two", ConfigCompositionException),
+    ("recompute=selective/core_atn", ConfigCompositionException),
+    ("attention=flash", ConfigCompositionException),
+])
+def test_typos_fail_at_compose_time(override, exc):
+    with pytest.raises((exc, ConfigKeyError, ValidationError)):
+        compose(override)
+
+
+REFUSED = [
+    (["model=standard_attn", "recompute=selective/moe_act"], "recompute=selective/moe_act", "model=moe"),
+    (["model=moe", "recompute=selective/mlp"], "recompute=selective/mlp", "moe_act"),
+    (["model=standard_attn", "recompute=selective/mla_up_proj"], "mla_up_proj", "model=mla"),
+    (["model=moe", "recompute=selective/shared_experts"], "shared_experts",
+     "moe_shared_expert_intermediate_size"),
+    (["model=moe", "recompute=selective/moe_act", "model.experts=sequential"], "moe_act",
+     "model.experts=grouped"),
+    (["recompute=selective/gdn_norm_out"], "gdn_norm_out", "not yet supported"),
+    (["recompute=full", "recompute.recompute_num_layers=9"], "recompute_num_layers", "between 1 and 2"),
+    (["recompute=full", "recompute.recompute_method=null"], "recompute_method", "full/block"),
+    (["recompute=none", "recompute.recompute_modules=[core_attn]"], "recompute_modules", "selective"),
+    (["recompute=control", "recompute.distribute_saved_activations=true"],
+     "distribute_saved_activations", "recompute=full"),
+    (["recompute=control", "recompute.recompute_num_layers=1"], "recompute_method", "recompute=full"),
+    (["attention=te"], "attention=te", "attention=sdpa"),
+    (["model.add_bias_linear=true"], "add_bias_linear", "false"),
+    (["model=moe", "model.moe_router_topk=9"], "moe_router_topk", "<= num_moe_experts"),
+    (["model=moe", "model.moe_token_dispatcher_type=alltoall"], "alltoall", "allgather"),
+    (["train.warmup_iters=8"], "warmup_iters", "train.warmup_iters < train.train_iters"),
+    (["train.seq_length=0"], "seq_length", "train.seq_length>0"),
+    (["model.num_attention_heads=3", "model.num_query_groups=null"], "hidden_size", "kv_channels"),
+    (["model.num_query_groups=3"], "num_query_groups", "dividing num_attention_heads"),
+]
+
+
+@pytest.mark.parametrize("overrides, option, fix", REFUSED, ids=[r[1] for r in REFUSED])
+def test_bad_combinations_are_refused_with_the_fix(overrides, option, fix):
+    with pytest.raises(ConfigError) as err:
+        _check(compose(*overrides))
+    assert option in str(err.value)
+    assert fix in str(err.value)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_defaults_validate(family):
+    _check(compose(f"model={family}"))
