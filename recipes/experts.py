@@ -89,8 +89,11 @@ class GroupedExperts(MegatronModule):
                 "GroupedExperts supports only add_bias_linear=False (expert biases are not "
                 "implemented; megatron's local MoE path with biases is broken too, FACTS.md #4)"
             )
-        if config.fp8 or config.fp4:
-            raise ValueError("GroupedExperts has no FP8/FP4 path; that needs Transformer Engine")
+        if config.fp8 or config.fp4 or config.use_te_activation_func:
+            raise ValueError(
+                "GroupedExperts has no FP8/FP4 or use_te_activation_func path: they need "
+                "Transformer Engine"
+            )
         if config.bias_activation_fusion and not (
             config.gated_linear_unit and config.activation_func is torch.nn.functional.silu
         ):

@@ -164,7 +164,14 @@ def build_model(cfg: Any, config) -> list[torch.nn.Module]:
             rotary_base=model_cfg["rotary_base"],
             vp_stage=stage,
         )
-        chunks.append(chunk.to(device()))
+        chunk = chunk.to(device())
+        if config.bf16:
+            # As Megatron-LM does: bf16 everywhere (torch norms are created in fp32 otherwise, which
+            # upcasts activations and disables the fused RMSNorm), fp32 logits out of the last stage.
+            from megatron.core.transformer.module import Float16Module
+
+            chunk = Float16Module(config, chunk)
+        chunks.append(chunk)
     return chunks
 
 
