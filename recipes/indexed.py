@@ -43,6 +43,7 @@ def write_meta(prefix: str, meta: dict) -> None:
     from recipes.results import write_json_atomic
 
     write_json_atomic(Path(meta_path(prefix)), meta)
+    os.chmod(meta_path(prefix), 0o644)  # readable like the .bin/.idx next to it (mkstemp makes 0600)
 
 
 def read_meta(prefix: str) -> dict | None:
@@ -89,7 +90,7 @@ def split_fractions(split: str) -> list[float]:
     parts += [0.0] * (3 - len(parts))
     if len(parts) != 3 or sum(parts) <= 0:
         raise ConfigError("data.split", f"{split!r} is not three non-negative weights",
-                          "use e.g. data.split=98,2,0 (train,valid,test)")
+                          "use e.g. \"data.split='98,2,0'\" (train,valid,test; quoted for Hydra)")
     return [p / sum(parts) for p in parts]
 
 
@@ -123,8 +124,11 @@ def declared_tokenizer(spec: str) -> dict:
     vocab = tj.get("model", {}).get("vocab") or {}
     ids = list(vocab.values()) if isinstance(vocab, dict) else list(range(len(vocab)))
     ids += [t["id"] for t in tj.get("added_tokens") or []]
+    if not ids:
+        raise ConfigError("data.tokenizer", f"{spec} has no vocabulary (model.vocab, added_tokens)",
+                          "give the Hugging Face tokenizer.json the data was made with")
     return {"name": "huggingface", "path": str(path.resolve()), "sha256": None,
-            "vocab_size": max(ids) + 1 if ids else 0, "eod": None}
+            "vocab_size": max(ids) + 1, "eod": None}
 
 
 def inspect_data(cfg: Any) -> dict:
@@ -135,7 +139,7 @@ def inspect_data(cfg: Any) -> dict:
     if data["eval_interval"] and fractions[1] == 0:
         raise ConfigError("data.split", f"data.eval_interval={data['eval_interval']} but "
                           f"data.split={data['split']} has no validation part",
-                          "give the split a validation weight (data.split=98,2,0) or data.eval_interval=0")
+                          "give the split a validation weight (\"data.split='98,2,0'\") or data.eval_interval=0")
     declared = declared_tokenizer(data["tokenizer"]) if data.get("tokenizer") else None
     tokenizer, source = declared, "data.tokenizer"
     prefixes = []
@@ -163,7 +167,7 @@ def inspect_data(cfg: Any) -> dict:
                 raise ConfigError("data.split", f"{raw} has {sequences} document(s): data.split="
                                   f"{data['split']} leaves its {name} part empty (megatron cannot "
                                   "sample from it)", "add documents, or change the split (a single "
-                                  "document needs data.split=100,0,0 and data.eval_interval=0)")
+                                  "document needs \"data.split='100,0,0'\" and data.eval_interval=0)")
         meta = read_meta(prefix)
         if meta is not None:
             found, where = meta["tokenizer"], meta_path(prefix)
@@ -205,8 +209,8 @@ def validate_data(cfg: Any) -> None:
 class DatasetTokenizer:
     """What ``GPTDataset`` needs of the tokenizer the data was made with: vocabulary size, eod, pad.
 
-    ``pad`` is megatron's "no pad" id (-1): ``ByteTokenizer`` pads with its eod id for mock data, and
-    ``GPTDataset`` would then zero every real end-of-document token and mask its loss.
+    ``pad`` is megatron's "no pad" id (-1): a pad id equal to eod (as ``ByteTokenizer`` has) would make
+    ``GPTDataset`` zero every real end-of-document token; megatron notices and resets it with a warning.
     """
 
     pad = -1
@@ -235,6 +239,7 @@ def build_indexed_datasets(cfg: Any, num_samples: list[int]):
     found = inspect_data(cfg)
     config = gpt_dataset_config(cfg, DatasetTokenizer(found["tokenizer"]),
                                 blend=(found["prefixes"], found["weights"]), split=cfg["data"]["split"])
-    config.path_to_cache = cfg["data"].get("cache_dir") or default_cache_dir()
+    cache_dir = cfg["data"].get("cache_dir")
+    config.path_to_cache = resolve_prefix(cache_dir) if cache_dir else default_cache_dir()
     builder = BlendedMegatronDatasetBuilder(GPTDataset, num_samples, lambda: True, config)
     return builder.build()

@@ -18,10 +18,12 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import logging
 import os
 import sys
 import sysconfig
 import time
+import warnings
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -99,14 +101,18 @@ def load_tokenizer(spec: str, eod_token: str | None = None) -> ByteLevel | Huggi
     return ByteLevel() if spec == "byte" else HuggingFace(spec, eod_token)
 
 
-def iter_documents(inputs: Sequence[str | Path], json_key: str, skipped: dict) -> Iterator[tuple[str, str]]:
+def iter_documents(inputs: Sequence[str | Path], json_key: str, skipped: dict,
+                   exclude: Sequence[str] = ()) -> Iterator[tuple[str, str]]:
     """(source, text) per document. A named empty file is an error; empty files in a directory are
-    skipped (``skipped`` counts why), as are non-UTF-8 files there and empty JSONL records."""
+    skipped (``skipped`` counts why), as are binary or non-UTF-8 files there, hidden files, the
+    ``exclude`` paths (this run's own outputs) and empty JSONL records."""
+    excluded = {Path(e).resolve() for e in exclude}
     for item in inputs:
         path = Path(item)
         if path.is_dir():
-            files = sorted(p for p in path.rglob("*") if p.is_file() and not any(
-                part.startswith(".") or part == "__pycache__" for part in p.relative_to(path).parts))
+            files = sorted(p for p in path.rglob("*") if p.is_file() and p.resolve() not in excluded
+                           and not any(part.startswith(".") or part == "__pycache__"
+                                       for part in p.relative_to(path).parts))
             for f in files:
                 yield from _read(f, json_key, skipped, named=False)
         elif path.is_file():
@@ -138,10 +144,12 @@ def _read(path: Path, json_key: str, skipped: dict, named: bool) -> Iterator[tup
         return
     try:
         text = path.read_text(encoding="utf-8")
+        if "\x00" in text:
+            raise UnicodeDecodeError("utf-8", b"", 0, 1, "NUL byte: binary")
     except UnicodeDecodeError:
         if named:
-            raise PreprocessError(f"input {path} is not UTF-8 text") from None
-        skipped["non-UTF-8 files"] = skipped.get("non-UTF-8 files", 0) + 1
+            raise PreprocessError(f"input {path} is not UTF-8 text (binary?)") from None
+        skipped["binary or non-UTF-8 files"] = skipped.get("binary or non-UTF-8 files", 0) + 1
         return
     yield str(path), text
 
@@ -149,8 +157,8 @@ def _read(path: Path, json_key: str, skipped: dict, named: bool) -> Iterator[tup
 class Progress:
     """Documents/s and MB/s on stderr, at most once per ``interval`` seconds."""
 
-    def __init__(self, interval: float = 2.0, stream=sys.stderr) -> None:
-        self.interval, self.stream = interval, stream
+    def __init__(self, interval: float = 2.0, stream=None) -> None:
+        self.interval, self.stream = interval, stream or sys.stderr
         self.start = self.last = time.perf_counter()
         self.docs = self.bytes = self.tokens = 0
 
@@ -193,7 +201,8 @@ def preprocess(inputs: Sequence[str | Path], output_prefix: str, tokenizer: str 
     progress = Progress(progress_interval)
     max_id = -1
     try:
-        for _, text in iter_documents(inputs, json_key, skipped):
+        outputs = [bin_tmp, idx_tmp, f"{prefix}.bin", f"{prefix}.idx", f"{prefix}{META_SUFFIX}"]
+        for _, text in iter_documents(inputs, json_key, skipped, exclude=outputs):
             ids = tok.tokenize(text)
             if append_eod:
                 ids = numpy.append(ids, tok.eod)
@@ -247,6 +256,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--progress-interval", type=float, default=2.0,
                         help="seconds between progress lines on stderr (negative: quiet)")
     args = parser.parse_args(argv)
+    # importing megatron.core says TE/Apex/absl are missing and CUDA is absent: true, and noise here
+    warnings.filterwarnings("ignore", message=".*(Transformer Engine|absl).*")
+    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
     try:
         inputs = list(args.inputs) + (stdlib_files() if args.stdlib else [])
         if not inputs:

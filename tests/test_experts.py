@@ -43,13 +43,15 @@ def model_parallel():
             port = s.getsockname()[1]
         os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
         dist.init_process_group("gloo", rank=0, world_size=1)
-    if not parallel_state.model_parallel_is_initialized():
+    owns_state = not parallel_state.model_parallel_is_initialized()  # else conftest's megatron_world
+    if owns_state:
         parallel_state.initialize_model_parallel()
     install_cpu_compat()
     upstream.apply_all()
     seed_model_parallel_rng(1234)
     yield
-    parallel_state.destroy_model_parallel()
+    if owns_state:
+        parallel_state.destroy_model_parallel()
     if created:
         dist.destroy_process_group()
 

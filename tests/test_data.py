@@ -1,0 +1,212 @@
+"""data=indexed on real text: preprocess local files, read them back exactly, train on them, refuse bad input.
+
+The corpus is a few standard-library modules (text on every machine) plus a JSONL file, preprocessed into
+a temporary directory with the byte tokenizer. Everything runs in this process on a CPU.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import statistics
+import sys
+import types
+
+import numpy
+import pytest
+
+from conftest import compose, train_in_process
+
+STDLIB = ("bisect", "copy", "operator", "queue", "string")
+RECORDS = [f"record {i}: " + "the quick brown fox jumps over the lazy dog. " * (i + 1) for i in range(9)]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """(prefix, expected documents as token lists, cache dir) of a small preprocessed corpus."""
+    from recipes.preprocess import preprocess, stdlib_files
+
+    root = tmp_path_factory.mktemp("corpus")
+    texts = root / "texts"
+    texts.mkdir()
+    by_name = {p.stem: p for p in stdlib_files()}
+    for name in STDLIB:
+        shutil.copy(by_name[name], texts / f"{name}.py")
+    (texts / "__init__.py").write_text("")  # empty in a directory: skipped, counted
+    (texts / ".hidden.txt").write_text("not read")
+    jsonl = root / "extra.jsonl"
+    jsonl.write_text("\n".join(json.dumps({"text": t}) for t in RECORDS + [""]) + "\n")
+    meta = preprocess([texts, jsonl], str(root / "small"), append_eod=True, progress_interval=-1)
+    assert meta["skipped"] == {"empty files": 1, "empty records": 1}
+    documents = [(texts / f"{n}.py").read_text() for n in sorted(STDLIB)] + RECORDS
+    expected = [list(d.encode("utf-8")) + [256] for d in documents]
+    return str(root / "small_text_document"), expected, str(root / "cache")
+
+
+def indexed_cfg(prefix: str, cache: str, *overrides: str) -> dict:
+    return compose("data=indexed", f"data.paths=[{prefix}]", "data.split='80,20,0'",
+                   f"data.cache_dir={cache}", "measure.profile=none", *overrides)
+
+
+def test_indexed_dataset_round_trip(corpus):
+    """megatron's IndexedDataset returns exactly the token ids written, document by document."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    prefix, expected, _ = corpus
+    ds = IndexedDataset(prefix)
+    assert len(ds) == len(expected) == 14
+    assert ds.index.dtype == numpy.uint16  # megatron's optimal dtype for a 257-token vocabulary
+    for i, doc in enumerate(expected):
+        assert ds[i].tolist() == doc
+    meta = json.loads(open(prefix + ".meta.json").read())
+    assert meta["num_tokens"] == sum(map(len, expected)) and meta["max_token_id"] == 256
+    assert meta["tokenizer"]["vocab_size"] == 257
+
+
+def test_gpt_dataset_samples_are_the_written_tokens(corpus, megatron_world):
+    """Every GPTDataset sample is a window of the documents in megatron's order, eod tokens intact."""
+    from recipes.indexed import build_indexed_datasets
+
+    prefix, expected, cache = corpus
+    cfg = indexed_cfg(prefix, cache)
+    seq = cfg["train"]["seq_length"]
+    train, valid, test = build_indexed_datasets(cfg, [50, 10, 0])
+    assert test is None and len(train) >= 50 and len(valid) >= 10
+    for ds, docs in ((train, range(0, 11)), (valid, range(11, 14))):
+        assert set(ds.document_index.tolist()) == set(docs)  # the 80/20 split, by document
+        stream = numpy.concatenate([expected[d] for d in ds.document_index])
+        for i in range(len(ds)):
+            start = int(ds.shuffle_index[i]) * seq
+            window = stream[start:start + seq + 1]
+            sample = ds[i]
+            assert sample["tokens"].tolist() == window[:-1].tolist()
+            assert sample["labels"].tolist() == window[1:].tolist()
+            assert sample["loss_mask"].min() == 1.0  # eod (256) is a real token, not padding
+    assert (numpy.concatenate([train[i]["tokens"].numpy() for i in range(len(train))]) == 256).any()
+
+
+def test_training_on_text_lowers_train_and_validation_loss(corpus, megatron_world):
+    prefix, _, cache = corpus
+    cfg = indexed_cfg(prefix, cache, "train.train_iters=40", "train.lr=1e-3", "data.eval_interval=10",
+                      "measure.ledger=false")
+    result = train_in_process(cfg)
+    losses, evals = result["loss"], result["eval_loss"]
+    first, last = statistics.mean(losses[:3]), statistics.mean(losses[-3:])
+    print(f"train loss {first:.3f} -> {last:.3f}; val {[round(e['loss'], 3) for e in evals]}")
+    assert first > 5.5  # about ln(257): the untrained model knows nothing
+    assert last < first - 1.5
+    assert [e["step"] for e in evals] == [10, 20, 30, 40]
+    # validation text (English records) is not the Python the model mostly trains on; it still falls
+    assert evals[-1]["loss"] < evals[0]["loss"] - 0.8
+    assert all(e["loss"] < first for e in evals)
+
+
+def refusal(cfg: dict) -> str:
+    from recipes.validate import ConfigError, validate
+
+    with pytest.raises(ConfigError) as err:
+        validate(cfg, num_gpus=0, te_available=False)
+    return str(err.value)
+
+
+def test_bad_datasets_are_refused_before_training(corpus, tmp_path):
+    prefix, _, cache = corpus
+    assert "missing prefix" in refusal(indexed_cfg(str(tmp_path / "nothing"), cache))
+    half = tmp_path / "half"
+    shutil.copy(prefix + ".bin", f"{half}.bin")
+    assert f"{half}.bin has no .idx file" in refusal(indexed_cfg(str(half), cache))
+    message = refusal(indexed_cfg(prefix, cache, "model.vocab_size=200"))
+    assert message.startswith("model.vocab_size") and "257 tokens" in message
+    assert f"{prefix}.meta.json" in message and "model.vocab_size=257" in message
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    empty = tmp_path / "empty"  # a dataset with no documents, written by megatron's builder
+    IndexedDatasetBuilder(f"{empty}.bin", dtype=numpy.uint16).finalize(f"{empty}.idx")
+    assert f"{empty}.bin is empty" in refusal(indexed_cfg(str(empty), cache, "data.tokenizer=byte"))
+    assert "takes prefixes" in refusal(indexed_cfg(prefix + ".bin", cache))
+    assert "no validation part" in refusal(indexed_cfg(prefix, cache, "data.split='1,0,0'",
+                                                       "data.eval_interval=5"))
+    bare = tmp_path / "bare"  # a dataset made elsewhere (no sidecar) needs data.tokenizer
+    for suffix in (".bin", ".idx"):
+        shutil.copy(prefix + suffix, f"{bare}{suffix}")
+    assert "data.tokenizer=byte" in refusal(indexed_cfg(str(bare), cache))
+    from recipes.validate import validate
+
+    validate(indexed_cfg(str(bare), cache, "data.tokenizer=byte"), num_gpus=0, te_available=False)
+    tj = tmp_path / "tokenizer.json"  # its vocabulary is read from the JSON, no tokenizers library
+    tj.write_text(json.dumps({"model": {"type": "BPE", "vocab": {f"t{i}": i for i in range(600)}},
+                              "added_tokens": [{"id": 600, "content": "<|endoftext|>"}]}))
+    assert "601 tokens but the model's vocabulary is 512" in refusal(
+        indexed_cfg(str(bare), cache, f"data.tokenizer={tj}"))
+    assert "says the data was made with byte" in refusal(indexed_cfg(prefix, cache, f"data.tokenizer={tj}"))
+
+
+def test_bad_preprocess_inputs_name_the_file(tmp_path, capsys):
+    from recipes.preprocess import main
+
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    assert main([str(empty), "--output-prefix", str(tmp_path / "out")]) == 2
+    assert f"input {empty} is empty" in capsys.readouterr().err
+    assert not list(tmp_path.glob("out*"))  # nothing half-written
+    assert main([str(tmp_path / "missing.txt"), "--output-prefix", str(tmp_path / "out")]) == 2
+    assert "missing.txt: no such file" in capsys.readouterr().err
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"content": "x"}\n')
+    assert main([str(bad), "--output-prefix", str(tmp_path / "out")]) == 2
+    assert "bad.jsonl:1: not a JSON object with a 'text' string" in capsys.readouterr().err
+    if importlib.util.find_spec("tokenizers") is None:
+        tok = tmp_path / "tokenizer.json"
+        tok.write_text("{}")
+        text = tmp_path / "a.txt"
+        text.write_text("hello")
+        assert main([str(text), "--output-prefix", str(tmp_path / "out"), "--tokenizer", str(tok)]) == 2
+        assert "pip install tokenizers" in capsys.readouterr().err
+
+
+def test_progress_reports_rates(tmp_path, capsys):
+    from recipes.preprocess import preprocess
+
+    for i in range(3):
+        (tmp_path / f"{i}.txt").write_text("some text " * 100)
+    preprocess([tmp_path], str(tmp_path / "p"), progress_interval=0)
+    lines = [l for l in capsys.readouterr().err.splitlines() if l.startswith("[preprocess]")]
+    assert len(lines) == 4 and "docs/s" in lines[0] and "MB/s" in lines[0]
+    assert lines[-1].startswith("[preprocess] done: 3 docs")
+
+
+def test_wandb_gets_validation_loss_in_step_order(monkeypatch):
+    """val/loss is logged with train/loss, one call per step (W&B drops steps that go backwards)."""
+    from recipes.logger import log_run
+
+    calls = []
+    run = types.SimpleNamespace(log=lambda row, step: calls.append((step, row)), summary={},
+                                finish=lambda: None)
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=lambda **kw: run))
+    rank = {"rank": 0, "status": "ok", "loss": [3.0, 2.5, 2.0, 1.5],
+            "eval_loss": [{"step": 2, "loss": 2.7}, {"step": 4, "loss": 1.9}]}
+    result = {"name": "n", "run_dir": "/tmp/x/y", "status": "ok", "worst_rank": 0, "ranks": [rank]}
+    log_run({"logger": {"name": "wandb", "project": "p", "entity": None, "mode": "disabled",
+                        "group": None, "tags": []}}, result)
+    assert [s for s, _ in calls] == [0, 1, 2, 3]
+    assert calls[1][1] == {"train/loss": 2.5, "val/loss": 2.7} and calls[3][1]["val/loss"] == 1.9
+
+
+def test_data_parallel_ranks_read_disjoint_samples(monkeypatch):
+    """Rank r of a DP group of 2 takes the r-th micro-batch of every global batch (megatron's sampler)."""
+    import torch
+    from megatron.core import parallel_state as ps
+
+    from recipes.data import batches
+
+    dataset = [{k: torch.tensor([i]) for k in ("tokens", "labels", "loss_mask", "position_ids")}
+               for i in range(16)]
+    monkeypatch.setattr(ps, "model_parallel_is_initialized", lambda: True)
+    monkeypatch.setattr(ps, "get_data_parallel_world_size", lambda: 2)
+    seen = {}
+    for rank in (0, 1):
+        monkeypatch.setattr(ps, "get_data_parallel_rank", lambda rank=rank: rank)
+        it = batches(dataset, 2, torch.device("cpu"))
+        seen[rank] = [next(it)["tokens"].flatten().tolist() for _ in range(3)]
+    assert seen == {0: [[0, 1], [4, 5], [8, 9]], 1: [[2, 3], [6, 7], [10, 11]]}
