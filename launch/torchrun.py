@@ -1,23 +1,49 @@
-"""The torchrun command line the controller uses for several worker processes (launcher=local)."""
+"""The torchrun command line the controller uses for several worker processes.
+
+One node (``launcher=local``): a c10d rendezvous on 127.0.0.1 and a free port. Several nodes
+(``launcher=slurm``, see ``launch.slurm``): every node runs this same command with its own
+``--node-rank`` and the first node's address, torchrun's static rendezvous, so global ranks are laid
+out node by node (rank = node_rank * nproc_per_node + local_rank), as megatron's groups expect.
+"""
 
 from __future__ import annotations
 
 import socket
 import sys
+from dataclasses import dataclass
 
 
-def _free_port() -> int:
+@dataclass(frozen=True)
+class Rendezvous:
+    """Where the nodes of one run meet: node count, this node's rank, the first node's address."""
+
+    nnodes: int
+    node_rank: int
+    master_addr: str
+    master_port: int
+
+
+def free_port() -> int:
+    """A TCP port that is free on this machine now."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def torchrun_command(launcher: dict, program: list[str]) -> list[str]:
-    """``python -m torch.distributed.run`` on this node; ``--standalone`` for one node."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={launcher['nproc_per_node']}"]
-    if launcher["nnodes"] == 1:
-        port = launcher["master_port"] or _free_port()
+def torchrun_command(launcher: dict, program: list[str], rendezvous: Rendezvous | None = None) -> list[str]:
+    """``python -m torch.distributed.run ... <program>`` for this node.
+
+    ``program`` is what each worker runs (``["-m", "recipes.worker", RUN_DIR]``). Without a
+    ``rendezvous`` the run must fit on this node (``launcher.nnodes == 1``).
+    """
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={launcher['nproc_per_node']}"]
+    if rendezvous is None:
+        if launcher["nnodes"] != 1:
+            raise ValueError(f"launcher.nnodes={launcher['nnodes']} needs a rendezvous across nodes: "
+                             "use launcher=slurm (launch.slurm.slurm_rendezvous)")
+        port = launcher["master_port"] or free_port()
         cmd += ["--nnodes=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}"]
     else:
-        raise NotImplementedError("multi-node runs go through hydra/launcher=submitit_slurm")
+        cmd += [f"--nnodes={rendezvous.nnodes}", f"--node-rank={rendezvous.node_rank}",
+                f"--master-addr={rendezvous.master_addr}", f"--master-port={rendezvous.master_port}"]
     return cmd + program

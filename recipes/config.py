@@ -112,6 +112,8 @@ class DataConfig:
     eval_interval: int = 0  # validation loss every N steps (0 = off)
     eval_iters: int = 2
     num_workers: int = 0
+    tokenizer: Optional[str] = None  # indexed: null = PREFIX.meta.json | byte | path/to/tokenizer.json
+    cache_dir: Optional[str] = None  # indexed: megatron's index cache (null = ~/.cache/recompute-recipes)
 
 
 @dataclass
@@ -151,7 +153,7 @@ class MeasureConfig:
     peak_tflops: float = 989.0  # for MFU: H200/H100 dense bf16
     expandable_segments: bool = False  # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
     memory_fraction: Optional[float] = None  # cap this process's share of GPU memory (forces OOMs)
-    profile: str = "none"  # none | peak (allocator timeline and peak attribution)
+    profile: str = "peak"  # peak (one profiled step: timeline, peak attribution) | none (`profile=none`)
 
 
 @dataclass
@@ -185,6 +187,10 @@ def register_configs() -> None:
 
     if not OmegaConf.has_resolver("slug"):
         OmegaConf.register_new_resolver("slug", slug)
+    if not OmegaConf.has_resolver("once"):
+        # Cached by its literal argument: Hydra copies the sweep's resolver cache into every job (as
+        # for ${now:}), so `${once:...}` keeps the sweep's value in each point (conf/config.yaml sweep.dir).
+        OmegaConf.register_new_resolver("once", lambda value: value, use_cache=True)
     cs = ConfigStore.instance()
     cs.store(name="recipe_schema", node=RecipeConfig)
     groups = {

@@ -58,7 +58,12 @@ def worker_command(cfg: dict, run_dir: Path) -> list[str]:
         return [sys.executable, "-m", "recipes.worker", str(run_dir)]
     from launch.torchrun import torchrun_command
 
-    return torchrun_command(launch, ["-m", "recipes.worker", str(run_dir)])
+    program = ["-m", "recipes.worker", str(run_dir)]
+    if launch["name"] == "slurm":  # this node's torchrun; every node of the Slurm job starts one
+        from launch.slurm import slurm_rendezvous
+
+        return torchrun_command(launch, program, slurm_rendezvous(launch))
+    return torchrun_command(launch, program)
 
 
 def worker_environment(cfg: dict) -> dict[str, str]:
@@ -162,18 +167,26 @@ def run(cfg: DictConfig) -> dict:
             return previous
         if previous.get("status") in COMPLETE:
             print(f"[rerun] {name}: the stored result was measured with other {', '.join(changed)}")
+    from launch.slurm import node_rank, wait_for_rank_files
+
+    node = node_rank(plain["launcher"])  # launcher=slurm: every node launches, node 0 records
     run_dir.mkdir(parents=True, exist_ok=True)
-    OmegaConf.save(OmegaConf.create(plain), run_dir / "config.yaml")
+    if node == 0:
+        OmegaConf.save(OmegaConf.create(plain), run_dir / "config.yaml")
     if cfg.dry_run:
         print(f"[dry-run] {name}: config written to {run_dir / 'config.yaml'}")
         return {"status": "dry_run", "name": name, "run_dir": str(run_dir)}
-    for stale in (run_dir / "ranks").glob("rank*.json"):
+    for stale in (run_dir / "ranks").glob("rank*.json") if node == 0 else ():
         stale.unlink()
-    start = time.time()
-    log_path = run_dir / "worker.log"
+    start = time.time()  # the workers' timelines are relative to this launch time
+    log_path = run_dir / ("worker.log" if node == 0 else f"worker.node{node}.log")
+    command = worker_command(plain, run_dir)
     with open(log_path, "w") as log:
-        proc = subprocess.run(worker_command(plain, run_dir), env=worker_environment(plain),
+        proc = subprocess.run(command, env=worker_environment(plain),
                               stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT)
+    if node:
+        print(f"[node {node}] {name}: workers exited with code {proc.returncode}; node 0 records {run_dir}")
+        return {"status": "node", "node_rank": node, "name": name, "run_dir": str(run_dir)}
     launch_error = None
     if proc.returncode:
         launch_error = f"workers exited with code {proc.returncode}; see {log_path}"
@@ -182,10 +195,14 @@ def run(cfg: DictConfig) -> dict:
         "choices": choices,
         "run_dir": str(run_dir),
         "wall_s": time.time() - start,
+        "launched": start,
+        "launch_command": " ".join(command),
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "config": plain,
     }
     world = plain["launcher"]["nproc_per_node"] * plain["launcher"]["nnodes"]
+    if plain["launcher"]["nnodes"] > 1:  # the other nodes' rank files, over a shared file system
+        wait_for_rank_files(run_dir, world)
     result = merge_result(run_dir, meta, world, launch_error)
     if result["status"] == "failed" and not result.get("ranks"):
         result["log_tail"] = log_path.read_text()[-4000:]
@@ -215,7 +232,53 @@ def print_run(result: dict) -> None:
     if row.get("mfu") is not None:
         parts.append(f"MFU {row['mfu'] * 100:.1f}%")
     print(" | ".join(parts))
+    ranks = result.get("ranks") or []
+    if len(ranks) > 1:  # every rank, by its parallel coordinates; the worst decides whether it fits
+        hosts = len({r.get("host") for r in ranks}) > 1
+        for r in ranks:
+            print(f"  {rank_line(r, r.get('rank') == result.get('worst_rank'), hosts)}")
+    from recipes.profile import top_contributors
+
+    if line := top_contributors(result):  # profile=peak: what drives the peak
+        print(f"  {line}")
+    for r in result.get("ranks") or []:  # runs with validation (data.eval_interval): the loss curve
+        evals = [e for e in r.get("eval_loss") or [] if e.get("loss") is not None]
+        train = [x for x in r.get("loss") or [] if x is not None]
+        if evals and train:
+            print(f"  train/loss {train[0]:.3f} -> {train[-1]:.3f} | val/loss "
+                  + ", ".join(f"{e['loss']:.3f} (step {e['step']})" for e in evals))
+            break
     if status != "ok":
         print(f"  error: {result.get('error')}")
     for warning in result.get("warnings", []):
         print(f"  warning: {warning}")
+
+
+def rank_line(r: dict, worst: bool = False, host: bool = False) -> str:
+    """One rank of a multi-rank run: coordinates, memory, ledger and what its schedule holds, time."""
+    coords = r.get("coords") or {}
+    label = f"rank {r.get('rank')}"
+    if coords:
+        label += " (" + " ".join(f"{k}{coords[k]}" for k in ("tp", "pp", "cp", "ep", "dp") if k in coords) + ")"
+    if host:
+        label += f" @{r.get('host')}"
+    parts = [label + (" WORST" if worst else ""), str(r.get("status"))]
+    mem, timing = r.get("memory") or {}, r.get("timing") or {}
+    if mem.get("peak_allocated_gib") is not None:
+        parts.append(f"peak alloc {mem['peak_allocated_gib']:.2f} GiB")
+    if mem.get("peak_reserved_gib") is not None:
+        parts.append(f"reserved {mem['peak_reserved_gib']:.2f} GiB")
+    if (r.get("ledger") or {}).get("total_bytes") is not None:
+        parts.append(f"ledger {r['ledger']['total_bytes'] / 2**20:.2f} MiB")
+    pipe = r.get("pipeline") or {}
+    if pipe.get("in_flight_forwards", 1) > 1:  # the schedule holds several forwards' activations
+        held = (f"{pipe['in_flight_forwards']} forwards of {pipe['num_model_chunks']} chunks"
+                if pipe.get("num_model_chunks", 1) > 1 else f"{pipe['in_flight_forwards']} micro-batches")
+        parts.append(f"in flight {pipe['in_flight_ledger_bytes'] / 2**20:.2f} MiB ({held} of "
+                     f"{pipe['num_microbatches']})")
+    if timing.get("step_time_s") is not None:
+        parts.append(f"step {timing['step_time_s'] * 1e3:.1f} ms")
+    losses = [x for x in r.get("loss") or [] if x is not None]
+    if losses:
+        parts.append(f"loss {losses[-1]:.3f}")
+    return " | ".join(parts)

@@ -64,11 +64,20 @@ def build_datasets(cfg: Any, num_samples: list[int]):
 
 
 def batches(dataset, micro_batch_size: int, device: torch.device, seed: int = 0) -> Iterator[dict]:
-    """An endless iterator of micro-batches drawn in order from a megatron GPT dataset."""
-    index = 0
+    """An endless iterator of micro-batches drawn in order from a megatron GPT dataset.
+
+    Each data-parallel rank takes its own slice of every global step's samples (as megatron's
+    ``MegatronPretrainingSampler`` does), so DP ranks never train on the same text.
+    """
+    from megatron.core import parallel_state as ps
+
+    dp_rank, dp_size = 0, 1
+    if ps.model_parallel_is_initialized():
+        dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+    index = dp_rank * micro_batch_size
     while True:
         samples = [dataset[(index + i) % len(dataset)] for i in range(micro_batch_size)]
-        index += micro_batch_size
+        index += micro_batch_size * dp_size
         batch = {}
         for key in ("tokens", "labels", "loss_mask", "position_ids"):
             batch[key] = torch.stack([torch.as_tensor(s[key]) for s in samples]).to(device)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import weakref
 from collections import Counter
 from typing import Iterator
 
@@ -157,7 +158,8 @@ class ActivationLedger:
 
     def __init__(self) -> None:
         self.bytes_by_kind: dict[str, int] = {}
-        self._storages: dict[int, tuple[str, torch.UntypedStorage]] = {}
+        # weak references: holding storages would keep alive what autograd frees during the forward
+        self._storages: dict[int, tuple[str, weakref.ref]] = {}
         self._stack: list[str] = []
 
     @contextlib.contextmanager
@@ -180,8 +182,12 @@ class ActivationLedger:
         def pack(t: torch.Tensor):
             storage = t.untyped_storage()
             ptr = storage.data_ptr()
-            if ptr and ptr not in param_ptrs and ptr not in self._storages:
-                self._storages[ptr] = (self._stack[-1] if self._stack else "other", storage)
+            known = self._storages.get(ptr)
+            known = known[1]() if known is not None else None
+            # a freed storage, or one discarded with resize_(0) (output-discarding checkpoints),
+            # frees its address: a new storage there is a different one, not a duplicate
+            if ptr and ptr not in param_ptrs and (known is None or known.data_ptr() != ptr):
+                self._storages[ptr] = (self._stack[-1] if self._stack else "other", weakref.ref(storage))
             return t
 
         handles = [
@@ -199,8 +205,9 @@ class ActivationLedger:
     def finish(self) -> None:
         """Sum live bytes per kind now (discarded outputs have been resized to 0) and drop refs."""
         totals = {k: 0 for k in KINDS}
-        for kind, storage in self._storages.values():
-            totals[kind] = totals.get(kind, 0) + storage.nbytes()
+        for kind, ref in self._storages.values():
+            storage = ref()
+            totals[kind] = totals.get(kind, 0) + (storage.nbytes() if storage is not None else 0)
         self.bytes_by_kind = totals
         self._storages = {}
 

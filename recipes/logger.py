@@ -35,12 +35,31 @@ def run_metrics(result: dict) -> dict[str, Any]:
         for label, counts in (worst.get("checkpoints") or {}).items():
             metrics[f"ckpt/{label}_forward"] = counts["forward"]
             metrics[f"ckpt/{label}_recompute"] = counts["recompute"]
-    for r in ranks:
+    if len(ranks) > 1:
+        metrics["worst_rank"] = result.get("worst_rank")
+    for r in ranks:  # every rank: rank<N>/... (coordinates under rank<N>/coords/tp, pp, cp, ep, dp)
         mem = r.get("memory") or {}
         if mem:
             metrics[f"rank{r['rank']}/mem/peak_allocated_gib"] = mem.get("peak_allocated_gib")
             metrics[f"rank{r['rank']}/mem/peak_reserved_gib"] = mem.get("peak_reserved_gib")
+        if len(ranks) > 1:
+            metrics[f"rank{r['rank']}/ledger/total_bytes"] = (r.get("ledger") or {}).get("total_bytes")
+            metrics[f"rank{r['rank']}/ledger/in_flight_bytes"] = (r.get("pipeline") or {}).get(
+                "in_flight_ledger_bytes")
+            metrics[f"rank{r['rank']}/perf/step_time_s"] = (r.get("timing") or {}).get("step_time_s")
+            for axis, index in (r.get("coords") or {}).items():
+                if axis != "rank":
+                    metrics[f"rank{r['rank']}/coords/{axis}"] = index
     return {k: v for k, v in metrics.items() if v is not None}
+
+
+def sweep_group(sweep_dir: str) -> str:
+    """The default W&B group of a sweep's points and report: its path below ``multirun/``
+    (``moe/size=h200``), else the directory's name."""
+    parts = os.path.normpath(os.path.abspath(sweep_dir)).split(os.sep)
+    if "multirun" in parts[:-1]:
+        return "/".join(parts[len(parts) - parts[::-1].index("multirun"):])
+    return parts[-1]
 
 
 def log_run(cfg: dict, result: dict) -> None:
@@ -55,7 +74,7 @@ def log_run(cfg: dict, result: dict) -> None:
         project=log["project"],
         entity=log["entity"],
         mode=log["mode"],
-        group=log["group"] or os.path.basename(os.path.dirname(result["run_dir"])),
+        group=log["group"] or sweep_group(os.path.dirname(result["run_dir"])),
         name=result["name"],
         tags=list(log["tags"]),
         dir=result["run_dir"],
@@ -64,9 +83,15 @@ def log_run(cfg: dict, result: dict) -> None:
     )
     try:
         worst = next((r for r in result.get("ranks", []) if r.get("rank") == result.get("worst_rank")), {})
+        rows: dict[int, dict] = {}  # one log call per step: W&B drops steps that go backwards
         for step, loss in enumerate(worst.get("loss") or []):
             if loss is not None:
-                run.log({"train/loss": loss}, step=step)
+                rows.setdefault(step, {})["train/loss"] = loss
+        for ev in worst.get("eval_loss") or []:  # after ev["step"] steps = the step logged at step-1
+            if ev.get("loss") is not None:
+                rows.setdefault(ev["step"] - 1, {})["val/loss"] = ev["loss"]
+        for step in sorted(rows):
+            run.log(rows[step], step=step)
         for key, value in run_metrics(result).items():
             run.summary[key] = value
     finally:

@@ -1,90 +1,248 @@
-"""Compare the points of a sweep: one row per point (worst rank), deltas against the control.
+"""Compare the points of a sweep: a table per point and rank, deltas against the control, a plot.
 
-    python -m recipes.report multirun/2026-11-29/10-00-00
+    python -m recipes.report multirun/moe/defaults        # or: make report [DIR=...]
 
 Also runs at the end of every ``-m`` sweep (``ReportCallback``, registered in conf/config.yaml).
-Writes ``report.md`` and ``report.csv`` into the sweep directory and prints the table.
+Writes ``report.md``, ``report.csv`` and ``report.png`` (peak memory against step time, Pareto
+frontier marked) into the sweep directory, and logs the table and plot to W&B in the sweep's group
+when the sweep ran with ``logger=wandb``. The guide asks for per-rank allocated/reserved peaks, so
+every rank gets a row; the worst rank (highest peak allocated) is the one that decides fit.
+
+Memory is the allocator's peak allocated on a GPU. A CPU run has no allocator peaks, so there the
+memory axis is the activation ledger (bytes saved for backward in one micro-batch), labelled so.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import json
 import sys
 from pathlib import Path
 
 from hydra.experimental.callback import Callback
 
-from recipes.results import load_result, summary
+from recipes.controller import NOT_MEASURED  # config sections that do not change a measurement
+from recipes.results import load_result
 
+#: The guide's controls, in order of preference for the deltas (the control itself is compared
+#: with ``none``: their difference is the noise floor of the measurement).
+CONTROLS = ("control", "none")
+#: (key, markdown header, format); columns with no value in any row are left out.
 COLUMNS = [
-    ("name", "point", "{}"),
+    ("point", "point", "{}"),
+    ("rank_label", "rank", "{}"),
     ("status", "status", "{}"),
     ("peak_allocated_gib", "peak alloc GiB", "{:.2f}"),
     ("peak_reserved_gib", "peak reserved GiB", "{:.2f}"),
     ("fragmentation_gib", "frag GiB", "{:.2f}"),
-    ("ledger_mib", "ledger MiB", "{:.1f}"),
+    ("d_peak", "peak vs control", "{}"),
+    ("ledger_mib", "ledger MiB", "{:.2f}"),
     ("d_ledger_pct", "ledger vs control", "{:+.1f}%"),
-    ("d_peak_pct", "peak vs control", "{:+.1f}%"),
-    ("step_time_s", "step ms", "{:.1f}"),
+    ("profile_peak_mib", "profiled peak MiB", "{:.2f}"),
+    ("step_ms", "step ms", "{:.1f}"),
+    ("step_noise", "step noise", "{:+.0%}"),
     ("d_time_pct", "time vs control", "{:+.1f}%"),
     ("tokens_per_s", "tokens/s", "{:.0f}"),
     ("mfu", "MFU", "{:.1%}"),
 ]
-#: The guide's controls, in order of preference for the deltas.
-CONTROLS = ("control", "none")
+CSV_KEYS = ["point", "rank", "worst", "status", "model", "attention", "recompute", "control",
+            "peak_allocated_gib", "peak_reserved_gib", "fragmentation_gib", "activation_gib",
+            "d_peak_gib", "d_peak_pct", "ledger_bytes", "ledger_mib", "d_ledger_pct", "profile_peak_mib",
+            "step_ms", "step_noise", "d_time_ms", "d_time_pct", "tokens_per_s", "mfu", "error", "run_dir"]
+#: Step noise = median / fastest timed step - 1; above this, step-time deltas are contention, not recompute.
+NOISY_STEPS = 0.25
 
 
 def find_results(sweep_dir: Path) -> list[dict]:
-    """Every result.json under a sweep directory (one per point), in point order."""
-    def order(path: Path):
-        head = path.parent.name.split("_", 1)[0]
-        return (int(head) if head.isdigit() else 1 << 30, path.parent.name)
-
-    files = sorted(Path(sweep_dir).glob("*/result.json"), key=order)
+    """Every result.json under a sweep directory (one per point); a run directory also works."""
+    files = sorted(Path(sweep_dir).glob("*/result.json"))
     if not files and (Path(sweep_dir) / "result.json").exists():
         files = [Path(sweep_dir) / "result.json"]
     return [load_result(f) for f in files]
 
 
-def _control_for(row: dict, rows: list[dict]) -> dict | None:
-    """The control with the same model and attention as ``row`` ("control" first, then "none")."""
-    for label in CONTROLS:
-        for other in rows:
-            if (other["recompute"] == label and other["status"] == "ok"
-                    and other["model"] == row["model"] and other["attention"] == row["attention"]):
-                return other
-    return None
+def match_key(result: dict, varied: tuple[str, ...] = ("recompute",)) -> str:
+    """What must be equal for two points to be compared: everything but the ``varied`` sections."""
+    config = result.get("config")
+    if not config:
+        choices = result.get("choices", {})
+        return "|".join(str(choices.get(k)) for k in ("model", "attention") if k not in varied)
+    rest = {k: v for k, v in config.items() if k not in NOT_MEASURED + varied}
+    return json.dumps(rest, sort_keys=True, default=str)
 
 
-def _pct(value, base):
+def recompute_order(label: str | None) -> tuple:
+    """none, control, selective labels (narrow first), full: the guide's order of preference."""
+    label = label or ""
+    kind = {"none": 0, "control": 1}.get(label, 3 if label.startswith("full") else 2)
+    return (kind, label.count("-"), label)
+
+
+def _rank_numbers(rank: dict) -> dict:
+    """The flat numbers of one rank; an ``oom`` rank reports the allocator at the failure."""
+    mem = rank.get("memory") or rank.get("memory_at_failure") or {}
+    timing = rank.get("timing") or {}
+    ledger = rank.get("ledger") or {}
+    alloc, reserved = mem.get("peak_allocated_gib"), mem.get("peak_reserved_gib")
+    step, fast = timing.get("step_time_s"), timing.get("step_time_min_s")
+    profile_peak = (rank.get("profile") or {}).get("peak_bytes")
+    frag = mem.get("fragmentation_gib")
+    if frag is None and alloc is not None and reserved is not None:
+        frag = reserved - alloc
+    return {
+        "rank": rank.get("rank"), "status": rank.get("status"), "error": rank.get("error"),
+        "peak_allocated_gib": alloc, "peak_reserved_gib": reserved, "fragmentation_gib": frag,
+        "activation_gib": mem.get("activation_gib"),
+        "ledger_bytes": ledger.get("total_bytes"),
+        "ledger_mib": ledger["total_bytes"] / 2**20 if ledger.get("total_bytes") is not None else None,
+        "profile_peak_mib": profile_peak / 2**20 if profile_peak is not None else None,
+        "step_ms": step * 1e3 if step is not None else None,
+        "step_noise": step / fast - 1.0 if step and fast else None,
+        "tokens_per_s": timing.get("tokens_per_s"), "mfu": timing.get("mfu"),
+    }
+
+
+def _pct(value: float | None, base: float | None) -> float | None:
     if value is None or not base:
         return None
     return (value / base - 1.0) * 100.0
 
 
-def rows_with_deltas(results: list[dict]) -> list[dict]:
-    """Summary rows with ledger/peak/time deltas against the matched control."""
-    rows = [summary(r) for r in results]
+def _add_deltas(row: dict, control: dict) -> None:
+    """Memory and time of ``row`` against the same rank of its matched control."""
+    row["control"] = control["point"]
+    if row["status"] != "ok" or control["status"] != "ok":
+        return
+    if row.get("peak_allocated_gib") is not None and control.get("peak_allocated_gib") is not None:
+        row["d_peak_gib"] = row["peak_allocated_gib"] - control["peak_allocated_gib"]
+        row["d_peak_pct"] = _pct(row["peak_allocated_gib"], control["peak_allocated_gib"])
+        row["d_peak"] = f"{row['d_peak_gib']:+.2f} GiB ({row['d_peak_pct']:+.1f}%)"
+    row["d_ledger_pct"] = _pct(row.get("ledger_bytes"), control.get("ledger_bytes"))
+    if row.get("step_ms") is not None and control.get("step_ms") is not None:
+        row["d_time_ms"] = row["step_ms"] - control["step_ms"]
+        row["d_time_pct"] = _pct(row["step_ms"], control["step_ms"])
+
+
+def rank_rows(results: list[dict]) -> list[dict]:
+    """One row per point and rank (a point with no rank result gets one row), in the guide's order,
+    with deltas against the matched control (same config but recompute; ``control``, else ``none``)."""
+    rows: list[dict] = []
+    for result in results:
+        choices = result.get("choices", {})
+        base = {"point": result.get("name"), "model": choices.get("model"),
+                "attention": choices.get("attention"), "recompute": choices.get("recompute"),
+                "run_dir": result.get("run_dir"), "point_status": result.get("status"), "_key": match_key(result),
+                "_family_key": match_key(result, ("recompute", "attention"))}
+        ranks = result.get("ranks") or [{}]
+        for rank in ranks:
+            row = {**base, **_rank_numbers(rank)}
+            row["worst"] = rank.get("rank") is not None and rank.get("rank") == result.get("worst_rank")
+            row["status"] = row["status"] or result.get("status")
+            row["error"] = row["error"] or (result.get("error") if row["status"] != "ok" else None)
+            mark = "*" if row["worst"] and len(ranks) > 1 else ""
+            row["rank_label"] = f"{row['rank']}{mark}" if row["rank"] is not None else ""
+            rows.append(row)
+    keys = list(dict.fromkeys(r["_key"] for r in rows))
+    rows.sort(key=lambda r: (keys.index(r["_key"]), recompute_order(r["recompute"]), r["point"] or "",
+                             r["rank"] if r["rank"] is not None else -1))
     for row in rows:
-        control = _control_for(row, rows)
-        if control is None or row["status"] != "ok":
-            continue
-        row["d_ledger_pct"] = _pct(row.get("ledger_bytes"), control.get("ledger_bytes"))
-        row["d_peak_pct"] = _pct(row.get("peak_allocated_gib"), control.get("peak_allocated_gib"))
-        row["d_time_pct"] = _pct(row.get("step_time_s") and row["step_time_s"] * 1e3,
-                                 control.get("step_time_s") and control["step_time_s"] * 1e3)
-        row["control"] = control["name"]
-    for row in rows:
-        if row.get("ledger_bytes") is not None:
-            row["ledger_mib"] = row["ledger_bytes"] / 2**20
-        if row.get("step_time_s") is not None:
-            row["step_time_s"] = row["step_time_s"] * 1e3  # shown in ms
+        control = _control_row(row, rows)
+        if control is not None:
+            _add_deltas(row, control)
     return rows
 
 
+def _control_row(row: dict, rows: list[dict]) -> dict | None:
+    for label in CONTROLS:
+        same = [r for r in rows if r["_key"] == row["_key"] and r["recompute"] == label
+                and r["point"] != row["point"] and r["status"] == "ok"]
+        if same:
+            return next((r for r in same if r["rank"] == row["rank"]), next((r for r in same if r["worst"]), same[0]))
+    return None
+
+
+def point_rows(rows: list[dict]) -> list[dict]:
+    """The rows that decide fit: each point's worst rank (or its only row)."""
+    return [r for r in rows if r["worst"] or r["rank"] is None]
+
+
+def memory_axis(rows: list[dict]) -> tuple[str, str]:
+    """The memory a point is judged by: peak allocated (GPU), else the activation ledger (CPU)."""
+    if any(r.get("peak_allocated_gib") is not None and r["status"] == "ok" for r in rows):
+        return "peak_allocated_gib", "peak allocated GiB (worst rank)"
+    return "ledger_mib", "activation ledger MiB (CPU run: no allocator peaks)"
+
+
+def pareto_front(rows: list[dict], mem_key: str) -> list[dict]:
+    """Points no other point beats on both memory and step time, fastest first."""
+    pts = [r for r in rows if r["status"] == "ok" and r.get(mem_key) is not None and r.get("step_ms") is not None]
+    front = [p for p in pts if not any(
+        q[mem_key] <= p[mem_key] and q["step_ms"] <= p["step_ms"]
+        and (q[mem_key] < p[mem_key] or q["step_ms"] < p["step_ms"]) for q in pts)]
+    return sorted(front, key=lambda p: p["step_ms"])
+
+
+def short_label(row: dict, rows: list[dict]) -> str:
+    """The recompute choice, with model/attention added only when the sweep varies them."""
+    parts = [row[k] for k in ("model", "attention") if len({r[k] for r in rows}) > 1]
+    return " ".join(str(p) for p in parts + [row["recompute"] or row["point"]])
+
+
+def plot_pareto(rows: list[dict], path: Path, title: str) -> Path:
+    """Peak memory against step time for every measured point, Pareto frontier marked; ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    points = point_rows(rows)
+    mem_key, mem_label = memory_axis(points)
+    measured = [r for r in points
+                if r["status"] == "ok" and r.get(mem_key) is not None and r.get("step_ms") is not None]
+    front = pareto_front(points, mem_key)
+    fig, ax = plt.subplots(figsize=(8, 5.5), dpi=120)
+    ax.scatter([r["step_ms"] for r in measured], [r[mem_key] for r in measured], s=36, color="0.55",
+               zorder=2, label="measured point")
+    ax.plot([r["step_ms"] for r in front], [r[mem_key] for r in front], "-o", color="tab:red", ms=8,
+            drawstyle="steps-post", zorder=3, label="Pareto frontier (nothing is both faster and smaller)")
+    for group in _near(measured, mem_key):  # one label per cluster: none and control often coincide
+        ax.annotate("\n".join(short_label(r, points) for r in group), (group[0]["step_ms"], group[0][mem_key]),
+                    textcoords="offset points", xytext=(6, 4), fontsize=8, va="bottom")
+    lost = [f"{short_label(r, points)}: {r['status']}" for r in points if r not in measured]
+    if lost:
+        ax.text(0.99, 0.99, "not plotted\n" + "\n".join(lost), transform=ax.transAxes, ha="right",
+                va="top", fontsize=7, color="tab:red", bbox={"fc": "white", "ec": "0.8"})
+    ax.set_xlabel("step time ms (median of steady-state steps, worst rank)")
+    ax.set_ylabel(mem_label)
+    if mem_key == "ledger_mib":
+        title += "\nledger = bytes saved for backward in one micro-batch (activations only)"
+    ax.set_title(title, fontsize=9)
+    ax.margins(x=0.25, y=0.12)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="best", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def _near(points: list[dict], mem_key: str, frac: float = 0.03) -> list[list[dict]]:
+    """Points closer than ``frac`` of both axis spans, grouped (for one label per group)."""
+    if not points:
+        return []
+    span = lambda k: (max(p[k] for p in points) - min(p[k] for p in points)) or 1.0  # noqa: E731
+    dx, dy = span("step_ms") * frac, span(mem_key) * frac
+    groups: list[list[dict]] = []
+    for p in sorted(points, key=lambda p: (p["step_ms"], p[mem_key])):
+        home = next((g for g in groups if abs(g[0]["step_ms"] - p["step_ms"]) <= dx
+                     and abs(g[0][mem_key] - p[mem_key]) <= dy), None)
+        home.append(p) if home is not None else groups.append([p])
+    return groups
+
+
 def format_markdown(rows: list[dict]) -> str:
-    """A markdown table of the rows (missing values blank)."""
+    """A markdown table of the rows (missing values blank, empty columns left out)."""
     cols = [c for c in COLUMNS if any(r.get(c[0]) is not None for r in rows)]
     lines = ["| " + " | ".join(c[1] for c in cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
@@ -93,48 +251,115 @@ def format_markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def write_report(sweep_dir: Path) -> str:
-    """Write report.md and report.csv for a sweep directory and return the markdown."""
+def _notes(rows: list[dict], results: list[dict]) -> list[str]:
+    notes = []
+    devices = sorted({r.get("device", "?") for res in results for r in res.get("ranks") or []})
+    if devices:
+        notes.append(f"Device: {', '.join(devices)}. Worst rank (highest peak allocated) marked * "
+                     "when a point has several ranks.")
+    if any(r.get("step_noise") is not None for r in rows):
+        notes.append("step ms = median of the timed steps; step noise = median / fastest - 1.")
+    controls = sorted({r["control"] for r in rows if r.get("control")})
+    if controls:
+        notes.append(f"Deltas are against the matched control ({', '.join(controls)}): same config "
+                     "but recompute; the control row itself is compared with none (the noise floor).")
+    noisy = [r["point"] for r in point_rows(rows) if (r.get("step_noise") or 0) > NOISY_STEPS]
+    if noisy:
+        notes.append(f"Step times are noisy (median step over {NOISY_STEPS:.0%} slower than the fastest) for "
+                     f"{len(noisy)} point(s): their time deltas measure contention, not recompute; re-run on an "
+                     "idle machine (rerun=true), on a shared CPU with OMP_NUM_THREADS=1.")
+    for r in point_rows(rows):
+        if r["status"] != "ok":
+            error = (r.get("error") or "").splitlines()
+            notes.append(f"`{r['point']}` {r['status']}: {error[0] if error else ''}")
+    return notes
+
+
+def write_report(sweep_dir: Path, wandb_logger: dict | None = None) -> str:
+    """Write report.md, report.csv and report.png for a sweep directory; return the markdown.
+
+    ``wandb_logger`` (a ``logger`` config section) also logs the table and plot to W&B."""
     sweep_dir = Path(sweep_dir)
     results = find_results(sweep_dir)
     if not results:
         raise FileNotFoundError(f"no result.json under {sweep_dir}: run a sweep first "
-                                "(python train.py -m ...) or point at its multirun/ directory")
-    rows = rows_with_deltas(results)
+                                "(python train.py -m sweep=moe) or point at its multirun/ directory")
+    rows = rank_rows(results)
+    from recipes.logger import sweep_group
+
+    png = plot_pareto(rows, sweep_dir / "report.png", f"{sweep_group(str(sweep_dir))}: memory vs step time")
     md = format_markdown(rows)
-    (sweep_dir / "report.md").write_text(f"# Sweep report: {sweep_dir}\n\n{md}\n")
-    keys = [c[0] for c in COLUMNS] + [k for k in ("model", "attention", "recompute", "worst_rank") ]
+    notes = "\n".join(f"- {n}" for n in _notes(rows, results))
+    (sweep_dir / "report.md").write_text(
+        f"# Sweep report: {sweep_dir}\n\n{md}\n\n{notes}\n\n![memory vs step time]({png.name})\n")
     with open(sweep_dir / "report.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
+        writer = csv.DictWriter(f, fieldnames=CSV_KEYS, extrasaction="ignore")
         writer.writeheader()
         writer.writerows(rows)
+    if wandb_logger and wandb_logger.get("name") == "wandb":
+        log_report_to_wandb(sweep_dir, rows, png, wandb_logger)
     return md
+
+
+def log_report_to_wandb(sweep_dir: Path, rows: list[dict], png: Path, log: dict) -> None:
+    """The table (wandb.Table) and plot (wandb.Image) as one ``report`` run in the sweep's group."""
+    import os
+
+    from recipes.logger import sweep_group
+
+    os.environ.setdefault("WANDB_SILENT", "true")
+    import wandb
+
+    run = wandb.init(project=log.get("project"), entity=log.get("entity"), mode=log.get("mode", "offline"),
+                     group=log.get("group") or sweep_group(str(sweep_dir)), name="report",
+                     job_type="report", dir=str(sweep_dir), reinit="finish_previous")
+    try:
+        data = [[None if r.get(k) is None else (r[k] if isinstance(r[k], (int, float)) else str(r[k]))
+                 for k in CSV_KEYS] for r in rows]
+        run.log({"report/table": wandb.Table(columns=CSV_KEYS, data=data),
+                 "report/memory_vs_time": wandb.Image(str(png))})
+    finally:
+        run.finish()
+
+
+def _logger_of(results: list[dict]) -> dict | None:
+    return next(((r.get("config") or {}).get("logger") for r in results if (r.get("config") or {}).get("logger")), None)
 
 
 class ReportCallback(Callback):
     """Hydra callback: print and write the sweep report when a multirun ends."""
 
     def on_multirun_end(self, config, **kwargs) -> None:
+        from omegaconf import OmegaConf
+
         sweep_dir = Path(config.hydra.sweep.dir)
         try:
-            md = write_report(sweep_dir)
+            md = write_report(sweep_dir, OmegaConf.to_container(config.logger, resolve=True))
         except FileNotFoundError:
             return
-        print(f"\n{md}\n\nreport: {sweep_dir / 'report.md'}")
+        except Exception as err:  # the results are safe on disk; a report bug must not fail the sweep
+            print(f"warning: no report for {sweep_dir}: {type(err).__name__}: {err} "
+                  f"(python -m recipes.report {sweep_dir} to retry)")
+            return
+        print(f"\n{md}\n\nreport: {sweep_dir / 'report.md'} (plot: report.png, csv: report.csv)")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("sweep_dir", type=Path, help="a multirun/... directory")
+    parser.add_argument("sweep_dir", type=Path, help="a multirun/... sweep directory")
+    parser.add_argument("--no-wandb", action="store_true", help="do not log to W&B even if the sweep did")
     args = parser.parse_args(argv)
     if not args.sweep_dir.is_dir():
-        print(f"error: {args.sweep_dir} is not a directory", file=sys.stderr)
+        print(f"error: {args.sweep_dir} is not a directory (give a multirun/<sweep>/<overrides> path)",
+              file=sys.stderr)
         return 2
+    results = find_results(args.sweep_dir)
     try:
-        print(write_report(args.sweep_dir))
+        print(write_report(args.sweep_dir, None if args.no_wandb else _logger_of(results)))
     except FileNotFoundError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    print(f"\nreport: {args.sweep_dir / 'report.md'} (plot: report.png, csv: report.csv)")
     return 0
 
 

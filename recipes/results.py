@@ -50,7 +50,9 @@ def worst_rank(ranks: list[dict]) -> int | None:
         mem = (r.get("memory") or {}).get("peak_allocated_gib")
         if mem is None:
             mem = (r.get("memory_at_failure") or {}).get("peak_allocated_gib", 0.0)
-        ledger = (r.get("ledger") or {}).get("total_bytes", 0)
+        # Without an allocator (CPU): the ledger bytes the pipeline schedule keeps in flight here
+        ledger = (r.get("pipeline") or {}).get("in_flight_ledger_bytes") or (
+            r.get("ledger") or {}).get("total_bytes", 0)
         return (_SEVERITY.get(r.get("status"), 2), mem or 0.0, ledger)
 
     return max(range(len(ranks)), key=lambda i: key(ranks[i]))

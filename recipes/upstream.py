@@ -53,6 +53,44 @@ def fix_checkpoint_without_output_fp8_default() -> bool:
     return True
 
 
+def allow_sequence_parallel_torch_norm() -> bool:
+    """``WrappedTorchNorm`` asserts ``not config.sequence_parallel`` (megatron/core/transformer/torch_norm.py).
+
+    It is the local spec's norm whenever Apex and Transformer Engine are absent, so sequence
+    parallel cannot be built at all here, on a GPU or a CPU. Nothing in a torch norm depends on it:
+    under sequence parallel each tensor-parallel rank normalizes its sequence shard with a
+    replicated weight whose gradient must be summed over TP, which megatron's
+    ``finalize_model_grads`` (and ``recipes.parallel.reduce_gradients_cpu``) do for parameters
+    marked ``sequence_parallel=True``, as Apex's FusedLayerNorm and TENorm mark theirs. The fix
+    builds the norm from a copy of the config with the flag off and marks the weights.
+    Returns True when the fix was applied.
+    """
+    if "torch_norm_sp" in _FIXED:
+        return True
+    import copy
+
+    from megatron.core.transformer import torch_norm
+
+    cls = torch_norm.WrappedTorchNorm
+    original_new = cls.__new__
+
+    def __new__(klass, config, hidden_size, *args, **kwargs):
+        if not config.sequence_parallel:
+            return original_new(klass, config, hidden_size, *args, **kwargs)
+        shadow = copy.copy(config)  # shallow: the run's TransformerConfig itself is not touched
+        shadow.sequence_parallel = False
+        norm = original_new(klass, shadow, hidden_size, *args, **kwargs)
+        for param in norm.parameters():
+            param.sequence_parallel = True
+        return norm
+
+    cls.__new__ = staticmethod(__new__)
+    cls._recipes_original_new = original_new
+    _FIXED.add("torch_norm_sp")
+    return True
+
+
 def apply_all() -> None:
     """Apply every workaround that applies to this environment (idempotent)."""
     fix_checkpoint_without_output_fp8_default()
+    allow_sequence_parallel_torch_norm()

@@ -100,8 +100,11 @@ class Trainer:
             vp_size=cfg["parallel"]["virtual_pipeline_model_parallel_size"],
         )
         self.counter = CheckpointCounter().install()
-        self.ledger = ActivationLedger()
-        self._record_ledger = False
+        self.ledger = ActivationLedger()  # one micro-batch through every model chunk of this rank
+        self.chunk_ledgers = [ActivationLedger() for _ in self.chunks]
+        self._ledger_pending: set[int] = set()  # chunks whose first forward is still to record
+        self.grad_norms: list[float | None] = []  # per optimizer step, before clipping
+        self._grad_norm: float | None = None
 
     def _build_optimizer(self) -> str:
         train = self.cfg["train"]
@@ -133,9 +136,10 @@ class Trainer:
 
     def _forward_step(self, data_iterator, model):
         batch = next(data_iterator)
-        if self._record_ledger:
-            self._record_ledger = False  # exactly one micro-batch
-            with self.ledger.record(self.chunks):
+        chunk = next((i for i, c in enumerate(self.chunks) if c is model), None)
+        if chunk in self._ledger_pending:
+            self._ledger_pending.discard(chunk)  # the first micro-batch through each model chunk
+            with self.chunk_ledgers[chunk].record([model]):
                 output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
         else:
             output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
@@ -145,14 +149,15 @@ class Trainer:
             losses = output_tensor.float().view(-1)
             mask = loss_mask.view(-1).float()
             loss = (losses * mask).sum() / mask.sum()
-            return loss, {"lm loss": loss.detach()}
+            return loss, {"lm loss": loss.detach().clone()}  # the schedule divides `loss` in place
 
         return output, loss_func
 
     def step(self, record_ledger: bool = False) -> float | None:
         """One optimizer step over all micro-batches; returns the mean loss (last stage) or None."""
         loss = self.compute_gradients(record_ledger)
-        self.optimizer.step()
+        stepped = self.optimizer.step()  # megatron's returns (ok, grad norm, zeros); AdamW None
+        self.grad_norms.append(stepped[1] if isinstance(stepped, tuple) else self._grad_norm)
         return loss
 
     def ledger_pass(self, disabled_labels: list[str] = ()) -> dict[str, int]:
@@ -169,7 +174,7 @@ class Trainer:
 
     def compute_gradients(self, record_ledger: bool = False) -> float | None:
         """Forward and backward over all micro-batches and the gradient reduction; no update."""
-        self._record_ledger = record_ledger
+        self._ledger_pending = set(range(len(self.chunks))) if record_ledger else set()
         if hasattr(self.chunks[0], "zero_grad_buffer"):
             for c in self.chunks:
                 c.zero_grad_buffer()
@@ -187,6 +192,11 @@ class Trainer:
             forward_only=False,
         )
         self._finalize_grads()
+        if record_ledger:  # the sum over this rank's chunks (a pipeline stage's layers)
+            self.ledger.bytes_by_kind = {
+                k: sum(l.bytes_by_kind.get(k, 0) for l in self.chunk_ledgers)
+                for k in self.chunk_ledgers[0].bytes_by_kind
+            }
         if losses:
             return float(torch.stack([l["lm loss"] for l in losses]).mean())
         return None
@@ -217,25 +227,16 @@ class Trainer:
         return sum(values) / len(values) if values else None
 
     def _finalize_grads(self) -> None:
-        """Data-parallel gradient reduction: megatron's on a GPU, a plain all-reduce on a CPU."""
-        from megatron.core import parallel_state as ps
-
+        """Gradient reduction: megatron's on a GPU; on a CPU the same reductions and global-norm
+        clipping over the same process groups (``recipes.parallel.reduce_gradients_cpu``)."""
         if self.optimizer_kind.startswith("megatron"):
             from megatron.core.distributed import finalize_model_grads
 
             finalize_model_grads(self.chunks)
             return
-        params = [p for c in self.chunks for p in c.parameters() if p.grad is not None]
-        if self.config.sequence_parallel:
-            for p in params:
-                if getattr(p, "sequence_parallel", False):
-                    torch.distributed.all_reduce(p.grad, group=ps.get_tensor_model_parallel_group())
-        if self.dp_size > 1:
-            for p in params:
-                torch.distributed.all_reduce(p.grad, group=ps.get_data_parallel_group())
-                p.grad.div_(self.dp_size)
-        if self.cfg["train"]["clip_grad"]:
-            torch.nn.utils.clip_grad_norm_(params, self.cfg["train"]["clip_grad"])
+        from recipes.parallel import reduce_gradients_cpu
+
+        self._grad_norm = reduce_gradients_cpu(self.chunks, self.config, self.cfg["train"]["clip_grad"])
 
 
 def _sync() -> None:
@@ -264,7 +265,9 @@ def train_and_measure(cfg: dict, result: dict, run_dir: Path | None = None) -> "
     if compat.cuda_available() and cfg["measure"]["memory_fraction"]:
         torch.cuda.set_per_process_memory_fraction(cfg["measure"]["memory_fraction"])
     t0 = time.perf_counter()
+    marks = result.setdefault("timeline", {})
     trainer = Trainer(cfg)
+    marks["built"] = time.time()
     result["num_parameters"] = num_parameters(trainer.chunks)
     result["optimizer"] = trainer.optimizer_kind
     result["precision"] = "bf16" if trainer.config.bf16 else "fp32"
@@ -286,11 +289,17 @@ def train_and_measure(cfg: dict, result: dict, run_dir: Path | None = None) -> "
         losses.append(trainer.step(record_ledger=(i == 0 and cfg["measure"]["ledger"])))
         maybe_evaluate(i + 1)
     _sync()
+    marks["warmed_up"] = time.time()
     result["setup_s"] = time.perf_counter() - t0
     result["ledger"] = {
         "bytes_by_kind": trainer.ledger.bytes_by_kind,
         "total_bytes": trainer.ledger.total_bytes,
     }
+    from recipes.parallel import pipeline_report  # micro-batches and ledger bytes in flight here
+
+    chunk_bytes = [l.total_bytes for l in trainer.chunk_ledgers] if cfg["measure"]["ledger"] else []
+    result["pipeline"] = pipeline_report(trainer.chunks, trainer.num_microbatches, trainer.config,
+                                         chunk_bytes)
     if labels and cfg["measure"]["ledger"]:
         # The matched control inside this run: the same micro-batch with the labels switched off.
         control = trainer.ledger_pass(labels)
@@ -298,6 +307,7 @@ def train_and_measure(cfg: dict, result: dict, run_dir: Path | None = None) -> "
         result["ledger"]["control_total_bytes"] = sum(control.values())
         alone = {l: sum(trainer.ledger_pass([l]).values()) for l in labels} if len(labels) > 1 else {}
         result["ledger"]["without_label_total_bytes"] = alone
+    marks["ledgers_done"] = time.time()
     static = memory_now()
     if compat.cuda_available():
         torch.cuda.reset_peak_memory_stats()
@@ -317,7 +327,9 @@ def train_and_measure(cfg: dict, result: dict, run_dir: Path | None = None) -> "
         for label, counts in trainer.counter.as_dict().items()
     }
     result["warnings"] = label_findings(result, labels)
+    marks["steady_done"] = time.time()
     result["loss"] = losses
+    result["grad_norm"] = list(trainer.grad_norms)  # before clipping, one per step
     if evals:
         result["eval_loss"] = evals
     median = statistics.median(times)
@@ -349,7 +361,7 @@ def train_and_measure(cfg: dict, result: dict, run_dir: Path | None = None) -> "
     if cfg["measure"]["profile"] != "none":
         from recipes.profile import profile_step  # one extra, profiled step (not timed)
 
-        result["profile"] = profile_step(trainer, cfg, run_dir)
+        result["profile"] = profile_step(trainer, cfg, run_dir, step_time_s=median)
     result["status"] = "ok"
     trainer.close()
     return trainer
@@ -363,9 +375,11 @@ def main(run_dir: str) -> int:
     rank = int(os.environ.get("RANK", 0))
     result: dict[str, Any] = {"rank": rank, "status": "failed", "host": socket.gethostname()}
     result["device"] = torch.cuda.get_device_name() if compat.cuda_available() else "cpu"
+    result["timeline"] = {"main_start": time.time()}
     exit_code = 0
     try:
         init_distributed(cfg)
+        result["timeline"]["distributed_ready"] = time.time()
         result["coords"] = rank_coordinates()
         train_and_measure(cfg, result, run)
     except LabelError as err:

@@ -1,0 +1,315 @@
+"""The guide's procedure applied to a measured sweep: which recompute choice to use for a budget.
+
+    python -m recipes.advise multirun/moe/defaults --budget-gib 80          # text for a person
+    python -m recipes.advise multirun/moe/defaults --budget-gib 80 --json   # JSON for a script
+
+In the guide's order: (1) is the pressure real allocation or allocator fragmentation (reserved well
+above allocated on some rank)? (2) among points whose every rank fits the budget, the one with the
+least step time, preferring no recompute, then selective labels, and full recompute only when
+nothing narrower fits; (3) whether an attention-backend change saves more than a recompute label;
+(4) when nothing fits, the closest point and what to try next.
+
+A GPU point fits when its highest peak *reserved* across ranks is within the budget (reserved is
+what the process holds from the device; it excludes the CUDA context and NCCL buffers, so keep some
+headroom). A CPU sweep has no allocator peaks: points are then compared on the activation ledger
+(bytes saved for backward in one micro-batch) and the budget is applied to the ledger alone, which
+leaves out weights, gradients and optimizer state: a ranking to confirm with a GPU sweep.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from recipes.report import NOISY_STEPS, find_results, rank_rows, recompute_order
+
+MIB = 2**20
+GIB = 2**30
+#: Fragmentation is flagged when reserved - allocated is at least this fraction of reserved ...
+FRAG_FRACTION = 0.10
+#: ... and at least this many GiB (small gaps are the allocator's normal rounding).
+FRAG_MIN_GIB = 0.5
+NO_RECOMPUTE = ("none", "control")
+
+
+def measured_candidates(sweep_dir: Path) -> list[dict]:
+    """One candidate per point: its worst numbers over ranks and its deltas against the control."""
+    rows = rank_rows(find_results(sweep_dir))
+    points: dict[str, dict] = {}
+    for r in rows:
+        c = points.setdefault(r["run_dir"] or r["point"], {  # two points may share a name, not a directory
+            "point": r["point"], "model": r["model"], "attention": r["attention"], "recompute": r["recompute"],
+            "status": r["point_status"] or r["status"], "source": "measured", "key": r["_key"],
+            "family_key": r["_family_key"], "ranks": [], "error": r.get("error"),
+        })
+        c["ranks"].append({k: r.get(k) for k in ("rank", "status", "peak_allocated_gib", "peak_reserved_gib",
+                                                  "fragmentation_gib", "ledger_bytes")})
+        if r["worst"] or r["rank"] is None:  # the worst rank's time and deltas speak for the point
+            c.update({k: r.get(k) for k in ("step_ms", "step_noise", "control", "d_peak_gib", "d_peak_pct",
+                                            "d_ledger_pct", "d_time_pct", "worst_rank") if r.get(k) is not None})
+            c["worst_rank"] = r["rank"]
+    for c in points.values():
+        def worst(key: str) -> float | None:
+            values = [x[key] for x in c["ranks"] if x.get(key) is not None]
+            return max(values) if values else None
+
+        c["peak_allocated_gib"], c["peak_reserved_gib"] = worst("peak_allocated_gib"), worst("peak_reserved_gib")
+        c["ledger_bytes"] = worst("ledger_bytes")
+    return list(points.values())
+
+
+def predicted_candidates(sweep_dir: Path) -> list[dict]:
+    """Seam for recipes.estimate: rows with ``source: "predicted"`` and the same keys as measured
+    ones. They are listed as worth measuring, never chosen. None yet (no estimator is wired in)."""
+    return []
+
+
+def fragmentation(candidates: list[dict]) -> list[dict]:
+    """Every rank whose reserved peak is well above its allocated peak (the guide's step 1)."""
+    found = []
+    for c in candidates:
+        for r in c["ranks"]:
+            alloc, reserved = r.get("peak_allocated_gib"), r.get("peak_reserved_gib")
+            if alloc is None or reserved is None:
+                continue
+            gap = reserved - alloc
+            if gap >= FRAG_MIN_GIB and gap >= FRAG_FRACTION * reserved:
+                found.append({"point": c["point"], "recompute": c["recompute"], "rank": r["rank"],
+                              "allocated_gib": alloc, "reserved_gib": reserved, "fragmentation_gib": gap,
+                              "fraction_of_reserved": gap / reserved})
+    return found
+
+
+def _memory(c: dict, gpu: bool) -> float | None:
+    """What fit is judged on, in GiB: highest peak reserved (GPU), else the ledger (CPU)."""
+    if gpu:
+        return c.get("peak_reserved_gib") if c.get("peak_reserved_gib") is not None else c.get("peak_allocated_gib")
+    return c["ledger_bytes"] / GIB if c.get("ledger_bytes") is not None else None
+
+
+def _pick(fitting: list[dict]) -> dict | None:
+    """No recompute first, then selective labels, full last; least step time within the class."""
+    for allowed in (lambda c: c["recompute"] in NO_RECOMPUTE,
+                    lambda c: not (c["recompute"] or "").startswith("full"),
+                    lambda c: True):
+        pool = [c for c in fitting if allowed(c) and c.get("step_ms") is not None]
+        if pool:
+            return min(pool, key=lambda c: (c["step_ms"], recompute_order(c["recompute"])))
+    return None
+
+
+def _attention_finding(measured: list[dict], gpu: bool) -> dict | None:
+    """Does switching attention backend save more memory than the best selective label does?"""
+    best = None
+    for base in [c for c in measured if c["recompute"] in NO_RECOMPUTE]:
+        others = [c for c in measured if c["family_key"] == base["family_key"] and c["attention"] != base["attention"]
+                  and c["recompute"] == base["recompute"]]
+        labels = [c for c in measured if c["key"] == base["key"] and c["recompute"] not in NO_RECOMPUTE
+                  and not (c["recompute"] or "").startswith("full")]  # selective labels
+        for alt in others:
+            saving = _memory(base, gpu) - _memory(alt, gpu)
+            top = max(labels, key=lambda c: _memory(base, gpu) - _memory(c, gpu), default=None)
+            label_saving = _memory(base, gpu) - _memory(top, gpu) if top else 0.0
+            if saving > label_saving and saving > 0 and (best is None or saving > best["saving_gib"]):
+                best = {"from": base["attention"], "to": alt["attention"], "control": base["recompute"],
+                        "saving_gib": saving, "d_time_pct": (alt["step_ms"] / base["step_ms"] - 1) * 100
+                        if alt.get("step_ms") and base.get("step_ms") else None,
+                        "best_label": top["recompute"] if top else None, "label_saving_gib": label_saving,
+                        "label_d_time_pct": top.get("d_time_pct") if top else None}
+    return best
+
+
+def advise(candidates: list[dict], budget_gib: float) -> dict:
+    """The advice as data (what ``--json`` prints); ``explain`` turns it into text."""
+    measured = [c for c in candidates if c["source"] == "measured"]
+    gpu = any(c.get("peak_allocated_gib") is not None for c in measured if c["status"] == "ok")
+    ok = [c for c in measured if c["status"] == "ok" and _memory(c, gpu) is not None]
+    for c in ok:
+        c["memory_gib"] = _memory(c, gpu)
+        c["fits"] = c["memory_gib"] <= budget_gib
+    fitting = [c for c in ok if c["fits"]]
+    choice = _pick(fitting)
+    closest = None if choice else min(ok, key=lambda c: c["memory_gib"], default=None)
+    slim = _public
+    return {
+        "budget_gib": budget_gib,
+        "basis": "peak_reserved_gib (highest over ranks)" if gpu else "ledger_bytes (CPU: no allocator peaks)",
+        "device": "gpu" if gpu else "cpu",
+        "fragmentation": fragmentation(ok + [c for c in measured if c["status"] == "oom"]) if gpu else [],
+        "choice": slim(choice),
+        "closest": slim(closest),
+        "faster_not_fitting": [slim(c) for c in ok if choice and not c["fits"] and c["step_ms"] < choice["step_ms"]],
+        "full_fitting": [slim(c) for c in fitting if (c["recompute"] or "").startswith("full") and c is not choice],
+        "attention": _attention_finding(ok, gpu),
+        "not_fitting": [slim(c) for c in measured if c["status"] == "oom"] + [slim(c) for c in ok if not c["fits"]],
+        "not_measured": [slim(c) for c in measured if c["status"] not in ("ok", "oom")],
+        "predicted": [slim(c) for c in candidates if c["source"] == "predicted"],
+        "full_measured": any((c["recompute"] or "").startswith("full") for c in ok),
+        "fits_if_defragmented": [_public(c) for c in ok if gpu and not c["fits"]
+                                 and (c.get("peak_allocated_gib") or budget_gib + 1) <= budget_gib],
+    }
+
+
+def _public(c: dict | None) -> dict | None:
+    """The keys of a candidate that the JSON output carries."""
+    keys = ("point", "model", "attention", "recompute", "status", "source", "memory_gib", "peak_allocated_gib",
+            "peak_reserved_gib", "ledger_bytes", "step_ms", "step_noise", "control", "d_peak_gib", "d_peak_pct",
+            "d_ledger_pct", "d_time_pct", "worst_rank", "fits", "error")
+    return None if c is None else {k: c.get(k) for k in keys if c.get(k) is not None}
+
+
+def _name(c: dict, choice: dict) -> str:
+    """The recompute label, or the whole point name where model or attention differ from the choice."""
+    same = all(c.get(k) == choice.get(k) for k in ("model", "attention"))
+    return c["recompute"] if same else c["point"]
+
+
+def _mem(value_gib: float, gpu: bool) -> str:
+    return f"{value_gib:.2f} GiB" if gpu else f"{value_gib * GIB / MIB:.2f} MiB"
+
+
+def _delta(c: dict, gpu: bool) -> str:
+    """``saves 2.10 GiB peak allocated (-12.0%), at +3.1% step time, against <control point>``."""
+    if not c.get("control"):
+        return "no matched control to compare with"
+    if gpu and c.get("d_peak_gib") is not None:
+        verb = "saves" if c["d_peak_gib"] <= 0 else "adds"
+        mem = f"{verb} {abs(c['d_peak_gib']):.2f} GiB peak allocated ({c['d_peak_pct']:+.1f}%)"
+    elif c.get("d_ledger_pct") is not None:
+        verb = "saves" if c["d_ledger_pct"] <= 0 else "adds"
+        mem = f"{verb} {abs(c['d_ledger_pct']):.1f}% of the activation ledger"
+    else:
+        mem = "has no memory delta"
+    time = f"{c['d_time_pct']:+.1f}% step time" if c.get("d_time_pct") is not None else "unmeasured step time"
+    return f"{mem}, at {time}, against {c['control']}"
+
+
+def explain(advice: dict, sweep_dir: str = "") -> str:
+    """A few sentences a person reads, citing the measured numbers."""
+    gpu, budget = advice["device"] == "gpu", advice["budget_gib"]
+    lines = [f"Advice for {sweep_dir} (budget {_mem(budget, gpu)}; judged on {advice['basis']})."]
+    if not gpu:
+        lines.append("CPU results: there are no allocator peaks, so points are compared on the activation ledger "
+                     "(bytes saved for backward in one micro-batch) and the budget applies to the ledger alone. "
+                     "Weights, gradients and optimizer state are not in it: run the sweep on a GPU to check the fit.")
+    frag = advice["fragmentation"]
+    if frag:
+        worst = max(frag, key=lambda f: f["fragmentation_gib"])
+        lines.append(f"1. Fragmentation: {len(frag)} rank(s) reserve well above what they allocate; worst "
+                     f"`{worst['point']}` rank {worst['rank']}: reserved {worst['reserved_gib']:.2f} GiB, allocated "
+                     f"{worst['allocated_gib']:.2f} GiB ({worst['fragmentation_gib']:.2f} GiB, "
+                     f"{worst['fraction_of_reserved']:.0%} of reserved, is cached but unused). Re-run with "
+                     "measure.expandable_segments=true (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True) before "
+                     "paying for recompute: the allocated peak is the real pressure.")
+    elif not gpu:
+        lines.append("1. Fragmentation: not measurable without an allocator; the GPU sweep's report shows it.")
+    else:
+        lines.append(f"1. Fragmentation: none; reserved is within {FRAG_FRACTION:.0%} (or {FRAG_MIN_GIB} GiB) of "
+                     "allocated on every rank, so the pressure is real allocation.")
+    c = advice["choice"]
+    if c:
+        held = f" reserved ({c['peak_allocated_gib']:.2f} GiB allocated)" if gpu else " ledger"
+        mem = _mem(c["memory_gib"], gpu) + held
+        if c["recompute"] in NO_RECOMPUTE:
+            head = f"2. Choice: no recompute (recompute={c['recompute']}): `{c['point']}` fits at {mem}"
+            why = "nothing needs replaying, so any recompute label would only add step time."
+        else:
+            head = f"2. Choice: recompute={c['recompute']} (`{c['point']}`) at {mem}, within the budget"
+            why = f"it {_delta(c, gpu)}."
+        text = f"{head}; {why} Step time {c['step_ms']:.1f} ms."
+        faster = advice["faster_not_fitting"]
+        if faster:
+            text += " Faster but over the budget: " + ", ".join(
+                f"{_name(f, c)} ({_mem(f['memory_gib'], gpu)}, {f['step_ms']:.1f} ms)" for f in faster) + "."
+        for f in advice["full_fitting"] if c["recompute"] not in NO_RECOMPUTE else []:
+            text += (f" {_name(f, c)} also fits ({_mem(f['memory_gib'], gpu)}) but {_delta(f, gpu)}: "
+                     "full recompute stays the last resort.")
+        if (c.get("step_noise") or 0) > NOISY_STEPS:
+            text += (f" Caution: its median step is {c['step_noise']:.0%} slower than its fastest, so the time "
+                     "comparison is contention, not recompute; re-run on an idle machine (rerun=true) "
+                     "before trusting it.")
+        lines.append(text)
+    else:
+        lines.append(_nothing_fits(advice, gpu))
+    a = advice["attention"]
+    if a:
+        cost = f"; step time {a['d_time_pct']:+.1f}%" if a.get("d_time_pct") is not None else ""
+        label = (f"the best selective label under {a['from']} "
+                 f"({a['best_label']} saves {_mem(a['label_saving_gib'], gpu)}"
+                 + (f", {a['label_d_time_pct']:+.1f}% step time)" if a.get("label_d_time_pct") is not None else ")")
+                 if a["best_label"] else "any recompute label measured")
+        lines.append(f"3. Attention: attention={a['to']} saves {_mem(a['saving_gib'], gpu)} against "
+                     f"attention={a['from']} (both with recompute={a['control']}{cost}), more than {label}. "
+                     "Change the backend before recomputing.")
+    for c in advice["not_fitting"]:
+        if c["status"] == "oom":
+            lines.append(f"- `{c['point']}`: ran out of memory (counts as not fitting): {c.get('error', '')}")
+    for c in advice["not_measured"]:
+        lines.append(f"- `{c['point']}`: {c['status']}, not a candidate: {(c.get('error') or '').splitlines()[0]}")
+    for c in advice["predicted"]:
+        lines.append(f"- `{c['point']}`: predicted, not measured ({_mem(c.get('memory_gib') or 0, gpu)}); worth a run.")
+    return "\n".join(lines)
+
+
+def _nothing_fits(advice: dict, gpu: bool) -> str:
+    near = advice["closest"]
+    if near is None:
+        return "2. Nothing was measured successfully: no point ran to completion (see the statuses below)."
+    over = near["memory_gib"] - advice["budget_gib"]
+    tries = []
+    if not advice["full_measured"]:
+        tries.append("recompute=full (the broadest memory effect, the largest replay cost)")
+    defrag = advice["fits_if_defragmented"]
+    if defrag:
+        tries.append("measure.expandable_segments=true first: " + ", ".join(
+            f"{c['recompute']} allocates {c['peak_allocated_gib']:.2f} GiB" for c in defrag)
+            + ", within the budget, so it may fit once the allocator stops fragmenting")
+    elif advice["fragmentation"]:
+        tries.append("measure.expandable_segments=true (reserved is above allocated)")
+    experts = "; expert parallel" if near.get("model") == "moe" else ""
+    tries += ["more parallelism to split activations across GPUs (parallel.tensor_model_parallel_size=2 with "
+              f"parallel.sequence_parallel=true; pipeline or context parallel{experts})",
+              "a smaller train.micro_batch_size or train.seq_length",
+              "activation offload (megatron's cpu_offloading: not with recompute, not with pipeline parallel > 1)"]
+    return (f"2. Nothing fits {_mem(advice['budget_gib'], gpu)}. Closest: recompute={near['recompute']} "
+            f"(`{near['point']}`) at {_mem(near['memory_gib'], gpu)}, {_mem(over, gpu)} over. Next: "
+            + "; ".join(tries) + ".")
+
+
+def positive_budget(text: str) -> float:
+    """argparse type: a positive number of GiB."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--budget-gib must be a number of GiB, got {text!r} (e.g. --budget-gib 80)")
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"--budget-gib must be a positive number of GiB, got {text!r}")
+    return value
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("sweep_dir", type=Path, help="a multirun/... sweep directory")
+    parser.add_argument("--budget-gib", type=positive_budget, required=True,
+                        help="memory per GPU to fit in, GiB (CPU sweeps: applied to the activation ledger)")
+    parser.add_argument("--json", action="store_true", help="print JSON for a script instead of text")
+    args = parser.parse_args(argv)
+    if not args.sweep_dir.is_dir():
+        print(f"error: {args.sweep_dir} is not a directory (give a multirun/<sweep>/<overrides> path)", file=sys.stderr)
+        return 2
+    if not find_results(args.sweep_dir):
+        print(f"error: no result.json under {args.sweep_dir}: run a sweep first (python train.py -m sweep=moe)",
+              file=sys.stderr)
+        return 2
+    candidates = measured_candidates(args.sweep_dir) + predicted_candidates(args.sweep_dir)
+    advice = advise(candidates, args.budget_gib)
+    advice["sweep_dir"] = str(args.sweep_dir)
+    advice["text"] = explain(advice, str(args.sweep_dir))
+    print(json.dumps(advice, indent=2, default=str) if args.json else advice["text"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,198 @@
+"""The advisor and the report on recorded results: synthetic sweeps written through the real schema.
+
+Each point is written the way a sweep writes it: worker rank files (``ranks/rank<N>.json``) merged
+by ``recipes.results.merge_result`` into ``result.json``. The numbers are the FACTS.md H200 rows
+(dense, unfused vs SDPA), plus an ``oom`` point and a second rank where the tests need one.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import compose
+from recipes import advise, report
+from recipes.results import merge_result, write_json_atomic
+
+#: (attention, recompute): (peak allocated GiB, peak reserved GiB, step s); None = out of memory.
+H200_DENSE = {
+    ("unfused", "none"): (38.9, 39.7, 0.196),
+    ("unfused", "control"): (38.9, 39.8, 0.197),
+    ("unfused", "selective/core_attn"): (18.0, 18.6, 0.247),
+    ("unfused", "selective/mlp"): (37.2, 40.7, 0.203),
+    ("unfused", "selective/layernorm"): None,
+    ("unfused", "full"): (13.3, 17.4, 0.266),  # fragmented: 4.1 GiB reserved above allocated
+    ("sdpa", "none"): (10.7, 11.0, 0.077),
+    ("sdpa", "control"): (10.7, 11.0, 0.078),
+    ("sdpa", "selective/core_attn"): (10.7, 11.0, 0.080),
+}
+_CONFIG = {}
+
+
+def _config(attention: str, recompute: str) -> dict:
+    """A real resolved config for the point (composed once per choice pair)."""
+    key = (attention, recompute)
+    if key not in _CONFIG:
+        _CONFIG[key] = compose(f"attention={attention}", f"recompute={recompute}", "size=h200")
+    return _CONFIG[key]
+
+
+def rank_result(rank: int, measured: tuple | None, ledger_bytes: int | None = None) -> dict:
+    """One worker rank file: ``measured`` = (allocated, reserved, step s) on a GPU, None = oom."""
+    result = {"rank": rank, "status": "ok", "host": "h200", "device": "NVIDIA H200",
+              "ledger": {"bytes_by_kind": {}, "total_bytes": ledger_bytes}}
+    if measured is None:
+        msg = "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 139.80 GiB"
+        result.update(status="oom", error=msg, memory_at_failure={
+            "allocated_gib": 70.1, "reserved_gib": 71.0, "peak_allocated_gib": 70.1, "peak_reserved_gib": 71.0})
+        return result
+    alloc, reserved, step = measured
+    if alloc is not None:
+        result["memory"] = {"peak_allocated_gib": alloc, "peak_reserved_gib": reserved,
+                            "static_allocated_gib": 2.0, "activation_gib": alloc - 2.0,
+                            "fragmentation_gib": reserved - alloc, "total_gib": 139.8}
+    result["timing"] = {"steps": 5, "step_time_s": step, "tokens_per_s": 8192 / step, "mfu": 0.3}
+    return result
+
+
+def write_point(sweep: Path, attention: str, recompute: str, ranks: list[dict]) -> Path:
+    """A sweep point directory holding result.json, merged from rank files like the controller does."""
+    run_dir = sweep / f"attention={attention}__recompute={recompute.replace('/', '.')}"
+    for r in ranks:
+        write_json_atomic(run_dir / "ranks" / f"rank{r['rank']}.json", r)
+    meta = {"name": f"standard_attn {attention} {recompute}", "run_dir": str(run_dir),
+            "choices": {"model": "standard_attn", "attention": attention, "recompute": recompute},
+            "config": _config(attention, recompute)}
+    write_json_atomic(run_dir / "result.json", merge_result(run_dir, meta, len(ranks), None))
+    return run_dir
+
+
+def make_sweep(root: Path, attentions=("unfused",), second_rank: dict | None = None) -> Path:
+    """The H200 dense sweep; ``second_rank`` maps recompute -> rank-1 numbers (else one rank)."""
+    for (attention, recompute), measured in H200_DENSE.items():
+        if attention in attentions:
+            ranks = [rank_result(0, measured)]
+            if second_rank and recompute in second_rank:
+                ranks.append(rank_result(1, second_rank[recompute]))
+            write_point(root, attention, recompute, ranks)
+    return root
+
+
+def run_advise(sweep: Path, budget: float) -> tuple[dict, str]:
+    advice = advise.advise(advise.measured_candidates(sweep), budget)
+    return advice, advise.explain(advice, str(sweep))
+
+
+def test_picks_narrow_label_over_full_and_flags_fragmentation(tmp_path):
+    advice, text = run_advise(make_sweep(tmp_path), budget=20)
+    assert advice["device"] == "gpu"
+    assert advice["choice"]["recompute"] == "selective/core_attn"  # full fits too, but it is last
+    assert [f["recompute"] for f in advice["full_fitting"]] == ["full"]
+    assert advice["choice"]["d_peak_gib"] == pytest.approx(18.0 - 38.9)  # against control
+    assert advice["choice"]["d_time_pct"] == pytest.approx((0.247 / 0.197 - 1) * 100)
+    assert advice["choice"]["control"] == "standard_attn unfused control"
+    frag = advice["fragmentation"]
+    assert [(f["recompute"], round(f["fragmentation_gib"], 2)) for f in frag] == [("full", 4.1)]
+    assert "expandable_segments" in text and "4.10 GiB" in text
+    assert "saves 20.90 GiB" in text and "+25.4% step time" in text and "last resort" in text
+    oom = [c["recompute"] for c in advice["not_fitting"] if c["status"] == "oom"]
+    assert oom == ["selective/layernorm"] and "ran out of memory" in text
+
+
+def test_full_only_when_nothing_narrower_fits(tmp_path):
+    advice, _ = run_advise(make_sweep(tmp_path), budget=18)
+    assert advice["choice"]["recompute"] == "full"
+
+
+def test_nothing_fits_names_closest_and_next_steps(tmp_path):
+    advice, text = run_advise(make_sweep(tmp_path), budget=15)
+    assert advice["choice"] is None
+    assert advice["closest"]["recompute"] == "full"
+    assert "2.40 GiB over" in text
+    assert [c["recompute"] for c in advice["fits_if_defragmented"]] == ["full"]  # 13.3 allocated
+    assert "expandable_segments" in text and "tensor_model_parallel_size" in text and "offload" in text
+    assert "recompute=full (the broadest" not in text  # full was measured: not suggested again
+
+
+def test_no_recompute_when_it_fits(tmp_path):
+    advice, text = run_advise(make_sweep(tmp_path), budget=100)
+    assert advice["choice"]["recompute"] == "none"
+    assert "no recompute" in text
+
+
+def test_worst_rank_decides_fit(tmp_path):
+    sweep = make_sweep(tmp_path, second_rank={"selective/core_attn": (19.5, 21.0, 0.250)})
+    advice, _ = run_advise(sweep, budget=20)
+    assert advice["choice"]["recompute"] == "full"  # core_attn's rank 1 reserves 21 GiB
+    rows = report.rank_rows(report.find_results(sweep))
+    core = [r for r in rows if r["recompute"] == "selective/core_attn"]
+    assert [(r["rank"], r["worst"], r["rank_label"]) for r in core] == [(0, False, "0"), (1, True, "1*")]
+
+
+def test_attention_backend_saves_more_than_a_label(tmp_path):
+    advice, text = run_advise(make_sweep(tmp_path, attentions=("unfused", "sdpa")), budget=20)
+    assert (advice["choice"]["attention"], advice["choice"]["recompute"]) == ("sdpa", "none")
+    a = advice["attention"]
+    assert (a["from"], a["to"], a["best_label"]) == ("unfused", "sdpa", "selective/core_attn")
+    assert a["saving_gib"] == pytest.approx({"none": 39.7, "control": 39.8}[a["control"]] - 11.0)
+    assert a["saving_gib"] > a["label_saving_gib"] == pytest.approx(39.8 - 18.6)
+    assert f"attention=sdpa saves {a['saving_gib']:.2f} GiB" in text and "before recomputing" in text
+
+
+def test_cpu_results_rank_by_ledger_and_say_so(tmp_path):
+    for recompute, ledger, step in (("none", 4 << 20, 0.010), ("control", 4 << 20, 0.010),
+                                    ("selective/core_attn", 3 << 20, 0.012), ("full", 1 << 20, 0.015)):
+        rank = rank_result(0, (None, None, step), ledger_bytes=ledger)
+        rank["device"] = "cpu"
+        write_point(tmp_path, "unfused", recompute, [rank])
+    advice, text = run_advise(tmp_path, budget=3.5 / 1024)  # 3.5 MiB of activations
+    assert advice["device"] == "cpu" and advice["basis"].startswith("ledger")
+    assert advice["choice"]["recompute"] == "selective/core_attn"
+    assert "CPU results" in text and "GPU" in text
+
+
+def test_report_rows_plot_and_csv(tmp_path):
+    sweep = make_sweep(tmp_path, second_rank={"full": (13.0, 14.0, 0.266)})
+    md = report.write_report(sweep)
+    rows = report.rank_rows(report.find_results(sweep))
+    full0 = next(r for r in rows if r["recompute"] == "full" and r["rank"] == 0)
+    assert full0["worst"] and full0["d_peak_gib"] == pytest.approx(13.3 - 38.9)
+    control = next(r for r in rows if r["recompute"] == "control")
+    assert control["control"] == "standard_attn unfused none"  # the control is compared with none
+    assert [r["recompute"] for r in report.point_rows(rows)][:2] == ["none", "control"]
+    front = report.pareto_front(report.point_rows(rows), "peak_allocated_gib")
+    assert [r["recompute"] for r in front] == ["none", "selective/mlp", "selective/core_attn", "full"]
+    assert "| 0* |" in md and "peak alloc GiB" in md and "oom" in md
+    png = sweep / "report.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    csv_lines = (sweep / "report.csv").read_text().splitlines()
+    assert len(csv_lines) == 1 + len(rows) and csv_lines[0].startswith("point,rank,worst")
+
+
+def test_json_output_for_scripts(tmp_path, capsys):
+    sweep = make_sweep(tmp_path)
+    assert advise.main([str(sweep), "--budget-gib", "20", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["choice"]["recompute"] == "selective/core_attn" and out["budget_gib"] == 20
+    assert out["text"].startswith("Advice for")
+
+
+@pytest.mark.parametrize("budget", ["0", "-3", "abc", "nan", "inf"])
+def test_bad_budget_is_refused(tmp_path, capsys, budget):
+    make_sweep(tmp_path)
+    with pytest.raises(SystemExit) as exc:
+        advise.main([str(tmp_path), "--budget-gib", budget])
+    assert exc.value.code == 2
+    assert "--budget-gib must be a" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("tool", ["advise", "report"])
+def test_directory_without_results(tmp_path, capsys, tool):
+    args = [str(tmp_path)] + (["--budget-gib", "80"] if tool == "advise" else [])
+    main = advise.main if tool == "advise" else report.main
+    assert main(args) == 2
+    assert "no result.json under" in capsys.readouterr().err
+    assert main([str(tmp_path / "missing")] + args[1:]) == 2
+    assert "is not a directory" in capsys.readouterr().err

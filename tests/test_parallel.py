@@ -1,0 +1,473 @@
+"""Scale-out: the parallel layouts, per-rank results, torchrun and Slurm launch, on a CPU with gloo.
+
+Fast tests refuse bad layouts and bad Slurm submissions, and check the pipeline bookkeeping against
+megatron's own schedule. Slow tests run ``train.py`` as a user would (2 gloo processes) and compare
+what each rank measured with a single-rank run in this process: TP2 with sequence parallel takes the
+same steps as TP1; pipeline stages' ledgers add up to the whole model's; a 2-"node" data-parallel
+run goes through the real submitit plugin against a fake Slurm (sbatch/srun/sacct on PATH).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from conftest import CONF, REPO, compose, train_in_process
+
+#: Short runs: 1 warm-up step (records the ledger) + 2 timed steps; no profiled step.
+QUICK = ("train.train_iters=3", "train.warmup_iters=1", "measure.profile=none")
+
+
+def refusal(*overrides: str, num_gpus: int = 0, te: bool = False):
+    from recipes.validate import ConfigError, validate
+
+    with pytest.raises(ConfigError) as info:
+        validate(compose(*overrides), num_gpus=num_gpus, te_available=te)
+    return info.value
+
+
+# --- the parallel group -------------------------------------------------------------------------
+
+#: Each layout with what its model needs; the file sets launcher.nproc_per_node to its world size.
+LAYOUTS = {
+    "single": ((), 1), "dp2": ((), 2), "tp2": (("model=moe",), 2), "tp2_nosp": ((), 2),
+    "pp2": ((), 2), "pp2_vpp2": (("model.num_layers=4",), 2), "ep2": (("model=moe",), 2),
+    "tp2_pp2": (("model=moe",), 4), "cp2": (("attention=te",), 2),
+}
+
+
+def test_every_layout_file_is_covered():
+    assert {p.stem for p in (Path(CONF) / "parallel").glob("*.yaml")} == set(LAYOUTS)
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_layout_sets_its_world_size_and_validates(layout):
+    from recipes.validate import validate
+
+    extra, world = LAYOUTS[layout]
+    cfg = compose(f"parallel={layout}", *extra)
+    par = cfg["parallel"]
+    assert cfg["launcher"]["nproc_per_node"] == world
+    assert world % (par["tensor_model_parallel_size"] * par["pipeline_model_parallel_size"]
+                    * par["context_parallel_size"]) == 0
+    if layout == "cp2":  # refused: no TE here, and with TE the worker does not split sequences yet
+        assert "needs Transformer Engine attention" in str(refusal(f"parallel={layout}"))
+        assert "get_batch_on_this_cp_rank" in str(refusal(f"parallel={layout}", *extra, te=True))
+        return
+    validate(cfg, num_gpus=0, te_available=False)
+
+
+BAD_LAYOUTS = [
+    (("parallel.tensor_model_parallel_size=2",), "launcher.nproc_per_node", "processes per model replica"),
+    (("parallel=tp2", "launcher.nproc_per_node=3"), "launcher.nproc_per_node", "multiple of 2"),
+    (("parallel.tensor_model_parallel_size=8", "launcher.nproc_per_node=8"),
+     "parallel.tensor_model_parallel_size", "4 heads are not divisible by TP=8"),
+    (("parallel.tensor_model_parallel_size=4", "launcher.nproc_per_node=4"),
+     "parallel.tensor_model_parallel_size", "2 query groups"),
+    (("parallel.sequence_parallel=true",), "parallel.sequence_parallel", "needs tensor parallel > 1"),
+    (("parallel=tp2", "train.seq_length=63"), "train.seq_length", "not divisible by TP=2"),
+    (("parallel.virtual_pipeline_model_parallel_size=2",),
+     "parallel.virtual_pipeline_model_parallel_size", "need pipeline parallel > 1"),
+    (("parallel=pp2", "parallel.virtual_pipeline_model_parallel_size=1"),
+     "parallel.virtual_pipeline_model_parallel_size", "no interleaving"),
+    (("parallel=pp2_vpp2",), "model.num_layers", "multiple of 4"),
+    (("parallel=pp2_vpp2", "model.num_layers=4", "train.global_batch_size=6"),
+     "train.global_batch_size", "multiple of PP=2"),
+    (("parallel=dp2", "train.global_batch_size=6"), "train.global_batch_size", "do not split"),
+    (("parallel=pp2", "model.untie_embeddings_and_output_weights=false"),
+     "model.untie_embeddings_and_output_weights", "need CUDA"),
+    (("parallel=ep2",), "parallel.expert_model_parallel_size", "needs model=moe"),
+    (("parallel=ep2", "model=moe", "model.num_moe_experts=3", "model.moe_router_topk=1"),
+     "parallel.expert_model_parallel_size", "3 experts do not split over EP=2"),
+    (("parallel=tp2_nosp", "model=moe"), "parallel.sequence_parallel", "MoE"),
+    (("parallel=tp2", "model=moe", "parallel.expert_tensor_parallel_size=2"),
+     "parallel.expert_tensor_parallel_size", "expert TP is 2"),
+    (("parallel=cp2",), "parallel.context_parallel_size", "Transformer Engine"),
+    (("launcher.nnodes=2",), "launcher.nnodes", "launcher=slurm"),
+    (("launcher.name=k8s",), "launcher", "unknown launcher"),
+]
+
+
+@pytest.mark.parametrize("overrides,option,problem", BAD_LAYOUTS, ids=lambda x: " ".join(x)
+                         if isinstance(x, tuple) else None)
+def test_bad_layout_is_refused_with_the_fix(overrides, option, problem):
+    err = refusal(*overrides)
+    assert err.option == option and problem in str(err) and err.fix
+
+
+def test_more_processes_than_gpus_is_refused():
+    err = refusal("parallel=tp2_pp2", "model=moe", num_gpus=2)
+    assert err.option == "launcher.nproc_per_node" and "2 GPU(s)" in err.problem
+
+
+# --- pipeline bookkeeping ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("m,pp,vpp", [(4, 2, None), (1, 2, None), (8, 4, None), (4, 2, 2), (8, 4, 2),
+                                      (6, 2, 3)])
+def test_pipeline_schedule_matches_megatron(monkeypatch, m, pp, vpp):
+    """Warm-up forwards as megatron's get_pp_rank_microbatches counts them, for every stage."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import schedules
+
+    from recipes.parallel import in_flight_bytes, pipeline_schedule
+
+    monkeypatch.setattr(ps, "get_pipeline_model_parallel_world_size", lambda *a, **k: pp)
+    monkeypatch.setattr(ps, "get_virtual_pipeline_model_parallel_world_size", lambda *a, **k: vpp)
+    for rank in range(pp):
+        monkeypatch.setattr(ps, "get_pipeline_model_parallel_rank", lambda *a, r=rank, **k: r)
+        _, _, warmup, _ = schedules.get_pp_rank_microbatches(m, vpp or 1, pp)
+        ours = pipeline_schedule(m, pp, rank, vpp or 1, pp)
+        assert ours["warmup_forwards"] == warmup
+        if vpp is None:  # 1F1B: the first stage holds pp micro-batches, the last one
+            assert ours["in_flight_microbatches"] == min(pp - rank, m)
+        chunk_bytes = [100 * (c + 1) for c in range(vpp or 1)]
+        assert in_flight_bytes(ours, chunk_bytes) == sum(chunk_bytes[c] for c in ours["chunk_order"])
+    # Korthikanti et al.: interleaving multiplies the first stage's activations by 1 + (p-1)/(p*v)
+    if vpp:
+        first = pipeline_schedule(m, pp, 0, vpp, pp)
+        assert first["in_flight_forwards"] / vpp == pytest.approx(pp * (1 + (pp - 1) / (pp * vpp)))
+
+
+def test_torch_norm_still_refuses_sequence_parallel():
+    """recipes.upstream.allow_sequence_parallel_torch_norm: delete it when this fails."""
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from recipes import upstream
+
+    upstream.allow_sequence_parallel_torch_norm()
+    config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2,
+                               tensor_model_parallel_size=2, sequence_parallel=True,
+                               normalization="RMSNorm", use_cpu_initialization=True)
+    with pytest.raises(AssertionError, match="sequence parallel"):
+        WrappedTorchNorm._recipes_original_new(WrappedTorchNorm, config, 8)
+    norm = WrappedTorchNorm(config, 8)
+    assert config.sequence_parallel and norm.weight.sequence_parallel  # marked for the TP sum
+
+
+def two_stage_result() -> dict:
+    """A merged PP2 result as the controller writes it (CPU: ledger, no allocator)."""
+    ranks = []
+    for rank, (ledger, in_flight, loss) in enumerate(((100, 200, [None]), (150, 150, [6.0]))):
+        ranks.append({"rank": rank, "status": "ok", "host": "h", "loss": loss,
+                      "coords": {"rank": rank, "tp": 0, "pp": rank, "cp": 0, "ep": 0, "dp": 0},
+                      "ledger": {"total_bytes": ledger, "bytes_by_kind": {"mlp": ledger}},
+                      "pipeline": {"in_flight_forwards": 2 - rank, "in_flight_ledger_bytes": in_flight,
+                                   "num_microbatches": 4, "num_model_chunks": 1},
+                      "timing": {"step_time_s": 0.01 * (rank + 1)}})
+    return {"name": "pp2", "status": "ok", "choices": {}, "ranks": ranks}
+
+
+def test_worst_rank_console_and_wandb_show_every_rank(capsys):
+    from recipes.controller import print_run
+    from recipes.logger import run_metrics
+    from recipes.results import worst_rank
+
+    result = two_stage_result()
+    result["worst_rank"] = worst_rank(result["ranks"])
+    assert result["worst_rank"] == 0  # the first stage holds more in flight, the last a larger ledger
+    print_run(result)
+    out = capsys.readouterr().out.splitlines()
+    assert out[1].startswith("  rank 0 (tp0 pp0 cp0 ep0 dp0) WORST") and "in flight" in out[1]
+    assert out[2].startswith("  rank 1 (tp0 pp1 cp0 ep0 dp0) | ok") and "loss 6.000" in out[2]
+    metrics = run_metrics(result)
+    assert metrics["worst_rank"] == 0 and metrics["rank1/coords/pp"] == 1
+    assert metrics["rank0/ledger/in_flight_bytes"] == 200 and metrics["rank1/perf/step_time_s"] == 0.02
+
+
+# --- torchrun and Slurm ------------------------------------------------------------------------
+
+def test_torchrun_commands():
+    from launch.torchrun import Rendezvous, torchrun_command
+
+    local = torchrun_command({"nproc_per_node": 2, "nnodes": 1, "master_port": 4321}, ["-m", "x"])
+    assert local[-2:] == ["-m", "x"] and "--nproc-per-node=2" in local
+    assert "--rdzv-endpoint=127.0.0.1:4321" in local
+    multi = torchrun_command({"nproc_per_node": 8, "nnodes": 2, "master_port": 0}, ["-m", "x"],
+                             Rendezvous(2, 1, "gpu01", 25000))
+    assert {"--nnodes=2", "--node-rank=1", "--master-addr=gpu01", "--master-port=25000"} <= set(multi)
+    with pytest.raises(ValueError, match="launcher=slurm"):
+        torchrun_command({"nproc_per_node": 8, "nnodes": 2, "master_port": 0}, ["-m", "x"])
+
+
+def test_slurm_rendezvous_from_the_job_environment():
+    from launch.slurm import expand_nodelist, slurm_rendezvous
+    from recipes.validate import ConfigError
+
+    assert expand_nodelist("gpu[01-03,07],login2") == ["gpu01", "gpu02", "gpu03", "gpu07", "login2"]
+    launcher = {"name": "slurm", "nproc_per_node": 8, "nnodes": 2, "master_port": 0}
+    env = {"SLURM_JOB_ID": "123456", "SLURM_NNODES": "2", "SLURM_NODEID": "1", "SLURM_NTASKS": "2",
+           "SLURM_JOB_NODELIST": "gpu[07-08]"}
+    rdzv = slurm_rendezvous(launcher, env)
+    assert (rdzv.nnodes, rdzv.node_rank, rdzv.master_addr, rdzv.master_port) == (2, 1, "gpu07", 23456)
+    for bad, option in (({}, "launcher=slurm"), ({**env, "SLURM_NNODES": "4"}, "launcher.nnodes"),
+                        ({**env, "SLURM_NTASKS": "16"}, "hydra.launcher.tasks_per_node")):
+        with pytest.raises(ConfigError) as info:
+            slurm_rendezvous(launcher, bad)
+        assert info.value.option == option and info.value.fix
+
+
+def compose_with_hydra(*overrides: str):
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    from recipes.config import register_configs
+
+    register_configs()
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        return hydra_compose(config_name="config", overrides=list(overrides), return_hydra_config=True)
+
+
+class FakeSinfo:
+    def __init__(self, partitions: str):
+        self.stdout = partitions
+
+
+@pytest.mark.parametrize("overrides,which,sinfo,option,problem", [
+    ((), {}, None, "hydra/launcher=submitit_slurm", "sbatch is not on PATH"),
+    (("launcher.nnodes=0",), {"sbatch"}, None, "hydra.launcher.nodes", "0 node(s)"),
+    (("hydra.launcher.tasks_per_node=8",), {"sbatch"}, None, "hydra.launcher.tasks_per_node", "8 tasks"),
+    (("hydra.launcher.nodes=2",), {"sbatch"}, None, "launcher.nnodes", "hydra.launcher.nodes=2"),
+    (("hydra.launcher.gpus_per_node=4", "launcher.nproc_per_node=8"), {"sbatch"}, None,
+     "launcher.nproc_per_node", "gpus_per_node=4"),
+    (("launcher.nproc_per_node=8",), {"sbatch"}, None, "hydra.launcher.cpus_per_task", "one CPU"),
+    (("hydra.launcher.partition=big",), {"sbatch", "sinfo"}, "gpu*\ncpu\n", "hydra.launcher.partition",
+     "'big' does not exist"),
+    ((), {"sbatch", "sinfo"}, "gpu\ncpu\n", "hydra.launcher.partition", "no default"),
+])
+def test_unreachable_slurm_submission_is_refused(overrides, which, sinfo, option, problem):
+    from launch.slurm import check_submission
+    from recipes.validate import ConfigError
+
+    cfg = compose_with_hydra("launcher=slurm", *overrides)
+    with pytest.raises(ConfigError) as info:
+        check_submission(cfg, which=lambda name: f"/bin/{name}" if name in which else None,
+                         run=lambda *a, **k: FakeSinfo(sinfo))
+    assert info.value.option == option and problem in str(info.value) and info.value.fix
+
+
+def test_a_reachable_slurm_submission_passes():
+    from launch.slurm import check_submission
+
+    cfg = compose_with_hydra("launcher=slurm", "launcher.nnodes=2", "launcher.nproc_per_node=8",
+                             "hydra.launcher.partition=gpu", "hydra.launcher.cpus_per_task=64")
+    check_submission(cfg, which=lambda name: f"/bin/{name}", run=lambda *a, **k: FakeSinfo("gpu\ncpu*"))
+
+
+def run_train(*args: str, path: str | None = None, timeout: int = 240) -> subprocess.CompletedProcess:
+    env = dict(os.environ, WANDB_MODE="disabled")
+    if path is not None:
+        env["PATH"] = path
+    return subprocess.run([sys.executable, str(REPO / "train.py"), *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_slurm_dry_run_writes_the_submission_without_a_cluster(tmp_path):
+    """dry_run=true writes submitit's sbatch script (no sbatch needed) and the per-node torchrun."""
+    proc = run_train("-m", "launcher=slurm", "hydra.launcher.partition=gpu", "launcher.nnodes=2",
+                     "launcher.nproc_per_node=8", "hydra.launcher.cpus_per_task=64",
+                     "hydra.launcher.timeout_min=30", "parallel=tp2_pp2",
+                     "recompute=none,full", "dry_run=true", f"hydra.sweep.dir={tmp_path}",
+                     path=str(Path(sys.executable).parent) + ":/usr/bin:/bin")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    script = (tmp_path / "slurm_dry_run.sbatch").read_text()
+    for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1", "#SBATCH --gpus-per-node=8",
+                 "#SBATCH --cpus-per-task=64", "#SBATCH --time=30", "#SBATCH --partition=gpu"):
+        assert line in script
+    assert "srun " in script and "submitit.core._submit" in script
+    assert "torch.distributed.run --nproc-per-node=8 --nnodes=2 --node-rank=$SLURM_NODEID" in proc.stdout
+    assert not list(tmp_path.glob("*/result.json"))  # nothing ran
+
+
+def test_slurm_without_sbatch_is_refused_before_submitting(tmp_path):
+    bare = str(Path(sys.executable).parent) + ":/usr/bin:/bin"
+    proc = run_train("-m", "launcher=slurm", f"hydra.sweep.dir={tmp_path}", path=bare)
+    assert proc.returncode == 2 and "sbatch is not on PATH" in proc.stderr and "fix:" in proc.stderr
+    single = run_train("hydra/launcher=submitit_slurm", path=bare)
+    assert single.returncode == 2 and "add -m" in single.stderr
+    assert not list(tmp_path.glob("**/result.json"))
+
+
+# --- multi-rank runs through train.py ----------------------------------------------------------
+
+def train_subprocess(tmp_path: Path, *overrides: str) -> tuple[dict, str]:
+    """``python train.py <overrides>`` into tmp_path: (result.json, console output)."""
+    proc = run_train(*QUICK, f"output_dir={tmp_path}", *overrides)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["status"] == "ok", result.get("error")
+    return result, proc.stdout
+
+
+def one_rank(megatron_world, *overrides: str) -> dict:
+    """The same run as a single rank in this process (TP=PP=EP=1)."""
+    return train_in_process(compose(*QUICK, *overrides))
+
+
+@pytest.mark.slow
+def test_tp2_with_sequence_parallel_takes_the_same_steps_as_tp1(tmp_path, megatron_world):
+    result, out = train_subprocess(tmp_path, "parallel=tp2")
+    ref = one_rank(megatron_world)
+    ranks = result["ranks"]
+    assert [r["coords"]["tp"] for r in ranks] == [0, 1] and result["worst_rank"] in (0, 1)
+    for r in ranks:  # weights split from the same CPU-initialized master weights, same data
+        assert r["loss"] == pytest.approx(ref["loss"], abs=1e-5)
+        assert r["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5)  # norm grads summed over TP
+        # sequence parallel splits every activation over the 2 ranks (Korthikanti: 34 sbh / t)
+        assert 0.45 < r["ledger"]["total_bytes"] / ref["ledger"]["total_bytes"] < 0.6
+    assert "rank 0 (tp0 pp0 cp0 ep0 dp0)" in out and "rank 1 (tp1 pp0 cp0 ep0 dp0)" in out
+    assert "WORST" in out
+
+
+@pytest.mark.slow
+def test_pp2_stages_hold_their_share_and_the_first_holds_more(tmp_path, megatron_world):
+    result, out = train_subprocess(tmp_path, "parallel=pp2")
+    ref = one_rank(megatron_world, "train.global_batch_size=8")
+    first, last = result["ranks"]
+    assert (first["coords"]["pp"], last["coords"]["pp"]) == (0, 1)
+    assert all(x is None for x in first["loss"]) and all(x > 5 for x in last["loss"])  # loss: last stage
+    assert first["grad_norm"] == pytest.approx(last["grad_norm"], rel=1e-6)  # one global norm
+    # the stages' ledgers (one micro-batch each) add up to the whole model's, byte for byte
+    assert first["ledger"]["total_bytes"] + last["ledger"]["total_bytes"] == ref["ledger"]["total_bytes"]
+    assert first["pipeline"]["num_microbatches"] == 4
+    assert (first["pipeline"]["in_flight_microbatches"], last["pipeline"]["in_flight_microbatches"]) == (2, 1)
+    assert first["pipeline"]["in_flight_ledger_bytes"] == 2 * first["ledger"]["total_bytes"]
+    assert result["worst_rank"] == 0  # more in flight, though the last stage's ledger is larger
+    assert "in flight" in out
+
+
+@pytest.mark.slow
+def test_pp2_vpp2_records_every_model_chunk(tmp_path, megatron_world):
+    result, _ = train_subprocess(tmp_path, "parallel=pp2_vpp2", "model.num_layers=4")
+    ref = one_rank(megatron_world, "model.num_layers=4", "train.global_batch_size=8")
+    chunks = [r["pipeline"]["chunk_ledger_bytes"] for r in result["ranks"]]
+    assert [len(c) for c in chunks] == [2, 2] and all(b > 0 for c in chunks for b in c)
+    assert sum(map(sum, chunks)) == ref["ledger"]["total_bytes"]
+    first = result["ranks"][0]["pipeline"]
+    assert first["schedule"] == "interleaved 1F1B" and first["layers_per_chunk"] == [1, 1]
+    assert (first["in_flight_forwards"], first["chunk_order"]) == (5, [0, 0, 1, 1, 0])
+    assert result["worst_rank"] == 0
+
+
+@pytest.mark.slow
+def test_ep2_ranks_route_their_own_tokens(tmp_path):
+    result, out = train_subprocess(tmp_path, "parallel=ep2", "model=moe")
+    a, b = result["ranks"]
+    assert (a["coords"]["ep"], b["coords"]["ep"]) == (0, 1) and (a["coords"]["dp"], b["coords"]["dp"]) == (0, 1)
+    assert a["loss"] != b["loss"]  # each data-parallel rank reads its own micro-batches
+    assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-6)  # expert norms summed over EP
+    assert a["ledger"]["bytes_by_kind"]["moe"] > 0 and b["ledger"]["bytes_by_kind"]["moe"] > 0
+    assert "ep1 dp1" in out
+
+
+FAKE_SLURM = {
+    # sbatch: record the submission, then run it in the background as Slurm would (array elements
+    # one after another), after submitit has moved its pickles into place.
+    "sbatch": r'''
+        import json, os, pathlib, re, subprocess, sys, time
+        log = pathlib.Path(os.environ["FAKE_SLURM_LOG"])
+        if sys.argv[1] != "--run":
+            script = pathlib.Path(sys.argv[-1]).read_text()
+            (log / "sbatch.json").write_text(json.dumps({"argv": sys.argv[1:], "script": script}))
+            (log / "job.sh").write_text(script)  # submitit moves its file once sbatch returns
+            subprocess.Popen([sys.executable, sys.argv[0], "--run", str(log / "job.sh")], start_new_session=True,
+                             stdout=open(log / "driver.log", "w"), stderr=subprocess.STDOUT)
+            print("Submitted batch job 4242")
+            sys.exit(0)
+        script = pathlib.Path(sys.argv[2]).read_text()
+        array = re.search(r"--array=0-(\d+)", script)
+        nodes = re.search(r"--nodes=(\d+)", script).group(1)
+        folder = re.search(r"_submit (\S+)", script).group(1).strip("'")
+        for i in range(int(array.group(1)) + 1 if array else 1):
+            job = f"4242_{i}" if array else "4242"
+            env = dict(os.environ, SLURM_JOB_ID=str(4243 + i) if array else "4242", SLURM_NNODES=nodes,
+                       SLURM_JOB_NUM_NODES=nodes,
+                       SLURM_JOB_NODELIST=",".join(["localhost"] * int(nodes)))
+            if array:
+                env.update(SLURM_ARRAY_JOB_ID="4242", SLURM_ARRAY_TASK_ID=str(i))
+            pickle = pathlib.Path(folder.replace("%j", job)) / f"{job}_submitted.pkl"
+            for _ in range(600):
+                if pickle.exists():
+                    break
+                time.sleep(0.1)
+            rc = subprocess.run(["bash", sys.argv[2]], env=env).returncode
+            (log / f"{job}.state").write_text("COMPLETED" if rc == 0 else "FAILED")
+        ''',
+    # srun: one task per node, with the ids Slurm gives it; output files as submitit names them
+    "srun": r'''
+        import os, subprocess, sys
+        args, opts = sys.argv[1:], {}
+        while args[0].startswith("--"):
+            flag = args.pop(0)
+            if flag in ("--output", "--error"):
+                opts[flag] = args.pop(0)
+        nodes = int(os.environ["SLURM_NNODES"])
+        def path(pattern, task):
+            for key, value in (("%A", os.environ.get("SLURM_ARRAY_JOB_ID", "")),
+                               ("%a", os.environ.get("SLURM_ARRAY_TASK_ID", "")),
+                               ("%j", os.environ["SLURM_JOB_ID"]), ("%t", str(task))):
+                pattern = pattern.replace(key, value)
+            os.makedirs(os.path.dirname(pattern), exist_ok=True)
+            return open(pattern, "a")
+        procs = [subprocess.Popen(args, env=dict(os.environ, SLURM_NODEID=str(k), SLURM_PROCID=str(k),
+                                                 SLURM_LOCALID="0", SLURM_NTASKS=str(nodes)),
+                                  stdout=path(opts["--output"], k), stderr=path(opts["--error"], k))
+                 for k in range(nodes)]
+        sys.exit(max(p.wait() for p in procs))
+        ''',
+    "sacct": r'''
+        import os, pathlib, sys
+        log = pathlib.Path(os.environ["FAKE_SLURM_LOG"])
+        print("JobID|State|NodeList")
+        for state in log.glob("*.state"):
+            print(f"{state.stem}|{state.read_text()}|localhost")
+        ''',
+}
+
+
+@pytest.mark.slow
+def test_slurm_two_nodes_through_submitit_against_a_fake_slurm(tmp_path, megatron_world):
+    """The real plugin submits to a fake sbatch; each "node" runs the controller and its torchrun.
+
+    2 nodes x 1 process, data parallel: both nodes' ranks land in one result, and the step equals a
+    single rank's with the 2 micro-batches (same samples, gradients averaged over the nodes).
+    """
+    bin_dir, log = tmp_path / "bin", tmp_path / "slurm"
+    bin_dir.mkdir()
+    log.mkdir()
+    for name, body in FAKE_SLURM.items():
+        tool = bin_dir / name
+        tool.write_text(f"#!{sys.executable}\n" + textwrap.dedent(body))
+        tool.chmod(tool.stat().st_mode | stat.S_IEXEC)
+    os.environ["FAKE_SLURM_LOG"] = str(log)
+    try:
+        sweep = tmp_path / "sweep"
+        proc = run_train("-m", "launcher=slurm", "hydra.launcher.partition=debug", "launcher.nnodes=2",
+                         "launcher.nproc_per_node=1", "hydra.launcher.timeout_min=10",
+                         "train.global_batch_size=4", *QUICK, f"hydra.sweep.dir={sweep}",
+                         path=f"{bin_dir}:{Path(sys.executable).parent}:/usr/bin:/bin", timeout=300)
+    finally:
+        del os.environ["FAKE_SLURM_LOG"]
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:] + (log / "driver.log").read_text()
+    submission = json.loads((log / "sbatch.json").read_text())
+    for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1", "#SBATCH --gpus-per-node=1",
+                 "#SBATCH --time=10", "#SBATCH --partition=debug"):
+        assert line in submission["script"]
+    (result_file,) = sweep.glob("*/result.json")
+    result = json.loads(result_file.read_text())
+    assert result["status"] == "ok", result.get("error")
+    assert "--nnodes=2 --node-rank=0 --master-addr=localhost" in result["launch_command"]
+    assert (result_file.parent / "worker.node1.log").exists()  # node 1 ran its own torchrun
+    ranks = result["ranks"]
+    assert [r["coords"]["dp"] for r in ranks] == [0, 1]
+    ref = one_rank(megatron_world, "train.global_batch_size=4")
+    mean_first_loss = (ranks[0]["loss"][0] + ranks[1]["loss"][0]) / 2
+    assert mean_first_loss == pytest.approx(ref["loss"][0], abs=1e-5)
+    assert ranks[0]["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5)

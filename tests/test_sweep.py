@@ -1,0 +1,176 @@
+"""Sweeps end to end: real ``train.py -m`` subprocesses of the tiny model on a CPU.
+
+A sweep is killed after its first point and re-run: the finished point is skipped, a worker crash
+is recorded and the sweep goes on, and the report's table, CSV and plot come out at the end. Each
+point costs a process start (~8 s), so the sweeps stay at three points and three steps.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import REPO, compose
+from recipes.results import load_result, write_json_atomic
+
+TINY = ["size=tiny", "train.train_iters=3", "train.warmup_iters=1"]
+SWEEP = ["-m", "sweep=standard_attn", "recompute=none,control,full", *TINY]
+#: Same command, same directory: multirun/<sweep file>/<the command line's overrides>.
+SWEEP_DIR = "multirun/standard_attn/recompute=none__control__full__size=tiny__train.train_iters=3__train.warmup_iters=1"
+POINT = "recompute={}__size=tiny__train.train_iters=3__train.warmup_iters=1"
+
+
+def _env() -> dict:
+    """This environment without the single-process world other tests export (RANK, MASTER_PORT...)."""
+    drop = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    return {k: v for k, v in os.environ.items() if k not in drop}
+
+
+def start(args: list[str], cwd: Path) -> subprocess.Popen:
+    """``train.py`` in its own session (so the whole sweep can be killed), output captured."""
+    return subprocess.Popen([sys.executable, str(REPO / "train.py"), *args], cwd=cwd, env=_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def wait_for(condition, proc: subprocess.Popen, timeout: float = 120.0):
+    """Poll ``condition()`` until it returns something truthy; fail if the sweep ends first."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        value = condition()
+        if value:
+            return value
+        assert proc.poll() is None, f"sweep ended early:\n{proc.stdout.read()}"
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    pytest.fail("timed out waiting for the sweep")
+
+
+def worker_pid(run_dir: Path) -> int | None:
+    """The pid of the worker process started for ``run_dir`` (its command line names the directory)."""
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                cmdline = (proc / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"recipes.worker" in cmdline and str(run_dir).encode() in cmdline:
+                return int(proc.name)
+    return None
+
+
+def test_sweep_survives_kill_and_crash_and_resumes(tmp_path):
+    sweep = tmp_path / SWEEP_DIR
+    first = sweep / POINT.format("none") / "result.json"
+    # 1. Killed (the whole process group) right after the first point finished.
+    proc = start(SWEEP, tmp_path)
+    wait_for(first.exists, proc)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert load_result(first)["status"] == "ok"
+    stamp = first.stat().st_mtime_ns
+    # 2. Same command: the finished point is skipped; the control's worker dies (SIGKILL, as the
+    #    kernel's OOM killer would), which is recorded as failed, and the sweep goes on to full.
+    proc = start(SWEEP, tmp_path)
+    os.kill(wait_for(lambda: worker_pid(sweep / POINT.format("control")), proc), signal.SIGKILL)
+    out, _ = proc.communicate(timeout=180)
+    assert proc.returncode == 0, out
+    assert first.stat().st_mtime_ns == stamp and out.count("[skip]") == 1
+    assert "[point 1/3] standard_attn sdpa none" in out and "[point 3/3]" in out and "ETA" in out
+    results = {r: load_result(sweep / POINT.format(r)) for r in ("none", "control", "full")}
+    assert {r: x["status"] for r, x in results.items()} == {"none": "ok", "control": "failed", "full": "ok"}
+    assert "exited with code -9" in results["control"]["error"]
+    full = results["full"]["ranks"][0]
+    none = results["none"]["ranks"][0]
+    assert full["ledger"]["total_bytes"] < none["ledger"]["total_bytes"]  # real measurements
+    md = (sweep / "report.md").read_text()
+    assert "standard_attn sdpa full" in md and "failed" in md and "ledger vs control" in md
+    csv_rows = (sweep / "report.csv").read_text().splitlines()
+    assert len(csv_rows) == 4 and csv_rows[0].startswith("point,rank,worst")
+    png = (sweep / "report.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+
+
+def test_same_command_same_directory(tmp_path):
+    """Dry-run sweeps (no workers): the directory follows the command, rerun/logger do not move it,
+    and a stored result counts only if it was measured with the same config."""
+    args = [sys.executable, str(REPO / "train.py"), "-m", "sweep=moe", "recompute=none,selective/moe_act",
+            "dry_run=true"]
+    done = subprocess.run([*args, "rerun=true"], cwd=tmp_path, env=_env(), capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    sweep = tmp_path / "multirun/moe/recompute=none__selective.moe_act"
+    points = sorted(p.parent for p in sweep.glob("*/config.yaml"))
+    assert [p.name for p in points] == ["recompute=none", "recompute=selective.moe_act"]
+    for point in points:  # results as if measured; the second one with another seed
+        config = yaml.safe_load((point / "config.yaml").read_text())
+        config["train"]["seed"] += point.name.endswith("moe_act")
+        write_json_atomic(point / "result.json", {"name": point.name, "status": "ok", "config": config, "ranks": []})
+    done = subprocess.run([*args, "logger=wandb"], cwd=tmp_path, env=_env(), capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert [p.name for p in (tmp_path / "multirun").glob("*/*")] == [sweep.name]
+    assert "[skip] moe sdpa none" in done.stdout
+    assert "[rerun] moe sdpa selective/moe_act: the stored result was measured with other train" in done.stdout
+
+
+def test_unknown_option_in_a_sweep_file_fails_before_any_point(tmp_path):
+    (tmp_path / "conf/sweep").mkdir(parents=True)
+    (tmp_path / "conf/sweep/bad.yaml").write_text(
+        "# @package _global_\nhydra:\n  mode: MULTIRUN\n  sweeper:\n    params:\n"
+        "      recompute: none,selective/no_such_label\n")
+    done = subprocess.run([sys.executable, str(REPO / "train.py"), "sweep=bad", *TINY,
+                           f"hydra.searchpath=[file://{tmp_path / 'conf'}]", f"hydra.sweep.dir={tmp_path / 'out'}"],
+                          cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert "selective/no_such_label" in done.stderr
+    assert not list(tmp_path.rglob("result.json")) and not list(tmp_path.rglob("config.yaml"))
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in (REPO / "conf/sweep").glob("*.yaml")))
+def test_every_sweep_point_composes_and_validates(name):
+    """Each sweep file names real options, and each of its points passes the pre-launch checks."""
+    from recipes.validate import validate
+
+    params = yaml.safe_load((REPO / f"conf/sweep/{name}.yaml").read_text())["hydra"]["sweeper"]["params"]
+    assert "none" in params["recompute"].split(",") and "control" in params["recompute"].split(",")
+    keys = list(params)
+    for values in itertools.product(*(str(params[k]).split(",") for k in keys)):
+        cfg = compose(f"sweep={name}", *(f"{k}={v}" for k, v in zip(keys, values)))
+        validate(cfg)
+
+
+def test_make_sweep_runs_the_sweep_file():
+    if subprocess.run(["which", "make"], capture_output=True).returncode:
+        pytest.skip("make is not installed")
+    done = subprocess.run(["make", "-n", "sweep", "SWEEP=moe", "ARGS=train.seq_length=128"], cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "train.py -m sweep=moe size=tiny train.seq_length=128" in done.stdout
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="a real out-of-memory needs a GPU")
+def test_gpu_oom_is_recorded_and_the_sweep_goes_on(tmp_path):
+    """A memory cap far below the tiny model's needs: that point is ``oom`` with the allocator's
+    numbers, the next point runs, and the advisor counts the oom point as not fitting."""
+    from recipes import advise
+
+    done = subprocess.run([sys.executable, str(REPO / "train.py"), "-m", "measure.memory_fraction=0.00001,null",
+                           *TINY, f"hydra.sweep.dir={tmp_path}"], cwd=REPO, env=_env(), capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    results = {r["config"]["measure"]["memory_fraction"]: r for r in
+               (load_result(p) for p in tmp_path.glob("*/result.json"))}
+    assert results[0.00001]["status"] == "oom" and results[None]["status"] == "ok"
+    assert results[0.00001]["ranks"][0]["memory_at_failure"]["reserved_gib"] is not None
+    advice = advise.advise(advise.measured_candidates(tmp_path), budget_gib=100)
+    assert advice["choice"]["status"] == "ok"
+    assert [c["status"] for c in advice["not_fitting"]] == ["oom"]
+    assert (tmp_path / "report.png").stat().st_size > 10_000
