@@ -41,5 +41,8 @@ report: install ## Table, CSV and plot of a sweep: make report [DIR=multirun/...
 advise: install ## The guide's choice for a budget: make advise [DIR=...] BUDGET=80
 	$(PY) -m recipes.advise $(DIR) --budget-gib $(BUDGET)
 
+data: install ## Real text without a download: Python stdlib sources -> data/stdlib_text_document (.bin/.idx)
+	$(PY) -m recipes.preprocess --stdlib --output-prefix data/stdlib --append-eod
+
 clean: ## Remove outputs/ and multirun/ (results of earlier runs)
 	rm -rf outputs multirun
