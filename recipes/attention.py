@@ -86,6 +86,13 @@ class _CoreAttention(MegatronModule):
             )
         return self._mask_cache[key]
 
+    def _is_causal(self, attention_mask, attn_mask_type, packed_seq_params, attention_bias) -> bool:
+        """Refuse what neither module supports; True when the causal mask applies."""
+        if packed_seq_params is not None or attention_bias is not None:
+            raise ValueError(f"{type(self).__name__} supports neither packed sequences nor attention bias")
+        mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
+        return mask_type == AttnMaskType.causal or attention_mask is None
+
     def _dropout_ctx(self):
         if self.dropout_p > 0 and not self.config.sequence_parallel:
             return tensor_parallel.get_cuda_rng_tracker().fork()
@@ -108,19 +115,14 @@ class UnfusedAttention(_CoreAttention):
         packed_seq_params=None,
         **_,
     ):
-        if packed_seq_params is not None or attention_bias is not None:
-            raise ValueError("UnfusedAttention supports neither packed sequences nor attention bias")
+        causal = self._is_causal(attention_mask, attn_mask_type, packed_seq_params, attention_bias)
         key, value = self._expand_groups(query, key, value)
         sq, b, np_, _ = query.shape
         sk = key.size(0)
         q = query.reshape(sq, b * np_, -1).transpose(0, 1)  # [b*np, sq, dk]
         k = key.reshape(sk, b * np_, -1).permute(1, 2, 0)  # [b*np, dk, sk]
         scores = torch.bmm(q, k).mul_(self.softmax_scale).view(b, np_, sq, sk)
-        mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
-        if mask_type == AttnMaskType.causal or attention_mask is None:
-            mask = self._causal_mask(sq, sk, scores.device)
-        else:
-            mask = attention_mask
+        mask = self._causal_mask(sq, sk, scores.device) if causal else attention_mask
         if self.config.attention_softmax_in_fp32 and scores.dtype != torch.float32:
             probs = torch.softmax(scores.float().masked_fill(mask, -10000.0), dim=-1)
             probs = probs.to(query.dtype)
@@ -148,14 +150,11 @@ class SDPAAttention(_CoreAttention):
         packed_seq_params=None,
         **_,
     ):
-        if packed_seq_params is not None or attention_bias is not None:
-            raise ValueError("SDPAAttention supports neither packed sequences nor attention bias")
+        causal = self._is_causal(attention_mask, attn_mask_type, packed_seq_params, attention_bias)
         sq, b, np_, _ = query.shape
         rep = query.size(2) // key.size(2)
         # [s, b, h, d] -> [b, h, s, d]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-        mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
-        causal = mask_type == AttnMaskType.causal or attention_mask is None
         with self._dropout_ctx():
             context = F.scaled_dot_product_attention(
                 q,

@@ -16,6 +16,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from launch.torchrun import free_port
 from recipes.results import load_result, merge_result, summary, write_json_atomic
 from recipes.validate import ConfigError, validate
 
@@ -75,14 +76,9 @@ def worker_environment(cfg: dict) -> dict[str, str]:
         env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
     if env.get("RANK") is None and cfg["launcher"]["nproc_per_node"] * cfg["launcher"]["nnodes"] == 1:
         env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     return env
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def in_multirun() -> bool:
