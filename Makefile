@@ -41,6 +41,9 @@ report: install ## Table, CSV and plot of a sweep: make report [DIR=multirun/...
 advise: install ## The guide's choice for a budget: make advise [DIR=...] BUDGET=80
 	$(PY) -m recipes.advise $(DIR) --budget-gib $(BUDGET)
 
+estimate: install ## Predicted memory per rank, no run: make estimate ARGS="model=moe size=h200 --all --budget-gib 80"
+	$(PY) -m recipes.estimate $(ARGS)
+
 data: install ## Real text without a download: Python stdlib sources -> data/stdlib_text_document (.bin/.idx)
 	$(PY) -m recipes.preprocess --stdlib --output-prefix data/stdlib --append-eod
 
