@@ -7,9 +7,10 @@ SWEEP ?= standard_attn
 DIR ?= $(shell ls -dt multirun/*/* 2>/dev/null | head -1)
 BUDGET ?= 80
 ARGS ?=
-# A Python >= 3.12 (megatron-core 0.17+ needs it): PYTHON=..., else python3.13/3.12 on PATH, else pyenv's 3.12.x.
-PYTHON ?= $(shell for p in python3.13 python3.12; do command -v $$p >/dev/null && { command -v $$p; exit; }; done; \
-	for v in $$(pyenv versions --bare 2>/dev/null | grep -E '^3\.1[2-9]' | sort -V | tail -1); do echo "$$(pyenv prefix $$v)/bin/python3"; done)
+# A Python >= 3.12 (megatron-core 0.17+ needs it): PYTHON=..., else the first of python3.12, python3 on
+# PATH, then pyenv's 3.12.x, 3.13.x, ... that actually runs and is >= 3.12 (pyenv shims may not).
+PYTHON ?= $(shell for p in python3.12 python3 $$(for v in $$(pyenv versions --bare 2>/dev/null | grep -E '^3\.(1[2-9]|[2-9][0-9])(\.|$$)' | sort -V); do echo "$$(pyenv prefix $$v)/bin/python3"; done); do \
+	$$p -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null && { command -v $$p; exit; }; done)
 
 .PHONY: help install run test sweep report advise estimate bench data clean
 
