@@ -1,0 +1,369 @@
+"""What one transformer layer keeps for backward, term by term, in megatron-core's local spec.
+
+Each term is a tensor autograd keeps for backward in megatron-core 0.19.2 with our core attention
+(``recipes.attention``) and experts (``recipes.experts``), counted the way ``recipes.ledger`` counts:
+unique storages (a saved view counts its whole storage), parameters excluded, outputs discarded by
+output-discarding checkpoints (``layernorm``, ``mla_up_proj``, ``moe_act``) counted as 0, tensors
+freed before the forward ends (the aux loss's unused top-k values) not counted. The terms were read
+off an instrumented ledger (every saved tensor's shape, dtype, op and module kind) for each family,
+backend and label on the CPU (fp32) and on an H200 (bf16, torch 2.11), then written symbolically.
+
+How each recompute label changes them: ``core_attn`` keeps q, k, v (+ a 4-byte mask-type tensor)
+as checkpoint inputs and drops core attention's own tensors; ``mlp`` and ``moe`` keep their input
+only; ``layernorm`` drops both norms' internals and outputs and keeps their inputs; ``mla_up_proj``
+drops the expanded q, k, v wherever they are saved and keeps the compressed latents, k_pos_emb and
+the rotary freqs; ``moe_act`` drops the expert activation output and keeps its input and the router
+probs; ``shared_experts`` drops the shared experts' tensors (their input is the router's).
+
+Device-dependent terms (``Dims.device``): RMSNorm is torch's fused kernel on CUDA (input + fp32
+rstd) and a composite on CPU (also the normalized tensor); dropout masks are bool on CUDA and
+input-dtype noise on CPU; SDPA is cuDNN/flash on CUDA (q, k, v, output, fp32 logsumexp, RNG seed and
+offset) and on CPU flash, or the math path (scaled q/k copies, probabilities) with dropout or with
+q/v head dims that differ (MLA). Where all this departs from Korthikanti et al. 2022: ``recipes.paper``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from recipes.validate import ConfigError, recompute_labels, validate
+
+#: The families whose terms are modeled.
+FAMILIES = ("standard_attn", "mla", "moe")
+
+
+@dataclass(frozen=True)
+class Dims:
+    """Everything the terms need, per rank: sizes after tensor/context/expert partitioning."""
+
+    family: str
+    backend: str
+    device: str  # cuda | cpu
+    e: int  # bytes per activation element (2 bf16, 4 fp32)
+    mask: int  # bytes per dropout-mask element (bool on CUDA, input dtype on CPU)
+    s: int  # sequence on this rank (S / cp): attention, MLP, logits
+    s_sp: int  # sequence in sequence-parallel regions (s / tp with SP): norms, residual, dropout
+    b: int
+    h: int
+    tp: int
+    ep: int
+    np: int  # query heads on this rank
+    ng: int  # key/value groups on this rank (MLA: = np)
+    dq: int  # query/key head dim (MLA: qk_head_dim + qk_pos_emb_head_dim)
+    dv: int
+    rope: int  # rotary dims per head (0 without RoPE)
+    model: dict
+    labels: frozenset  # selective labels in force
+    full: bool
+
+
+def _resolve_device(device: str) -> str:
+    if device == "auto":
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device not in ("cuda", "cpu"):
+        raise ConfigError("--device", f"unknown device {device!r}", "use cuda, cpu or auto")
+    return device
+
+
+def check_modeled(cfg: dict, device: str) -> None:
+    """Refuse, by name, what the estimator does not model (never estimate it as something else)."""
+    m, par, backend = cfg["model"], cfg["parallel"], cfg["attention"]["backend"]
+    if m["family"] == "gdn":
+        raise ConfigError("model=gdn", "the estimator does not model GatedDeltaNet layers (their "
+                          "fla kernels save other tensors than attention)",
+                          "measure it: python train.py -m sweep=gdn (the ledger counts every saved tensor)")
+    if backend == "te":
+        raise ConfigError("attention=te", "the estimator does not model Transformer Engine (its fused "
+                          "attention and norm+linear modules save other tensors)",
+                          "estimate attention=sdpa or attention=unfused")
+    if m["family"] not in FAMILIES:
+        raise ConfigError("model", f"family {m['family']!r} is not modeled by the estimator",
+                          f"use model=<one of {', '.join(FAMILIES)}>")
+    if backend not in ("sdpa", "unfused"):
+        raise ConfigError("attention", f"unknown backend {backend!r}", "use attention=sdpa or unfused")
+    refuse = [
+        (m["normalization"] not in ("RMSNorm", "LayerNorm"), "model.normalization",
+         f"{m['normalization']!r} is not modeled", "use RMSNorm or LayerNorm"),
+        (m["position_embedding_type"] not in ("rope", "learned_absolute", "none"),
+         "model.position_embedding_type", f"{m['position_embedding_type']!r} is not modeled",
+         "use rope, learned_absolute or none"),
+        (m["bias_activation_fusion"] and not m["gated_linear_unit"], "model.bias_activation_fusion",
+         "megatron's fused GELU needs biases, which this repository refuses", "set it false"),
+        (par["context_parallel_size"] > 1, "parallel.context_parallel_size",
+         "context parallel needs Transformer Engine attention, which is not modeled", "use 1"),
+    ]
+    if m["family"] == "moe":
+        refuse += [
+            (m["moe_token_dispatcher_type"] != "allgather", "model.moe_token_dispatcher_type",
+             f"the {m['moe_token_dispatcher_type']} dispatcher is not modeled", "use allgather"),
+            (m["moe_router_load_balancing_type"] not in ("aux_loss", "none"),
+             "model.moe_router_load_balancing_type",
+             f"{m['moe_router_load_balancing_type']!r} is not modeled", "use aux_loss or none"),
+            (m["moe_shared_expert_overlap"], "model.moe_shared_expert_overlap",
+             "shared-expert overlap is not modeled", "set it false"),
+            ((par["expert_tensor_parallel_size"] or par["tensor_model_parallel_size"]) > 1,
+             "parallel.expert_tensor_parallel_size", "expert tensor parallel > 1 is not modeled "
+             "(grouped experts refuse it)", "set parallel.expert_tensor_parallel_size=1"),
+        ]
+    for bad, option, problem, fix in refuse:
+        if bad:
+            raise ConfigError(option, problem, fix)
+    from recipes.model import resolve_precision
+
+    precision = resolve_precision(cfg["train"]["precision"], device == "cuda")
+    if device == "cpu" and precision != "fp32":
+        raise ConfigError("train.precision", "CPU runs are modeled in fp32 only", "use precision=auto")
+    if device == "cuda" and precision != "bf16" and backend == "sdpa":
+        raise ConfigError("train.precision", "SDPA kernels other than cuDNN/flash (fp32) are not "
+                          "modeled", "use train.precision=bf16 (auto), or attention=unfused")
+
+
+def dims(cfg: dict, device: str = "auto") -> Dims:
+    """The per-rank sizes of ``cfg`` (validated, refused when not modeled)."""
+    device = _resolve_device(device)
+    check_modeled(cfg, device)
+    validate(cfg, num_gpus=0, te_available=False)
+
+    m, par, t = cfg["model"], cfg["parallel"], cfg["train"]
+    tp, cp = par["tensor_model_parallel_size"], par["context_parallel_size"]
+    s = t["seq_length"] // cp
+    heads, h = m["num_attention_heads"], m["hidden_size"]
+    if m["family"] == "mla":
+        dq, dv, groups = m["qk_head_dim"] + m["qk_pos_emb_head_dim"], m["v_head_dim"], heads
+        rope = m["qk_pos_emb_head_dim"]
+    else:
+        dq = dv = m["kv_channels"] or h // heads
+        groups = m["num_query_groups"] or heads
+        rope = dq if m["position_embedding_type"] == "rope" else 0
+    e = 2 if device == "cuda" and t["precision"] in ("auto", "bf16") else 4
+    return Dims(m["family"], cfg["attention"]["backend"], device, e, 1 if device == "cuda" else e,
+                s, s // tp if par["sequence_parallel"] else s, t["micro_batch_size"], h, tp,
+                par["expert_model_parallel_size"], heads // tp, groups // tp, dq, dv, rope, m,
+                frozenset(recompute_labels(cfg)), cfg["recompute"]["recompute_granularity"] == "full")
+
+
+# --- terms: (kind, what, bytes) for one layer, one micro-batch -------------------------------------
+Term = tuple[str, str, int]
+
+
+def norm_terms(d: Dims, name: str, rows: int, width: int, kind: str = "norm") -> list[Term]:
+    """A norm keeps its input and fp32 statistics; the CPU's composite rms_norm also the normalized
+    tensor. Its output is a new storage, counted where it is consumed."""
+    x = d.e * rows * width
+    if d.model["normalization"] == "LayerNorm":
+        return [(kind, f"{name} input", x), (kind, f"{name} mean, rstd (fp32)", 8 * rows)]
+    terms = [(kind, f"{name} input", x), (kind, f"{name} rstd (fp32)", 4 * rows)]
+    if d.device == "cpu":
+        terms.append((kind, f"{name} normalized (composite rms_norm)", x))
+    return terms
+
+
+def core_attention_terms(d: Dims, q: int, k: int, v_whole: int) -> tuple[list[Term], bool]:
+    """Core attention's saved tensors, and whether the context it returns is a fresh copy (counted
+    where linear_proj saves it) rather than a view of a storage already counted here. ``q``/``k``/
+    ``v_whole`` are the storages of the tensors it is given (v is a view of ``v_whole``)."""
+    sb, probs = d.s * d.b, d.b * d.np * d.s * d.s
+    rep = d.np // d.ng
+    kv_expanded = d.e * sb * d.np * d.dv
+    dropout = d.model["attention_dropout"] > 0
+    if d.backend == "sdpa":
+        if d.device == "cuda":  # cuDNN / flash: inputs, output, fp32 logsumexp, Philox seed+offset
+            return [("core_attn", "q", q), ("core_attn", "k", k), ("core_attn", "v", v_whole),
+                    ("core_attn", "output", d.e * sb * d.np * d.dv),
+                    ("core_attn", "logsumexp (fp32)", 4 * d.b * d.np * d.s),
+                    ("core_attn", "rng seed, offset", 16)], False
+        if not dropout and d.dq == d.dv:  # torch's CPU flash kernel
+            return [("core_attn", "q", q), ("core_attn", "k", k), ("core_attn", "v", v_whole),
+                    ("core_attn", "output", d.e * sb * d.np * d.dv),
+                    ("core_attn", "logsumexp (fp32)", 4 * d.b * d.np * d.s)], False
+        terms = [("core_attn", "scaled q (math path)", d.e * sb * d.np * d.dq),
+                 ("core_attn", "scaled k (math path)", d.e * sb * d.np * d.dq),
+                 ("core_attn", "probabilities", d.e * probs),
+                 ("core_attn", "v", kv_expanded if rep > 1 else v_whole)]
+        if dropout:
+            terms += [("core_attn", "dropout mask", d.mask * probs),
+                      ("core_attn", "dropout output", d.e * probs)]
+        return terms, True
+    fp32_softmax = d.model["attention_softmax_in_fp32"] and d.e < 4
+    terms = [("core_attn", "q", q),
+             ("core_attn", "k (GQA-expanded)" if rep > 1 else "k", kv_expanded if rep > 1 else k),
+             ("core_attn", "v (GQA-expanded)" if rep > 1 else "v", kv_expanded if rep > 1 else v_whole),
+             ("core_attn", "causal mask (bool)", d.s * d.s),
+             ("core_attn", "softmax output" + (" (fp32)" if fp32_softmax else ""),
+              (4 if fp32_softmax else d.e) * probs)]
+    if dropout:
+        terms += [("core_attn", "dropout mask", d.mask * probs),
+                  ("core_attn", "dropout output", d.e * probs)]
+    elif fp32_softmax:
+        terms.append(("core_attn", "probabilities cast back", d.e * probs))
+    return terms, True
+
+
+def mla_projection_terms(d: Dims) -> list[Term]:
+    """MLA's compressed q / kv, their optional norms, the up-projection inputs and RoPE.
+
+    The down-projection outputs are full-sequence storages (under TP they are gathered over the
+    hidden dim first): q_compressed (q_lora wide) and kv_combined (kv_lora + rope wide). Under
+    sequence parallel (TP > 1) kv_compressed is scattered into a fresh sequence shard while
+    q_compressed stays a view of the whole, and k_pos_emb always is a view of kv_combined.
+    """
+    m, e, L = d.model, d.e, d.labels
+    rows, sb, q_lora, kv_lora = d.s_sp * d.b, d.s * d.b, m["q_lora_rank"], m["kv_lora_rank"]
+    kv_whole = e * sb * (kv_lora + m["qk_pos_emb_head_dim"])
+    kv_copy = d.tp > 1 and d.s_sp < d.s
+    kvc = e * rows * kv_lora if kv_copy else kv_whole  # the storage kv_compressed lives in
+    terms: list[Term] = []
+    if q_lora and m["qk_layernorm"]:
+        terms += [("norm", "q_layernorm input (q_down output)", e * sb * q_lora)]
+        terms += norm_terms(d, "q_layernorm", rows, q_lora)[1:]
+        terms.append(("attn_proj", "q_up input (q_layernorm output)", e * rows * q_lora))
+    elif q_lora:
+        terms.append(("attn_proj", "q_up input (q_down output)", e * sb * q_lora))
+    if m["qk_layernorm"]:
+        terms += [("norm", "kv_layernorm input (kv_compressed)", kvc)]
+        terms += norm_terms(d, "kv_layernorm", rows, kv_lora)[1:]
+        terms.append(("attn_proj", "kv_up input (kv_layernorm output)", e * rows * kv_lora))
+    else:
+        terms.append(("attn_proj", "kv_up input (kv_compressed)", kvc))
+    if "mla_up_proj" in L:  # checkpoint inputs: the compressed tensors, k_pos_emb, rotary freqs
+        terms.append(("attn_proj", "mla_up_proj checkpoint: rotary freqs (fp32)", 4 * d.s * d.rope))
+        if kv_copy:
+            terms.append(("attn_proj", "mla_up_proj checkpoint: k_pos_emb (kv_combined)", kv_whole))
+    else:
+        terms.append(("attn_proj", "RoPE cos, sin (q and k)", 4 * e * d.s * d.rope))
+    return terms
+
+
+def attention_terms(d: Dims) -> list[Term]:
+    """Input norm, projections, RoPE and core attention of one layer (standard or MLA)."""
+    L, sb, sb_sp, e = d.labels, d.s * d.b, d.s_sp * d.b, d.e
+    ln = "layernorm" in L
+    terms: list[Term] = [("other", "input norm checkpoint input", e * sb_sp * d.h)] if ln else (
+        norm_terms(d, "input norm", sb_sp, d.h) + [("attn_proj", "qkv input (norm output)", e * sb_sp * d.h)])
+    m = d.model
+    if d.family == "mla":
+        terms += mla_projection_terms(d)
+        up = "mla_up_proj" in L
+        q = k = 0 if up else e * sb * d.np * d.dq  # discarded outputs count 0
+        v_whole = 0 if up else e * sb * d.np * d.dv
+    else:
+        qkv = e * sb * (d.np + 2 * d.ng) * d.dq  # linear_qkv output; v is a view of it
+        q, k, v_whole = e * sb * d.np * d.dq, e * sb * d.ng * d.dq, qkv
+        if not d.rope and not m["qk_layernorm"]:  # q, k stay views of the qkv output, except that
+            q, k = (q if d.np > d.ng else 0), 0   # GQA's reshape of q to heads copies it
+        if m["qk_layernorm"]:  # q is a reshaped copy; k a view of the qkv output, which it claims
+            terms += norm_terms(d, "q_layernorm", sb * d.np, d.dq)
+            terms += [("norm", "k_layernorm input (qkv output)", qkv)]
+            terms += norm_terms(d, "k_layernorm", sb * d.ng, d.dq)[1:]
+            v_whole = 0
+        if d.rope:
+            terms.append(("attn_proj", "RoPE cos, sin (q and k)", 4 * e * d.s * d.rope))
+    if "core_attn" in L:
+        terms += [("attn_proj", "core_attn checkpoint: q", q), ("attn_proj", "core_attn checkpoint: k", k),
+                  ("attn_proj", "core_attn checkpoint: v", v_whole),
+                  ("attn_proj", "core_attn checkpoint: mask type (int32)", 4),
+                  ("attn_proj", "linear_proj input (context)", e * sb * d.np * d.dv)]
+    else:
+        core, copy = core_attention_terms(d, q, k, v_whole)
+        terms += core
+        if copy:
+            terms.append(("attn_proj", "linear_proj input (context)", e * sb * d.np * d.dv))
+    if m["hidden_dropout"] > 0:
+        terms.append(("other", "attention residual dropout mask", d.mask * sb_sp * d.h))
+    return terms
+
+
+def activation_terms(d: Dims, ffn: int, tokens: int, kind: str = "mlp", what: str = "",
+                     expert: bool = False) -> list[Term]:
+    """FC1 output through FC2 input of a (dense, shared or expert) MLP on ``tokens`` rows."""
+    fused, moe_act = d.model["bias_activation_fusion"], expert and "moe_act" in d.labels
+    e, glu = d.e, d.model["gated_linear_unit"]
+    fc1 = e * tokens * ffn * (2 if glu else 1)
+    if moe_act:  # the activation's input stays (checkpoint input), its output is discarded
+        return [(kind, f"{what}fc1 output (moe_act checkpoint input)", fc1)]
+    out = e * tokens * ffn
+    if fused:  # bias_swiglu: keeps its input, output goes to FC2
+        return [(kind, f"{what}fc1 output (fused SwiGLU input)", fc1), (kind, f"{what}fc2 input", out)]
+    terms = [(kind, f"{what}fc1 output", fc1)]
+    if glu:  # act(x_glu) * (x_linear + offset) saves act(x_glu) and the fresh x_linear + offset
+        terms += [(kind, f"{what}activation output", out), (kind, f"{what}x_linear + offset", out)]
+    if expert:  # (activation * router prob) saves the activation once more
+        terms.append((kind, f"{what}activation before the router prob", out))
+    return terms + [(kind, f"{what}fc2 input", out)]
+
+
+def mlp_terms(d: Dims) -> list[Term]:
+    """Pre-MLP norm and the dense MLP (or the MoE layer) of one layer."""
+    L, sb_sp, e, m = d.labels, d.s_sp * d.b, d.e, d.model
+    ln = "layernorm" in L
+    terms: list[Term] = [("other", "pre-MLP norm checkpoint input", e * sb_sp * d.h)] if ln else (
+        norm_terms(d, "pre-MLP norm", sb_sp, d.h))
+    norm_out = 0 if ln else e * sb_sp * d.h
+    if d.family == "moe":
+        terms += moe_terms(d, norm_out)
+    elif "mlp" in L:
+        terms.append(("other", "mlp checkpoint input (norm output)", norm_out))
+    else:
+        terms.append(("mlp", "fc1 input (norm output)", norm_out))
+        terms += activation_terms(d, m["ffn_hidden_size"] // d.tp, d.s * d.b)
+    if m["hidden_dropout"] > 0:
+        terms.append(("other", "MLP residual dropout mask", d.mask * sb_sp * d.h))
+    return terms
+
+
+def moe_terms(d: Dims, norm_out: int) -> list[Term]:
+    """Router, allgather dispatcher, experts and shared experts of one MoE layer."""
+    m, e, L = d.model, d.e, d.labels
+    if "moe" in L:
+        return [("moe", "moe checkpoint input (norm output)", norm_out)]
+    E, k, T = m["num_moe_experts"], m["moe_router_topk"], d.s_sp * d.b
+    E_local = E // d.ep
+    T_all = T * d.ep  # the dispatcher gathers tokens over expert-TP (1) x EP
+    n = T_all * k * E_local // E  # routed to local experts (exact for EP 1, expected otherwise)
+    ffn = m["moe_ffn_hidden_size"] or m["ffn_hidden_size"]
+    terms: list[Term] = [("moe", "router input (norm output)", norm_out),
+                         ("moe", "top-k indices (int64)", 8 * T * k),
+                         ("moe", "top-k probs (fp32)", 4 * T * k)]
+    if m["moe_aux_loss_coeff"] > 0 and m["moe_router_load_balancing_type"] == "aux_loss":
+        terms += [("moe", "aux-loss scores (fp32)", 4 * T * E),
+                  ("moe", "tokens per expert (int64)", 8 * E), ("moe", "aux loss", 4)]
+    terms += [("moe", "permutation indices (int64)", 8 * n),
+              ("moe", "local routing map (bool)", E_local * T_all),
+              ("moe", "local probs", e * E_local * T_all),
+              ("moe", "expert fc1 input (permuted)", e * n * d.h), ("moe", "permuted probs", e * n)]
+    terms += activation_terms(d, ffn, n, "moe", "expert ", expert=True)
+    if d.device == "cuda" and m["experts"] == "grouped" and e == 2 and d.h % 8 == 0 and ffn % 8 == 0:
+        terms.append(("moe", "grouped-GEMM offsets (int32)", 4 * E_local))
+    shared = m["moe_shared_expert_intermediate_size"]
+    if shared and "shared_experts" not in L:
+        terms += activation_terms(d, shared // d.tp, d.s * d.b, "moe", "shared ")
+    return terms
+
+
+def layer_terms(d: Dims) -> list[Term]:
+    """Everything one transformer layer keeps for backward (selective or no recompute)."""
+    return attention_terms(d) + mlp_terms(d)
+
+
+def embedding_terms(d: Dims) -> list[Term]:
+    """Token ids (masked copies under TP), position ids, embedding dropout mask."""
+    sb = d.s * d.b
+    terms: list[Term] = [("embedding", "token ids (int64)", 8 * sb)] if d.tp == 1 else [
+        ("embedding", "masked token ids (int64)", 8 * sb), ("embedding", "vocab-range mask (bool)", sb)]
+    if d.model["position_embedding_type"] == "learned_absolute":
+        terms.append(("embedding", "position ids (int64)", 8 * sb))
+    if d.model["hidden_dropout"] > 0:
+        terms.append(("embedding", "embedding dropout mask", d.mask * d.s_sp * d.b * d.h))
+    return terms
+
+
+def head_terms(d: Dims) -> list[Term]:
+    """Final norm, output layer input and the vocab-parallel cross entropy (fp32 softmax)."""
+    sb, sb_sp = d.s * d.b, d.s_sp * d.b
+    vocab = d.model["vocab_size"] // d.tp
+    return norm_terms(d, "final norm", sb_sp, d.h) + [
+        ("logits", "output layer input (final norm output)", d.e * sb_sp * d.h),
+        ("logits", "softmax over the vocab shard (fp32)", 4 * sb * vocab),
+        ("logits", "target mask (bool)", sb), ("logits", "masked targets (int64)", 8 * sb)]

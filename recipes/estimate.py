@@ -1,0 +1,415 @@
+"""Predict before you run: activation, parameter, gradient and optimizer bytes per rank.
+
+    python -m recipes.estimate model=moe recompute=selective/moe_act size=h200 [--budget-gib 80] [--all]
+    make estimate ARGS="model=moe size=h200 --all --budget-gib 80"
+
+Composed with the same Hydra groups as training. Per pipeline rank it adds up one micro-batch's
+saved-for-backward bytes by module kind (``recipes.activations``: derived term by term from the code
+that runs and checked against ``recipes.ledger`` by ``tests/test_estimate.py``), the micro-batches
+1F1B keeps in flight on that stage, parameters, gradients and optimizer state, and a transient
+allowance, into a predicted peak. ``predict(cfg)`` is the API for other code; ``rank_options``
+ranks every recompute option of the family, before any run (predicted, never measured).
+Configurations it does not model (Transformer Engine, context parallel, the alltoall dispatcher,
+another family...) are refused by name with a ``ConfigError``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass, replace
+
+from recipes.activations import Dims, Term, dims, embedding_terms, head_terms, layer_terms
+from recipes.ledger import KINDS
+from recipes.validate import ConfigError
+
+GIB = 1024**3
+#: Recompute options per family, as Hydra overrides of the ``recompute`` group.
+OPTIONS = {
+    "standard_attn": ["none", "control", "selective/core_attn", "selective/mlp", "selective/layernorm",
+                      "full", "full/block"],
+    "mla": ["none", "control", "selective/mla_up_proj", "selective/mla_up_proj-core_attn",
+            "selective/core_attn", "selective/mlp", "selective/layernorm", "full", "full/block"],
+    "moe": ["none", "control", "selective/moe_act", "selective/moe_act-layernorm", "selective/moe",
+            "selective/moe-layernorm", "selective/core_attn", "selective/layernorm",
+            "selective/shared_experts", "full", "full/block"],
+}
+
+
+@dataclass
+class Chunk:
+    """One model chunk (virtual stage) on a rank: its layers' terms and its other terms."""
+
+    index: int  # global chunk index: virtual stage * pp + pipeline stage
+    layers: list[list[Term]]
+    extra: list[Term]
+
+    def by_kind(self) -> dict[str, int]:
+        totals = dict.fromkeys(KINDS, 0)
+        for kind, _, nbytes in [t for layer in self.layers for t in layer] + self.extra:
+            totals[kind] += nbytes
+        return totals
+
+
+def build_chunk(cfg: dict, d: Dims, index: int) -> Chunk:
+    """The terms of model chunk ``index`` (0 holds the embedding, the last the loss)."""
+    par, rc = cfg["parallel"], cfg["recompute"]
+    num_chunks = par["pipeline_model_parallel_size"] * (par["virtual_pipeline_model_parallel_size"] or 1)
+    n = cfg["model"]["num_layers"] // num_chunks
+    extra = embedding_terms(d) if index == 0 else []
+    if not d.full:
+        layers = [layer_terms(d) for _ in range(n)]
+    else:  # a checkpoint keeps its chunk's input (1/tp of it when distributed over TP)
+        k = rc["recompute_num_layers"]
+        hidden = d.e * d.s_sp * d.b * d.h // (d.tp if rc["distribute_saved_activations"] else 1)
+        ckpt = [("other", "full recompute checkpoint input", hidden)]
+        if rc["recompute_method"] == "uniform":
+            layers = [ckpt if i % k == 0 else [] for i in range(n)]
+        else:  # block: the first k layers are checkpointed one by one, the rest keep everything
+            layers = [ckpt if i < k else layer_terms(d) for i in range(n)]
+        if d.rope and d.family != "mla":  # GPTModel's rotary freqs, one storage for all checkpoints
+            extra.append(("other", "rotary freqs (fp32, checkpoint input)", 4 * d.s * d.rope))
+    if index == num_chunks - 1:
+        extra += head_terms(d)
+    return Chunk(index, layers, extra)
+
+
+# --- parameters, gradients, optimizer state ----------------------------------------------------------
+def num_parameters(cfg: dict, stage: int) -> tuple[int, int]:
+    """(dense, expert) parameters held by pipeline rank ``stage`` (one tensor-parallel rank)."""
+    m, par = cfg["model"], cfg["parallel"]
+    tp, pp, ep = (par[k] for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                                   "expert_model_parallel_size"))
+    vpp = par["virtual_pipeline_model_parallel_size"] or 1
+    h, heads, V = m["hidden_size"], m["num_attention_heads"], m["vocab_size"]
+    norm = (2 if m["normalization"] == "LayerNorm" else 1)
+    glu = 2 if m["gated_linear_unit"] else 1
+    if m["family"] == "mla":
+        dq, ql, kvl = m["qk_head_dim"] + m["qk_pos_emb_head_dim"], m["q_lora_rank"], m["kv_lora_rank"]
+        q = (h * ql + ql * heads * dq) // tp if ql else h * heads * dq // tp
+        attn = q + (h * (kvl + m["qk_pos_emb_head_dim"]) + kvl * heads * (m["qk_head_dim"] + m["v_head_dim"])
+                    + heads * m["v_head_dim"] * h) // tp
+        attn += norm * ((ql or 0) + kvl) if m["qk_layernorm"] else 0
+    else:
+        d, groups = m["kv_channels"] or h // heads, m["num_query_groups"] or heads
+        attn = (h * (heads + 2 * groups) * d + heads * d * h) // tp
+        attn += 2 * norm * d if m["qk_layernorm"] else 0
+    experts = 0
+    if m["family"] == "moe":
+        fe = m["moe_ffn_hidden_size"] or m["ffn_hidden_size"]
+        fs = m["moe_shared_expert_intermediate_size"] or 0
+        mlp = m["num_moe_experts"] * h + (glu + 1) * h * fs // tp
+        experts = m["num_moe_experts"] // ep * (glu + 1) * h * fe
+    else:
+        mlp = (glu + 1) * h * m["ffn_hidden_size"] // tp
+    layers = m["num_layers"] // pp
+    dense = layers * (attn + mlp + 2 * norm * h)
+    chunks = [v * pp + stage for v in range(vpp)]
+    if 0 in chunks:
+        dense += V // tp * h + (cfg["train"]["seq_length"] * h if m["position_embedding_type"] ==
+                                "learned_absolute" else 0)
+    if pp * vpp - 1 in chunks:
+        dense += norm * h + (V // tp * h if m["untie_embeddings_and_output_weights"] or pp > 1 else 0)
+    return dense, layers * experts
+
+
+def static_bytes(cfg: dict, device: str, stage: int = 0) -> dict[str, int]:
+    """Parameters, gradients and optimizer state on pipeline rank ``stage``.
+
+    GPU (``train.optimizer=auto``): megatron's DistributedOptimizer with bf16 params: bf16 params,
+    fp32 gradient buffer (grad_reduce_in_fp32), fp32 main params + Adam m, v sharded over the
+    data-parallel size (expert parameters over the expert-data-parallel size): 6 + 12/dp bytes each.
+    CPU (or ``optimizer=adamw``): torch AdamW on the params: params, grads, m, v in the param dtype.
+    """
+    par, launch = cfg["parallel"], cfg["launcher"]
+    world = launch["nproc_per_node"] * launch["nnodes"]
+    tp, pp, cp, ep = (par[k] for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                                       "context_parallel_size", "expert_model_parallel_size"))
+    etp = par["expert_tensor_parallel_size"] or tp
+    dp, edp = max(1, world // (tp * pp * cp)), max(1, world // (ep * etp * pp))
+    dense, experts = num_parameters(cfg, stage)
+    params = dense + experts
+    from recipes.model import resolve_precision
+
+    p = 2 if resolve_precision(cfg["train"]["precision"], device == "cuda") == "bf16" else 4
+    if device == "cuda" and cfg["train"]["optimizer"] == "auto":
+        main = 4 * (dense // dp + experts // edp) if p == 2 else 0
+        return {"num_parameters": params, "params": p * params, "grads": 4 * params,
+                "optimizer": main + 8 * (dense // dp + experts // edp)}
+    return {"num_parameters": params, "params": p * params, "grads": p * params, "optimizer": 2 * p * params}
+
+
+# --- pipeline schedule, peak, the public API ---------------------------------------------------------
+def in_flight_chunks(pp: int, vpp: int | None, stage: int, num_microbatches: int) -> list[int]:
+    """Virtual stage of each forward whose activations are alive at this stage's first backward.
+
+    1F1B: min(pp - stage, microbatches) forwards. Interleaved 1F1B (megatron's schedule, micro-batch
+    group = pp): 2 (pp - stage - 1) + (vpp - 1) pp warm-up forwards plus one, each through one chunk;
+    for stage 0 that is p (1 + (p - 1)/(p v)) micro-batches' worth, the paper's interleaving factor.
+    """
+    v = vpp or 1
+    if v == 1:
+        return [0] * max(1, min(pp - stage, num_microbatches))
+    count = min(2 * (pp - stage - 1) + (v - 1) * pp + 1, num_microbatches * v)
+    return [(j // pp) % v for j in range(count)]
+
+
+def _sum(terms: list[Term]) -> int:
+    return sum(t[2] for t in terms)
+
+
+def transient_bytes(d: Dims, has_head: bool, last_layer_recomputed: bool = True) -> int:
+    """Short-lived memory on top of the saved activations (an approximation, not a ledger term).
+
+    The larger of: the loss (bf16 logits / their gradient next to the fp32 softmax, plus the
+    gradient of the output layer's input), and the last layer's backward, which runs while every
+    other saved activation is still alive: what its recompute re-materializes, plus gradients of
+    its largest saved tensor and of that tensor's input. (Full recompute with the block method
+    recomputes the first layers, whose backward runs last, when the others' activations are gone.)
+    """
+    plain = replace(d, labels=frozenset(), full=False)
+    layer = layer_terms(plain)
+    kept = _sum(layer_terms(d)) if not d.full else 0
+    remat = max(0, _sum(layer) - kept) if last_layer_recomputed else 0
+    biggest = max(t[2] for t in layer)
+    loss = 0
+    if has_head:
+        sb = d.s * d.b
+        loss = (d.e * sb * d.model["vocab_size"] // d.tp if d.e < 4 else 0) + d.e * sb * d.h
+    return max(loss, remat + 2 * biggest)
+
+
+def num_microbatches(cfg: dict) -> int:
+    t, par, launch = cfg["train"], cfg["parallel"], cfg["launcher"]
+    world = launch["nproc_per_node"] * launch["nnodes"]
+    dp = max(1, world // (par["tensor_model_parallel_size"] * par["pipeline_model_parallel_size"]
+                          * par["context_parallel_size"]))
+    gbs = t["global_batch_size"] or t["micro_batch_size"] * dp
+    return max(1, gbs // (t["micro_batch_size"] * dp))
+
+
+def predict(cfg: dict, device: str = "auto", stage: int | None = None) -> dict:
+    """Predicted (not measured) memory of one rank for the resolved config ``cfg``.
+
+    ``device``: "cuda" (a GPU run: bf16, fused kernels), "cpu" (the CPU run: fp32) or "auto" (this
+    machine, as the run itself resolves ``precision=auto``). ``stage``: the pipeline rank to report
+    (default: the one with the highest predicted peak). Activation figures are one micro-batch through
+    every model chunk of that rank, exactly what ``recipes.ledger`` measures; the peak multiplies by
+    the micro-batches in flight and adds static and transient memory.
+    """
+    d = dims(cfg, device)
+    par = cfg["parallel"]
+    pp, vpp = par["pipeline_model_parallel_size"], par["virtual_pipeline_model_parallel_size"]
+    m_count = num_microbatches(cfg)
+    stages = []
+    for st in range(pp):
+        chunks = [build_chunk(cfg, d, v * pp + st) for v in range(vpp or 1)]
+        chunk_bytes = [_sum([t for layer in c.layers for t in layer] + c.extra) for c in chunks]
+        order = in_flight_chunks(pp, vpp, st, m_count)
+        by_kind = dict.fromkeys(KINDS, 0)
+        for c in chunks:
+            for kind, nbytes in c.by_kind().items():
+                by_kind[kind] += nbytes
+        activation = sum(by_kind.values())
+        in_flight = sum(chunk_bytes[v] for v in order)
+        static = static_bytes(cfg, d.device, st)
+        static_total = static["params"] + static["grads"] + static["optimizer"]
+        has_head = any(c.index == pp * (vpp or 1) - 1 for c in chunks)
+        rc = cfg["recompute"]
+        block = d.full and rc["recompute_method"] == "block" and rc["recompute_num_layers"] < len(
+            chunks[-1].layers)
+        transient = transient_bytes(d, has_head, last_layer_recomputed=not block)
+        layers = [layer for c in chunks for layer in c.layers]
+        stages.append({
+            "stage": st, "num_layers": len(layers),
+            "activation_bytes_by_kind": by_kind, "activation_bytes": activation,
+            "per_layer": [{k: sum(t[2] for t in layer if t[0] == k) for k in KINDS} for layer in layers],
+            "layer_terms": layers[0] if layers else [],
+            "outside_layers": [t for c in chunks for t in c.extra],
+            "in_flight_microbatches": in_flight / activation if activation else 0.0,
+            "in_flight_activation_bytes": in_flight,
+            "static": static, "static_bytes": static_total, "transient_bytes": transient,
+            "peak_bytes": static_total + in_flight + transient,
+        })
+    pick = stages[stage] if stage is not None else max(stages, key=lambda s: s["peak_bytes"])
+    return {**pick, "predicted": True, "device": d.device, "precision": "bf16" if d.e == 2 else "fp32",
+            "num_microbatches": m_count, "stages": stages}
+
+
+def recompute_config(option: str) -> dict:
+    """The ``recompute`` group's values for ``option`` (``conf/recompute/<option>.yaml``)."""
+    from pathlib import Path
+
+    from omegaconf import OmegaConf
+
+    path = Path(__file__).resolve().parent.parent / "conf" / "recompute" / f"{option}.yaml"
+    if not path.exists():
+        raise ConfigError("recompute", f"no recompute option {option!r}", "see conf/recompute/")
+    base = {"recompute_granularity": None, "recompute_modules": [], "recompute_method": None,
+            "recompute_num_layers": None, "distribute_saved_activations": False}
+    return {**base, **OmegaConf.to_container(OmegaConf.load(path))}
+
+
+def predict_options(cfg: dict, device: str = "cuda") -> tuple[list[tuple[str, dict]], list[tuple[str, str]]]:
+    """Every recompute option of the family: (predictions sorted by peak, refused with the reason)."""
+    done, refused = [], []
+    if cfg["model"]["family"] not in OPTIONS:
+        dims(cfg, device)  # refuses the family by name (model=gdn)
+    for option in OPTIONS[cfg["model"]["family"]]:
+        trial = {**cfg, "recompute": recompute_config(option)}
+        try:
+            done.append((option, predict(trial, device)))
+        except ConfigError as err:
+            refused.append((option, err.problem))
+    return sorted(done, key=lambda x: x[1]["peak_bytes"]), refused
+
+
+def rank_options(cfg_or_overrides: dict | list[str], device: str = "cuda") -> list[tuple[str, int]]:
+    """PREDICTED peak bytes per rank of each applicable recompute option, smallest first.
+
+    For the advisor, before any run: ``cfg_or_overrides`` is a resolved config dict (as
+    ``tests/conftest.py::compose`` returns) or a list of Hydra overrides. Nothing is measured.
+    """
+    cfg = compose_config(cfg_or_overrides) if isinstance(cfg_or_overrides, list) else cfg_or_overrides
+    return [(option, p["peak_bytes"]) for option, p in predict_options(cfg, device)[0]]
+
+
+def compose_config(overrides: list[str]) -> dict:
+    """The resolved run config for these Hydra overrides, composed exactly as training does."""
+    from pathlib import Path
+
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from recipes.config import register_configs
+
+    register_configs()
+    conf = str(Path(__file__).resolve().parent.parent / "conf")
+    with initialize_config_dir(config_dir=conf, version_base="1.3"):
+        cfg = compose(config_name="config", overrides=list(overrides))
+    return OmegaConf.to_container(cfg, resolve=True)
+
+
+def compare_result(result: dict, name: str | None = None) -> list[dict]:
+    """Predicted next to measured for every rank of one run (its merged ``result.json``)."""
+    rows = []
+    for rank in result.get("ranks", []):
+        if rank.get("status") != "ok" or "ledger" not in rank:
+            continue
+        device = "cpu" if rank.get("device", "cpu") == "cpu" else "cuda"
+        p = predict(result["config"], device, stage=rank["coords"]["pp"])
+        rows.append({"name": name or result.get("name"), "rank": rank["rank"], "device": device,
+                     "predicted_ledger_bytes": p["activation_bytes"],
+                     "measured_ledger_bytes": rank["ledger"]["total_bytes"],
+                     "predicted_peak_gib": p["peak_bytes"] / GIB,
+                     "measured_peak_gib": rank.get("memory", {}).get("peak_allocated_gib")})
+    return rows
+
+
+def format_comparison(rows: list[dict]) -> str:
+    lines = [f"{'run':44s}{'rank':>5s}{'ledger MiB pred':>16s}{'meas':>10s}{'err':>8s}"
+             f"{'peak GiB pred':>15s}{'meas':>8s}{'err':>8s}"]
+    for r in rows:
+        pl, ml, pk, mk = (r["predicted_ledger_bytes"], r["measured_ledger_bytes"],
+                          r["predicted_peak_gib"], r["measured_peak_gib"])
+        peak = f"{pk:15.2f}{mk:8.2f}{(pk - mk) / mk:+8.1%}" if mk else f"{pk:15.2f}{'-':>8s}{'-':>8s}"
+        lines.append(f"{str(r['name'])[:43]:44s}{r['rank']:5d}{pl / 2**20:16.1f}{ml / 2**20:10.1f}"
+                     f"{(pl - ml) / ml:+8.1%}" + peak)
+    return "\n".join(lines)
+
+
+# --- command line -----------------------------------------------------------------------------------
+def _fmt(nbytes: float, unit: float = 2**20) -> str:
+    return "." if nbytes == 0 else f"{nbytes / unit:.1f}" if nbytes >= unit / 10 else "<0.1"
+
+
+def format_prediction(p: dict, title: str, budget_gib: float | None = None, terms: bool = False) -> str:
+    """One option: activations per layer by kind, then the rank's static and peak memory."""
+    lines = [f"PREDICTED (not measured) memory per rank: {title}",
+             f"device {p['device']} ({p['precision']}), pipeline stage {p['stage']} of {len(p['stages'])}: "
+             f"{p['num_layers']} layers, {p['in_flight_microbatches']:.2f} micro-batch(es) in flight "
+             f"of {p['num_microbatches']} per step", "",
+             "activations saved for backward, one micro-batch (MiB)",
+             f"{'layer':12s}" + "".join(f"{k:>10s}" for k in KINDS) + f"{'total':>10s}"]
+    rows, start = [], 0
+    for i in range(1, len(p["per_layer"]) + 1):  # collapse runs of identical layers
+        if i == len(p["per_layer"]) or p["per_layer"][i] != p["per_layer"][start]:
+            label = f"{start}" if i - start == 1 else f"{start}-{i - 1} (x{i - start})"
+            rows.append((label, p["per_layer"][start]))
+            start = i
+    outside = dict.fromkeys(KINDS, 0)
+    for kind, _, nbytes in p["outside_layers"]:
+        outside[kind] += nbytes
+    for label, kinds in rows + [("outside", outside), ("total", p["activation_bytes_by_kind"])]:
+        lines.append(f"{label:12s}" + "".join(f"{_fmt(kinds[k]):>10s}" for k in KINDS)
+                     + f"{_fmt(sum(kinds.values())):>10s}")
+    if terms:
+        lines += ["", "terms of layer 0 (MiB)"] + [f"  {kind:10s} {what:55s} {_fmt(n):>9s}"
+                                                    for kind, what, n in p["layer_terms"] if n]
+    st = p["static"]
+    lines += ["", f"{'per rank':34s}{'GiB':>8s}",
+              f"{'parameters (%.1f M)' % (st['num_parameters'] / 1e6):34s}{st['params'] / GIB:8.2f}",
+              f"{'gradients':34s}{st['grads'] / GIB:8.2f}",
+              f"{'optimizer state':34s}{st['optimizer'] / GIB:8.2f}",
+              f"{'activations in flight':34s}{p['in_flight_activation_bytes'] / GIB:8.2f}",
+              f"{'transient (approximate)':34s}{p['transient_bytes'] / GIB:8.2f}",
+              f"{'predicted peak':34s}{p['peak_bytes'] / GIB:8.2f}"]
+    if budget_gib is not None:
+        spare = budget_gib - p["peak_bytes"] / GIB
+        lines.append(f"budget {budget_gib:g} GiB: " + (f"fits ({spare:.1f} GiB to spare)" if spare >= 0
+                                                      else f"does NOT fit ({-spare:.1f} GiB over)"))
+    return "\n".join(lines)
+
+
+def format_options(done: list[tuple[str, dict]], refused: list[tuple[str, str]], title: str,
+                   budget_gib: float | None = None) -> str:
+    """Every recompute option, sorted by predicted peak."""
+    head = f"{'recompute':32s}{'act/mb GiB':>11s}{'in flight':>11s}{'static':>9s}{'peak GiB':>10s}"
+    lines = [f"PREDICTED (not measured) peak per rank, every recompute option: {title}",
+             head + (f"{'fits %g?' % budget_gib:>10s}" if budget_gib is not None else "")]
+    for option, p in done:
+        row = (f"{option:32s}{p['activation_bytes'] / GIB:11.2f}{p['in_flight_activation_bytes'] / GIB:11.2f}"
+               f"{p['static_bytes'] / GIB:9.2f}{p['peak_bytes'] / GIB:10.2f}")
+        if budget_gib is not None:
+            row += f"{'yes' if p['peak_bytes'] / GIB <= budget_gib else 'no':>10s}"
+        lines.append(row)
+    lines += [f"not applicable: {option} ({why})" for option, why in refused]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m recipes.estimate", description="Predict per-rank memory before a run. "
+        "Positional arguments are the Hydra overrides training takes (model=moe recompute=full ...).")
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides, as for train.py")
+    parser.add_argument("--budget-gib", type=float, default=None, help="say whether the peak fits")
+    parser.add_argument("--all", action="store_true", help="every recompute option, sorted by peak")
+    parser.add_argument("--device", default="cuda", help="cuda (GPU run, bf16; default), cpu or auto")
+    parser.add_argument("--terms", action="store_true", help="list the named terms of one layer")
+    parser.add_argument("--compare", metavar="DIR", help="predicted next to measured for every "
+                        "result.json under DIR (a run or a sweep); overrides are ignored")
+    args = parser.parse_args(argv)
+    if args.compare:
+        import json
+        from pathlib import Path
+
+        paths = sorted(Path(args.compare).rglob("result.json"))
+        rows = [r for p in paths for r in compare_result(json.loads(p.read_text()), p.parent.name)]
+        print(format_comparison(rows) if rows else f"no completed result.json under {args.compare}")
+        return 0 if rows else 1
+    title = " ".join(args.overrides) or "(defaults)"
+    try:
+        cfg = compose_config(args.overrides)
+        if args.all:
+            done, refused = predict_options(cfg, args.device)
+            print(format_options(done, refused, title, args.budget_gib))
+        else:
+            print(format_prediction(predict(cfg, args.device), title, args.budget_gib, args.terms))
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
