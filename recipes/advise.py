@@ -2,6 +2,7 @@
 
     python -m recipes.advise multirun/moe/defaults --budget-gib 80          # text for a person
     python -m recipes.advise multirun/moe/defaults --budget-gib 80 --json   # JSON for a script
+    python -m recipes.advise --budget-gib 40 --predict model=moe size=h200  # before any run (predicted)
 
 In the guide's order: (1) is the pressure real allocation or allocator fragmentation (reserved well
 above allocated on some rank)? (2) among points whose every rank fits the budget, the one with the
@@ -60,10 +61,83 @@ def measured_candidates(sweep_dir: Path) -> list[dict]:
     return list(points.values())
 
 
+def _groups(results: list[dict]) -> dict[tuple, dict]:
+    """One completed result per (model, attention) of the sweep: the config to predict from."""
+    groups: dict[tuple, dict] = {}
+    for r in results:
+        ch = r.get("choices") or {}
+        if r.get("status") == "ok" and r.get("config"):
+            groups.setdefault((ch.get("model"), ch.get("attention")), r)
+    return groups
+
+
+def _on_gpu(result: dict) -> bool:
+    return any(rank.get("memory") for rank in result.get("ranks") or [])
+
+
 def predicted_candidates(sweep_dir: Path) -> list[dict]:
-    """Seam for recipes.estimate: rows with ``source: "predicted"`` and the same keys as measured
-    ones. They are listed as worth measuring, never chosen. None yet (no estimator is wired in)."""
-    return []
+    """recipes.estimate's rows for options of the sweep's families that it did not measure.
+
+    ``source: "predicted"``: listed as worth measuring, never chosen. Memory is the predicted peak
+    per rank (GPU sweeps) or the predicted activation bytes (CPU sweeps, to match the ledger)."""
+    from recipes.estimate import predict_options
+    from recipes.validate import ConfigError
+
+    results = find_results(sweep_dir)
+    measured = {((r.get("choices") or {}).get("model"), (r.get("choices") or {}).get("attention"),
+                 (r.get("choices") or {}).get("recompute")) for r in results}
+    rows = []
+    for (model, attention), r in _groups(results).items():
+        gpu = _on_gpu(r)
+        try:
+            done, _ = predict_options(r["config"], "cuda" if gpu else "cpu")
+        except ConfigError:  # a family or feature the estimator does not model: nothing predicted
+            continue
+        for option, p in done:
+            if (model, attention, option) in measured:
+                continue
+            nbytes = p["peak_bytes"] if gpu else p["activation_bytes"]
+            rows.append({"point": f"{model} {attention} {option}", "model": model, "attention": attention,
+                         "recompute": option, "status": "predicted", "source": "predicted",
+                         "memory_gib": nbytes / GIB})
+    return rows
+
+
+def predicted_next_to_measured(sweep_dir: Path) -> list[dict]:
+    """For each measured point: the estimator's prediction for its config beside the measurement."""
+    from recipes.estimate import predict
+    from recipes.validate import ConfigError
+
+    rows = []
+    for r in find_results(sweep_dir):
+        if r.get("status") != "ok" or not r.get("config") or not r.get("ranks"):
+            continue
+        gpu = _on_gpu(r)
+        try:
+            p = predict(r["config"], "cuda" if gpu else "cpu")
+        except ConfigError:
+            continue
+        worst = next((x for x in r["ranks"] if x.get("rank") == r.get("worst_rank")), r["ranks"][0])
+        row = {"point": r.get("name"), "predicted_ledger_bytes": p["activation_bytes"],
+               "measured_ledger_bytes": (worst.get("ledger") or {}).get("total_bytes")}
+        if gpu:
+            row["predicted_peak_gib"] = p["peak_bytes"] / GIB
+            row["measured_peak_gib"] = (worst.get("memory") or {}).get("peak_allocated_gib")
+        rows.append(row)
+    return rows
+
+
+def what_drives_the_peak(sweep_dir: Path) -> dict | None:
+    """The guide's first label from the control's peak attribution (recipes.profile), if profiled."""
+    from recipes.profile import first_label_to_try, top_contributors
+
+    for r in sorted(find_results(sweep_dir), key=lambda r: recompute_order((r.get("choices") or {}).get("recompute"))):
+        if (r.get("choices") or {}).get("recompute") in NO_RECOMPUTE and r.get("status") == "ok":
+            label, why = first_label_to_try(r)
+            if label is None and why.startswith("no peak attribution"):
+                continue
+            return {"point": r.get("name"), "top": top_contributors(r), "label": label, "why": why}
+    return None
 
 
 def fragmentation(candidates: list[dict]) -> list[dict]:
@@ -250,6 +324,20 @@ def explain(advice: dict, sweep_dir: str = "") -> str:
         lines.append(f"- `{c['point']}`: {c['status']}, not a candidate: {(c.get('error') or '').splitlines()[0]}")
     for c in advice["predicted"]:
         lines.append(f"- `{c['point']}`: predicted, not measured ({_mem(c.get('memory_gib') or 0, gpu)}); worth a run.")
+    drives = advice.get("drives")
+    if drives:
+        first = f"try recompute={drives['label']} first" if drives["label"] else "recompute is not the lever"
+        lines.append(f"What drives the peak (`{drives['point']}`): {drives['top'].strip()}. The guide: {first}; "
+                     f"{drives['why']}")
+    pairs = advice.get("predicted_vs_measured") or []
+    if pairs:
+        lines.append("Predicted (recipes.estimate) next to measured, worst rank:")
+        for row in pairs:
+            ledger = (f"ledger {row['predicted_ledger_bytes'] / MIB:.1f} predicted / "
+                      f"{(row['measured_ledger_bytes'] or 0) / MIB:.1f} measured MiB")
+            peak = (f"; peak {row['predicted_peak_gib']:.2f} / {row['measured_peak_gib']:.2f} GiB"
+                    if row.get("measured_peak_gib") is not None else "")
+            lines.append(f"  {row['point']}: {ledger}{peak}")
     return "\n".join(lines)
 
 
@@ -289,13 +377,70 @@ def positive_budget(text: str) -> float:
     return value
 
 
+def advise_before_running(overrides: list[str], budget_gib: float) -> dict:
+    """PREDICTED advice, before any run: every option of the family by recipes.estimate's peak per
+    rank; the choice is the fitting option that replays the least forward work (recipes.flops),
+    no recompute first: the guide's "narrowest boundary that fits", to be confirmed by a sweep."""
+    from recipes.estimate import compose_config, predict_options, recompute_config
+    from recipes.flops import layer_forward_flops, replayed_layer_flops
+
+    cfg = compose_config(overrides)
+    done, refused = predict_options(cfg, "cuda")
+    layer = layer_forward_flops(cfg)
+    per_layer = sum(layer.get(k, 0.0) for k in ("attn_proj", "core_attn", "mlp", "moe"))
+    rows = []
+    for option, p in done:
+        replay = replayed_layer_flops({**cfg, "recompute": recompute_config(option)}, layer, per_layer)
+        rows.append({"recompute": option, "predicted_peak_gib": p["peak_bytes"] / GIB,
+                     "fits": p["peak_bytes"] / GIB <= budget_gib, "replay_fraction": replay / per_layer})
+    fitting = [r for r in rows if r["fits"]]
+    choice = min(fitting, key=lambda r: (r["replay_fraction"], recompute_order(r["recompute"])), default=None)
+    return {"source": "predicted", "budget_gib": budget_gib, "overrides": overrides, "options": rows,
+            "choice": choice, "refused": [{"recompute": o, "why": w} for o, w in refused]}
+
+
+def explain_prediction(advice: dict) -> str:
+    lines = [f"PREDICTED (recipes.estimate, nothing measured) for {' '.join(advice['overrides']) or 'the defaults'}, "
+             f"budget {advice['budget_gib']:.2f} GiB per GPU:"]
+    for r in advice["options"]:
+        mark = "fits" if r["fits"] else "over"
+        lines.append(f"  {r['recompute']:<34} {r['predicted_peak_gib']:8.2f} GiB  {mark}  "
+                     f"replays {r['replay_fraction']:.0%} of a layer's forward")
+    c = advice["choice"]
+    if c:
+        lines.append(f"Try first: recompute={c['recompute']} (predicted {c['predicted_peak_gib']:.2f} GiB, the "
+                     "fitting option that replays the least work). Confirm with a sweep: "
+                     "python train.py -m sweep=<family> ..., then recipes.advise on its directory.")
+    else:
+        near = min(advice["options"], key=lambda r: r["predicted_peak_gib"], default=None)
+        lines.append("Nothing is predicted to fit" + (f"; closest: {near['recompute']} at "
+                     f"{near['predicted_peak_gib']:.2f} GiB" if near else "") + ": more parallelism "
+                     "(tensor + sequence, pipeline, expert), a smaller micro-batch or sequence.")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("sweep_dir", type=Path, help="a multirun/... sweep directory")
+    parser.add_argument("sweep_dir", type=Path, nargs="?", help="a multirun/... sweep directory")
     parser.add_argument("--budget-gib", type=positive_budget, required=True,
                         help="memory per GPU to fit in, GiB (CPU sweeps: applied to the activation ledger)")
     parser.add_argument("--json", action="store_true", help="print JSON for a script instead of text")
+    parser.add_argument("--predict", nargs="+", metavar="OVERRIDE",
+                        help="before any run: rank the options by predicted memory for these Hydra "
+                        "overrides (e.g. --predict model=moe size=h200)")
     args = parser.parse_args(argv)
+    if args.predict:
+        from recipes.validate import ConfigError
+
+        try:
+            advice = advise_before_running(args.predict, args.budget_gib)
+        except ConfigError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+        print(json.dumps(advice, indent=2) if args.json else explain_prediction(advice))
+        return 0
+    if args.sweep_dir is None:
+        parser.error("give a sweep directory, or --predict OVERRIDE... to rank options before any run")
     if not args.sweep_dir.is_dir():
         print(f"error: {args.sweep_dir} is not a directory (give a multirun/<sweep>/<overrides> path)", file=sys.stderr)
         return 2
@@ -306,6 +451,8 @@ def main(argv: list[str] | None = None) -> int:
     candidates = measured_candidates(args.sweep_dir) + predicted_candidates(args.sweep_dir)
     advice = advise(candidates, args.budget_gib)
     advice["sweep_dir"] = str(args.sweep_dir)
+    advice["drives"] = what_drives_the_peak(args.sweep_dir)
+    advice["predicted_vs_measured"] = predicted_next_to_measured(args.sweep_dir)
     advice["text"] = explain(advice, str(args.sweep_dir))
     print(json.dumps(advice, indent=2, default=str) if args.json else advice["text"])
     return 0

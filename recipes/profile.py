@@ -186,7 +186,7 @@ def _run_title(cfg: dict) -> str:
 
 _COLORS = {"parameters": "#4d4d4d", "gradients": "#8c8c8c", "optimizer_state": "#bdbdbd",
            "embedding": "#8dd3c7", "norm": "#ffffb3", "attn_proj": "#bebada", "core_attn": "#fb8072",
-           "mlp": "#80b1d3", "moe": "#fdb462", "other": "#b3de69", "logits": "#fccde5",
+           "gdn": "#bc80bd", "mlp": "#80b1d3", "moe": "#fdb462", "other": "#b3de69", "logits": "#fccde5",
            TRANSIENT: "#d9d9d9"}
 
 
@@ -322,8 +322,8 @@ def first_label_to_try(result: dict) -> tuple[str | None, str]:
     family = (cfg.get("model") or {}).get("family") or (result.get("choices") or {}).get("model")
     backend = (cfg.get("attention") or {}).get("backend") or (result.get("choices") or {}).get("attention")
     b, peak = prof["bytes_by_kind"], prof["peak_bytes"] or 1
-    static = sum(b[k] for k in STATIC)
-    acts = {k: b[k] for k in KINDS}
+    static = sum(b.get(k, 0) for k in STATIC)
+    acts = {k: b.get(k, 0) for k in KINDS}
     top = max(acts, key=acts.get)
     where = f"at the peak ({_human(prof['peak_bytes'])}, {prof['peak_phase']})"
     if static >= sum(acts.values()):
@@ -339,6 +339,9 @@ def first_label_to_try(result: dict) -> tuple[str | None, str]:
         if family == "mla":
             return "selective/mla_up_proj", f"{share}: MLA's expanded Q/K/V up-projections dominate"
         return "full", f"{share}: no selective label discards standard attention projections' inputs"
+    if top == "gdn":
+        return "selective/gdn_norm_out", (f"{share}: recompute the GatedDeltaNet gated output norm "
+                                          "(the guide's GDN label; the delta-rule tensors stay: full covers them)")
     if top == "moe":
         if (cfg.get("model") or {}).get("experts") == "sequential":
             return "selective/moe", f"{share}: moe_act is a no-op with sequential experts, so recompute the MoE layer"

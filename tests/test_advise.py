@@ -196,3 +196,31 @@ def test_directory_without_results(tmp_path, capsys, tool):
     assert "no result.json under" in capsys.readouterr().err
     assert main([str(tmp_path / "missing")] + args[1:]) == 2
     assert "is not a directory" in capsys.readouterr().err
+
+
+def test_predicted_before_any_run_picks_the_narrowest_fitting_option():
+    """--predict ranks the family's options by recipes.estimate (marked predicted) and picks the
+    fitting option that replays the least work: moe_act at the h200 MoE shape for 24 GiB."""
+    advice = advise.advise_before_running(["model=moe", "size=h200"], 24.0)
+    assert advice["source"] == "predicted"
+    by_option = {r["recompute"]: r for r in advice["options"]}
+    assert not by_option["none"]["fits"] and by_option["full"]["fits"]
+    assert by_option["full"]["predicted_peak_gib"] < by_option["selective/moe_act"]["predicted_peak_gib"]
+    assert advice["choice"]["recompute"] == "selective/moe_act"
+    assert "PREDICTED" in advise.explain_prediction(advice)
+
+
+def test_sweep_advice_lists_unmeasured_options_as_predicted_and_shows_predictions(tmp_path):
+    """With a sweep: options it did not measure are listed (never chosen) and each measured point
+    shows the estimator's prediction beside its measurement."""
+    sweep = make_sweep(tmp_path, attentions=("sdpa",))
+    predicted = advise.predicted_candidates(sweep)
+    options = {c["recompute"] for c in predicted}
+    assert "full" in options and "selective/mlp" in options and "none" not in options
+    assert all(c["source"] == "predicted" for c in predicted)
+    advice = advise.advise(advise.measured_candidates(sweep) + predicted, 80.0)
+    assert advice["choice"]["source"] == "measured"
+    pairs = advise.predicted_next_to_measured(sweep)
+    assert {p["point"] for p in pairs} == {"standard_attn sdpa none", "standard_attn sdpa control",
+                                          "standard_attn sdpa selective/core_attn"}
+    assert all(p["predicted_peak_gib"] > 0 for p in pairs)
