@@ -20,7 +20,7 @@ from omegaconf import MISSING
 class ModelConfig:
     """A GPT model in megatron-core's vocabulary; ``family`` picks the attention/MLP variant."""
 
-    family: str = MISSING  # standard_attn | mla | moe
+    family: str = MISSING  # standard_attn | mla | moe | gdn
     num_layers: int = MISSING
     hidden_size: int = MISSING
     ffn_hidden_size: int = MISSING
@@ -58,6 +58,13 @@ class ModelConfig:
     moe_grouped_gemm: bool = True  # megatron's flag; the experts module is chosen by ``experts``
     experts: str = "grouped"  # grouped (recipes.experts, one grouped GEMM) | sequential (megatron)
     moe_shared_expert_overlap: bool = False
+    # GatedDeltaNet hybrid (family=gdn): TransformerConfig's linear-attention fields
+    linear_attention_freq: Optional[int] = None  # every N-th layer is standard attention, the rest GDN
+    linear_conv_kernel_dim: int = 4  # causal depthwise conv over q/k/v
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    linear_num_key_heads: int = 16  # query/key heads
+    linear_num_value_heads: int = 32  # value/gate heads (a multiple of the key heads)
 
 
 @dataclass

@@ -24,6 +24,7 @@ LABEL_FLAGS: dict[str, tuple[str, ...]] = {
     "moe": ("moe_layer_recompute",),
     "shared_experts": ("shared_experts_recompute",),
     "mla_up_proj": ("recompute_up_proj",),
+    "gdn_norm_out": ("recompute_norm_out",),  # GatedDeltaNet (megatron/core/ssm/gated_delta_net)
 }
 #: What a label that wraps nothing should be replaced with.
 ADVICE = {
@@ -34,6 +35,7 @@ ADVICE = {
     "moe": "no MoE layer here: use selective/mlp for dense MLPs",
     "shared_experts": "no shared experts here: set model.moe_shared_expert_intermediate_size",
     "mla_up_proj": "no MLA attention here: use model=mla, or selective/core_attn",
+    "gdn_norm_out": "no GatedDeltaNet layers here: use model=gdn with model.linear_attention_freq>=2",
 }
 
 

@@ -21,7 +21,7 @@ from typing import Iterator
 import torch
 
 #: Module kinds, in report order.
-KINDS = ("embedding", "norm", "attn_proj", "core_attn", "mlp", "moe", "other", "logits")
+KINDS = ("embedding", "norm", "attn_proj", "core_attn", "gdn", "mlp", "moe", "other", "logits")
 
 #: (file name, function) of the megatron code that opens a checkpoint -> recompute label.
 _SITES = {
@@ -35,7 +35,7 @@ _SITES = {
     ("moe_layer.py", "forward"): "moe",
     ("experts.py", None): "moe_act",
     ("recompute.py", None): "full",
-    ("gated_delta_net.py", None): "gdn_norm_out",
+    ("gdn.py", "forward"): "gdn_norm_out",  # megatron/core/ssm/gated_delta_net/gdn.py
 }
 _SKIP_FILES = {"random.py", "function.py", "ledger.py", "contextlib.py"}
 
@@ -116,7 +116,11 @@ class CheckpointCounter:
 
 
 def module_kinds(root: torch.nn.Module) -> dict[int, str]:
-    """Map id(module) -> kind: the innermost classified module decides, children inherit."""
+    """Map id(module) -> kind: the innermost classified module decides, children inherit.
+
+    A GatedDeltaNet is one ``gdn`` kind with everything inside it (its output norm too, which is
+    what ``gdn_norm_out`` discards), as a linear-attention mixer has no separate core attention.
+    """
     kinds: dict[int, str] = {}
 
     def own_kind(name: str, module: torch.nn.Module) -> str | None:
@@ -124,6 +128,8 @@ def module_kinds(root: torch.nn.Module) -> dict[int, str]:
         cls = type(module).__name__
         if leaf == "core_attention" or cls.endswith("DotProductAttention"):
             return "core_attn"
+        if cls == "GatedDeltaNet":
+            return "gdn"
         if "norm" in leaf.lower() or "Norm" in cls:
             return "norm"
         if leaf == "self_attention":
@@ -139,7 +145,7 @@ def module_kinds(root: torch.nn.Module) -> dict[int, str]:
         return None
 
     def walk(name: str, module: torch.nn.Module, inherited: str) -> None:
-        kind = own_kind(name, module) or inherited
+        kind = inherited if inherited == "gdn" else (own_kind(name, module) or inherited)
         kinds[id(module)] = kind
         for child_name, child in module.named_children():
             walk(f"{name}.{child_name}" if name else child_name, child, kind)

@@ -28,6 +28,9 @@ NON_TRANSFORMER_FIELDS = {
 MLA_FIELDS = {"q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim"}
 #: MoE fields (passed only for family=moe).
 MOE_PREFIX = "moe_"
+#: GatedDeltaNet fields (passed only for family=gdn, with experimental_attention_variant).
+GDN_FIELDS = {"linear_attention_freq", "linear_conv_kernel_dim", "linear_key_head_dim",
+              "linear_value_head_dim", "linear_num_key_heads", "linear_num_value_heads"}
 ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu}
 #: ParallelConfig fields that are not ModelParallelConfig fields.
 NON_MPC_PARALLEL_FIELDS: set[str] = set()
@@ -50,6 +53,7 @@ def transformer_config_kwargs(cfg: Any, on_gpu: bool) -> dict:
         if k not in NON_TRANSFORMER_FIELDS
         and (family == "mla" or k not in MLA_FIELDS)
         and (family == "moe" or not k.startswith(MOE_PREFIX))
+        and (family == "gdn" or k not in GDN_FIELDS)
         and k != "num_moe_experts"
     }
     if family == "moe":
@@ -85,6 +89,8 @@ def transformer_config_kwargs(cfg: Any, on_gpu: bool) -> dict:
     )
     if family == "mla":
         kwargs.update(multi_latent_attention=True, rope_type="rope", rotary_base=model["rotary_base"])
+    if family == "gdn":
+        kwargs.update(experimental_attention_variant="gated_delta_net")
     return kwargs
 
 
@@ -99,11 +105,21 @@ def build_transformer_config(cfg: Any, on_gpu: bool):
     return cls(**transformer_config_kwargs(cfg, on_gpu))
 
 
-def build_layer_spec(cfg: Any, config):
-    """megatron's local layer spec with our core attention and (for MoE) our experts module."""
+def build_layer_spec(cfg: Any, config, vp_stage: int | None = None):
+    """megatron's local layer spec with our core attention and (for MoE) our experts module.
+
+    For family=gdn: the hybrid block of this (virtual) pipeline stage, GatedDeltaNet layers mixed
+    with that attention layer (``recipes.gdn``).
+    """
     backend = cfg["attention"]["backend"]
     model = cfg["model"]
     num_experts = model["num_moe_experts"] if model["family"] == "moe" else None
+    if backend == "te" and model["family"] == "gdn":  # megatron's own hybrid spec (TE-only)
+        from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
+            get_transformer_block_with_experimental_attention_variant_spec,
+        )
+
+        return get_transformer_block_with_experimental_attention_variant_spec(config, vp_stage)
     if backend == "te":
         from megatron.core.models.gpt.gpt_layer_specs import (
             get_gpt_layer_with_transformer_engine_spec,
@@ -135,6 +151,10 @@ def build_layer_spec(cfg: Any, config):
         moe.keywords["submodules"] = dataclasses.replace(
             moe.keywords["submodules"], experts=grouped_experts_builder()
         )
+    if model["family"] == "gdn":
+        from recipes.gdn import build_gdn_block_spec
+
+        return build_gdn_block_spec(config, spec, vp_stage)
     return spec
 
 
@@ -145,7 +165,6 @@ def build_model(cfg: Any, config) -> list[torch.nn.Module]:
 
     from recipes.compat import device
 
-    spec = build_layer_spec(cfg, config)
     model_cfg = cfg["model"]
     vpp = cfg["parallel"]["virtual_pipeline_model_parallel_size"]
     chunks = []
@@ -153,7 +172,7 @@ def build_model(cfg: Any, config) -> list[torch.nn.Module]:
         stage = vp_stage if vpp else None
         chunk = GPTModel(
             config=config,
-            transformer_layer_spec=spec,
+            transformer_layer_spec=build_layer_spec(cfg, config, stage),
             vocab_size=model_cfg["vocab_size"],
             max_sequence_length=cfg["train"]["seq_length"],
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),

@@ -11,6 +11,10 @@ Bugs handled elsewhere (by design, not by patching):
   it is a silent no-op: ``recipes.experts.GroupedExperts`` implements it without TE.
 - ``selective mlp`` with ``add_bias_linear=True`` recurses in backward and MoE with biases fails in
   place (mlp.py:354): ``recipes.validate`` refuses ``add_bias_linear=True``.
+- GatedDeltaNet cannot be built without Transformer Engine: the hybrid block spec asserts
+  ``transformer_impl == "transformer_engine"`` and ``get_gated_delta_net_module_spec`` on the local
+  backend gives ``in_proj=None`` (it fuses the input norm into TE's norm+linear): ``recipes.gdn``
+  builds the same layers from local modules (test: ``tests/test_gdn.py``).
 """
 
 from __future__ import annotations

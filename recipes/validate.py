@@ -8,14 +8,14 @@ from __future__ import annotations
 
 from typing import Any
 
-FAMILIES = ("standard_attn", "mla", "moe")
+FAMILIES = ("standard_attn", "mla", "moe", "gdn")
 BACKENDS = ("unfused", "sdpa", "te")
 
 #: Selective labels: which families they apply to, and what to use instead where they do not.
 LABELS: dict[str, dict] = {
     "core_attn": {"families": FAMILIES, "what": "core attention (scores, softmax, context)"},
     "mlp": {
-        "families": ("standard_attn", "mla"),
+        "families": ("standard_attn", "mla", "gdn"),
         "what": "the dense MLP",
         "instead": "on MoE layers use recompute=selective/moe_act (or selective/moe)",
     },
@@ -41,10 +41,10 @@ LABELS: dict[str, dict] = {
     },
     "layernorm": {"families": FAMILIES, "what": "the input and pre-MLP norms"},
     "gdn_norm_out": {
-        "families": (),
-        "what": "the GatedDeltaNet normalization output",
-        "instead": "no model family here has GatedDeltaNet layers yet (model/gdn is not built); "
-        "use recompute=selective/core_attn",
+        "families": ("gdn",),
+        "what": "the GatedDeltaNet gated output norm",
+        "instead": "use model=gdn (GatedDeltaNet layers), or recompute=selective/core_attn for "
+        "standard attention",
     },
 }
 
@@ -118,6 +118,15 @@ def _validate_model(cfg) -> None:
         _check(m["moe_token_dispatcher_type"] in ("allgather", "alltoall"),
                "model.moe_token_dispatcher_type", f"{m['moe_token_dispatcher_type']!r} is not "
                "supported here", "use allgather (any device) or alltoall (GPU)")
+    if m["family"] == "gdn":
+        freq = m["linear_attention_freq"]
+        _check(freq is not None and freq >= 2, "model.linear_attention_freq",
+               f"{freq} leaves no GatedDeltaNet layers (every N-th layer is standard attention)",
+               "use model.linear_attention_freq=4 (3 GDN : 1 attention), or model=standard_attn")
+        kh, vh = m["linear_num_key_heads"], m["linear_num_value_heads"]
+        _check(vh % kh == 0, "model.linear_num_value_heads",
+               f"{vh} GDN value heads are not a multiple of {kh} key heads",
+               "pick linear_num_value_heads as a multiple of linear_num_key_heads")
 
 
 def _validate_attention(cfg, te_available: bool) -> None:
@@ -172,10 +181,6 @@ def _validate_recompute(cfg) -> None:
         _check(label in LABELS, "recompute.recompute_modules", f"unknown label {label!r}",
                f"use labels from: {', '.join(LABELS)}")
         info = LABELS[label]
-        if label == "gdn_norm_out":
-            raise ConfigError("recompute=selective/gdn_norm_out",
-                              "gdn_norm_out is not yet supported: " + info["instead"].split(";")[0],
-                              info["instead"].split("; ")[-1])
         _check(m["family"] in info["families"], f"recompute=selective/{label}",
                f"{label} recomputes {info['what']}, but model={m['family']} has none "
                "(megatron-core would accept it and recompute nothing)", info.get("instead", ""))
@@ -238,6 +243,11 @@ def _validate_parallel(cfg, num_gpus: int) -> None:
     groups = m["num_query_groups"] or heads
     _check(m["family"] == "mla" or groups % tp == 0, "parallel.tensor_model_parallel_size",
            f"{groups} query groups are not divisible by TP={tp}", "pick TP dividing num_query_groups")
+    if m["family"] == "gdn":
+        kh, vh = m["linear_num_key_heads"], m["linear_num_value_heads"]
+        _check(kh % tp == 0 and vh % tp == 0, "parallel.tensor_model_parallel_size",
+               f"GDN heads ({kh} key, {vh} value) are not divisible by TP={tp}",
+               "pick a TP size dividing model.linear_num_key_heads")
     _check(not par["sequence_parallel"] or tp > 1, "parallel.sequence_parallel",
            "sequence parallel needs tensor parallel > 1", "use parallel=tp2, or "
            "parallel.sequence_parallel=false")

@@ -16,7 +16,7 @@ RECOMPUTE = sorted(
     str(p.relative_to(Path(CONF) / "recompute").with_suffix(""))
     for p in (Path(CONF) / "recompute").rglob("*.yaml")
 )
-FAMILIES = ["standard_attn", "mla", "moe"]
+FAMILIES = ["standard_attn", "mla", "moe", "gdn"]
 
 
 def _check(cfg: dict) -> None:
@@ -78,7 +78,7 @@ REFUSED = [
      "moe_shared_expert_intermediate_size"),
     (["model=moe", "recompute=selective/moe_act", "model.experts=sequential"], "moe_act",
      "model.experts=grouped"),
-    (["recompute=selective/gdn_norm_out"], "gdn_norm_out", "not yet supported"),
+    (["recompute=selective/gdn_norm_out"], "recompute=selective/gdn_norm_out", "model=gdn"),
     (["recompute=full", "recompute.recompute_num_layers=9"], "recompute_num_layers", "between 1 and 2"),
     (["recompute=full", "recompute.recompute_method=null"], "recompute_method", "full/block"),
     (["recompute=none", "recompute.recompute_modules=[core_attn]"], "recompute_modules", "selective"),
