@@ -49,14 +49,43 @@ def layer_forward_flops(cfg: Any) -> dict[str, float]:
     return out
 
 
+def gdn_layer_forward_flops(cfg: Any) -> float:
+    """Forward FLOPs of one GatedDeltaNet layer's mixer (family=gdn), in place of attention.
+
+    Projections are exact: in_proj makes q, k (key heads x key dim), v and the output gate z
+    (value heads x value dim) and the per-head beta/alpha; out_proj maps back. The delta rule is
+    counted as three [key dim x value dim] products per token and value head (read the state with
+    k, update it, read it with q): an approximation of the chunked kernel's work."""
+    m, t = cfg["model"], cfg["train"]
+    tokens, h = t["micro_batch_size"] * t["seq_length"], m["hidden_size"]
+    nk, nv = m["linear_num_key_heads"], m["linear_num_value_heads"]
+    dk, dv = m["linear_key_head_dim"], m["linear_value_head_dim"]
+    in_proj = 2 * tokens * h * (2 * nk * dk + 2 * nv * dv + 2 * nv)
+    out_proj = 2 * tokens * nv * dv * h
+    return in_proj + out_proj + 3 * 2 * tokens * nv * dk * dv
+
+
 def step_flops(cfg: Any, num_microbatches: int) -> dict[str, float]:
     """Model and hardware FLOPs of one optimizer step across all ranks."""
     m, t = cfg["model"], cfg["train"]
     layer = layer_forward_flops(cfg)
     per_layer = layer["attn_proj"] + layer["core_attn"] + layer.get("mlp", 0.0) + layer.get("moe", 0.0)
     logits = 2 * t["micro_batch_size"] * t["seq_length"] * m["hidden_size"] * m["vocab_size"]
-    forward = m["num_layers"] * per_layer + logits
-    replay = m["num_layers"] * replayed_layer_flops(cfg, layer, per_layer)
+    layers = m["num_layers"]
+    forward = layers * per_layer + logits
+    replay = layers * replayed_layer_flops(cfg, layer, per_layer)
+    if m["family"] == "gdn":  # every linear_attention_freq-th layer is attention, the rest GDN
+        num_attn = layers // m["linear_attention_freq"]
+        num_gdn = layers - num_attn
+        gdn_layer = gdn_layer_forward_flops(cfg) + layer["mlp"]
+        rc = cfg["recompute"]
+        if rc["recompute_granularity"] == "full":
+            gdn_replay = gdn_layer
+        else:  # of the selective labels only mlp reaches a GDN layer (gdn_norm_out is elementwise)
+            selective = rc["recompute_granularity"] == "selective"
+            gdn_replay = layer["mlp"] if selective and "mlp" in rc["recompute_modules"] else 0.0
+        forward = num_attn * per_layer + num_gdn * gdn_layer + logits
+        replay = num_attn * replayed_layer_flops(cfg, layer, per_layer) + num_gdn * gdn_replay
     dp = cfg.get("_data_parallel_size", 1)
     scale = num_microbatches * dp
     return {"model": 3 * forward * scale, "hardware": (3 * forward + replay) * scale}

@@ -184,3 +184,19 @@ def test_megatron_gdn_spec_still_needs_transformer_engine():
     spec = get_gated_delta_net_module_spec(config, backend=LocalSpecProvider())
     assert spec.submodules.in_proj is None and spec.metainfo["fuse_input_layernorm"], (
         "upstream builds GDN on the local backend now: use get_gated_delta_net_module_spec in recipes.gdn")
+
+
+def test_gdn_flops_count_gdn_layers_as_gdn():
+    """MFU for model=gdn counts GDN mixers, not attention, in the GDN layers; selective labels
+    replay work only in the layers they reach."""
+    from recipes.flops import gdn_layer_forward_flops, layer_forward_flops, step_flops
+
+    cfg = compose("model=gdn", "size=h200")
+    layer = layer_forward_flops(cfg)
+    layers, attn = cfg["model"]["num_layers"], cfg["model"]["num_layers"] // cfg["model"]["linear_attention_freq"]
+    logits = 2 * cfg["train"]["micro_batch_size"] * cfg["train"]["seq_length"] * 2048 * cfg["model"]["vocab_size"]
+    attn_layer = layer["attn_proj"] + layer["core_attn"] + layer["mlp"]
+    expected = attn * attn_layer + (layers - attn) * (gdn_layer_forward_flops(cfg) + layer["mlp"]) + logits
+    assert step_flops(cfg, 1)["model"] == 3 * expected
+    core = step_flops(compose("model=gdn", "size=h200", "recompute=selective/core_attn"), 1)
+    assert core["hardware"] - core["model"] == attn * layer["core_attn"]
