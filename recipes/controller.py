@@ -245,8 +245,38 @@ def print_run(result: dict) -> None:
             break
     if status != "ok":
         print(f"  error: {result.get('error')}")
-    for warning in result.get("warnings", []):
+    warnings = list(result.get("warnings", []))
+    for r in result.get("ranks") or []:  # label findings are per rank (a label may run on some only)
+        warnings += [w for w in r.get("warnings") or [] if w not in warnings]
+    for warning in warnings:
         print(f"  warning: {warning}")
+    phases = time_breakdown(result)
+    if phases:
+        print("  time: " + ", ".join(f"{k} {v:.1f}s" for k, v in phases.items()))
+
+
+#: Worker timeline marks, in order, and the phase each one ends (recipes/worker.py).
+_PHASES = [("main_start", "start+imports"), ("distributed_ready", "init"), ("built", "build"),
+           ("warmed_up", "warm-up"), ("ledgers_done", "ledgers"), ("steady_done", "timed steps"),
+           ("profile_start", "findings"), ("end", "profile+exit")]
+
+
+def time_breakdown(result: dict) -> dict[str, float]:
+    """Where a point's wall time went (rank 0's timeline from the launch): the fixed costs that
+    decide how long a sweep takes, next to the timed steps that decide the comparison."""
+    ranks = result.get("ranks") or []
+    marks = dict((ranks[0].get("timeline") or {}) if ranks else {})
+    launched = result.get("launched")
+    if not marks or launched is None:
+        return {}
+    marks["end"] = launched + result.get("wall_s", 0.0)
+    phases, previous = {}, launched
+    for key, name in _PHASES:
+        if key in marks:
+            phases[name] = marks[key] - previous
+            previous = marks[key]
+    phases["wall"] = result.get("wall_s", 0.0)
+    return phases
 
 
 def rank_line(r: dict, worst: bool = False, host: bool = False) -> str:

@@ -361,6 +361,7 @@ def train_and_measure(cfg: dict, result: dict, run_dir: Path | None = None) -> "
     if cfg["measure"]["profile"] != "none":
         from recipes.profile import profile_step  # one extra, profiled step (not timed)
 
+        marks["profile_start"] = time.time()
         result["profile"] = profile_step(trainer, cfg, run_dir, step_time_s=median)
     result["status"] = "ok"
     trainer.close()
