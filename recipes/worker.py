@@ -179,18 +179,7 @@ class Trainer:
             for c in self.chunks:
                 c.zero_grad_buffer()
         self.optimizer.zero_grad()
-        train = self.cfg["train"]
-        vpp = self.cfg["parallel"]["virtual_pipeline_model_parallel_size"]
-        data = [self.data] * len(self.chunks) if vpp else self.data
-        losses = self.forward_backward(
-            forward_step_func=self._forward_step,
-            data_iterator=data,
-            model=self.chunks if vpp else self.chunks[0],
-            num_microbatches=self.num_microbatches,
-            seq_length=train["seq_length"],
-            micro_batch_size=train["micro_batch_size"],
-            forward_only=False,
-        )
+        losses = self._schedule(self.data, forward_only=False)
         self._finalize_grads()
         if record_ledger:  # the sum over this rank's chunks (a pipeline stage's layers)
             self.ledger.bytes_by_kind = {
@@ -201,26 +190,30 @@ class Trainer:
             return float(torch.stack([l["lm loss"] for l in losses]).mean())
         return None
 
+    def _schedule(self, data, forward_only: bool) -> list[dict]:
+        """megatron's forward-backward schedule over this step's micro-batches (all chunks)."""
+        train = self.cfg["train"]
+        vpp = self.cfg["parallel"]["virtual_pipeline_model_parallel_size"]
+        return self.forward_backward(
+            forward_step_func=self._forward_step,
+            data_iterator=[data] * len(self.chunks) if vpp else data,
+            model=self.chunks if vpp else self.chunks[0],
+            num_microbatches=self.num_microbatches,
+            seq_length=train["seq_length"],
+            micro_batch_size=train["micro_batch_size"],
+            forward_only=forward_only,
+        )
+
     def evaluate(self) -> float | None:
         """Mean validation loss over ``data.eval_iters`` batches (forward only), or None."""
         if self.valid_data is None:
             return None
         for c in self.chunks:
             c.eval()
-        train = self.cfg["train"]
-        vpp = self.cfg["parallel"]["virtual_pipeline_model_parallel_size"]
         values = []
         with torch.no_grad():
             for _ in range(self.cfg["data"]["eval_iters"]):
-                losses = self.forward_backward(
-                    forward_step_func=self._forward_step,
-                    data_iterator=[self.valid_data] * len(self.chunks) if vpp else self.valid_data,
-                    model=self.chunks if vpp else self.chunks[0],
-                    num_microbatches=self.num_microbatches,
-                    seq_length=train["seq_length"],
-                    micro_batch_size=train["micro_batch_size"],
-                    forward_only=True,
-                )
+                losses = self._schedule(self.valid_data, forward_only=True)
                 values += [float(l["lm loss"]) for l in losses or []]
         for c in self.chunks:
             c.train()
