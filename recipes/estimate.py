@@ -146,12 +146,11 @@ def in_flight_chunks(pp: int, vpp: int | None, stage: int, num_microbatches: int
     1F1B: min(pp - stage, microbatches) forwards. Interleaved 1F1B (megatron's schedule, micro-batch
     group = pp): 2 (pp - stage - 1) + (vpp - 1) pp warm-up forwards plus one, each through one chunk;
     for stage 0 that is p (1 + (p - 1)/(p v)) micro-batches' worth, the paper's interleaving factor.
+    The same bookkeeping the worker records (``recipes.parallel.pipeline_schedule``).
     """
-    v = vpp or 1
-    if v == 1:
-        return [0] * max(1, min(pp - stage, num_microbatches))
-    count = min(2 * (pp - stage - 1) + (v - 1) * pp + 1, num_microbatches * v)
-    return [(j // pp) % v for j in range(count)]
+    from recipes.parallel import pipeline_schedule
+
+    return pipeline_schedule(num_microbatches, pp, stage, vpp or 1)["chunk_order"]
 
 
 def _sum(terms: list[Term]) -> int:
