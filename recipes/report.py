@@ -290,8 +290,12 @@ def write_report(sweep_dir: Path, wandb_logger: dict | None = None) -> str:
     png = plot_pareto(rows, sweep_dir / "report.png", f"{sweep_group(str(sweep_dir))}: memory vs step time")
     md = format_markdown(rows)
     notes = "\n".join(f"- {n}" for n in _notes(rows, results))
+    from recipes.profile import plot_timelines  # the control's and each label's memory timelines
+
+    timelines = plot_timelines(results, sweep_dir / "timelines.png")
+    side_by_side = f"\n\n![memory over one step]({timelines.name})" if timelines else ""
     (sweep_dir / "report.md").write_text(
-        f"# Sweep report: {sweep_dir}\n\n{md}\n\n{notes}\n\n![memory vs step time]({png.name})\n")
+        f"# Sweep report: {sweep_dir}\n\n{md}\n\n{notes}\n\n![memory vs step time]({png.name}){side_by_side}\n")
     with open(sweep_dir / "report.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=CSV_KEYS, extrasaction="ignore")
         writer.writeheader()

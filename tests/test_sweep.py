@@ -96,6 +96,8 @@ def test_sweep_survives_kill_and_crash_and_resumes(tmp_path):
     assert len(csv_rows) == 4 and csv_rows[0].startswith("point,rank,worst")
     png = (sweep / "report.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    if any(r["ranks"] and r["ranks"][0].get("profile") for r in results.values()):  # profile=peak
+        assert (sweep / "timelines.png").stat().st_size > 10_000 and "timelines.png" in md
 
 
 def test_same_command_same_directory(tmp_path):
