@@ -97,6 +97,8 @@ def _validate_model(cfg) -> None:
     _check(not m["add_bias_linear"], "model.add_bias_linear",
            "biases break megatron-core 0.19.2's selective mlp recompute (infinite recursion in "
            "backward) and MoE (in-place error, mlp.py:354)", "keep model.add_bias_linear=false")
+    _check(m["normalization"] in ("RMSNorm", "LayerNorm"), "model.normalization",
+           f"unknown normalization {m['normalization']!r}", "use model.normalization=RMSNorm or LayerNorm")
     _check(m["activation"] in ("silu", "gelu"), "model.activation",
            f"unknown activation {m['activation']!r}", "use model.activation=silu or gelu")
     heads, groups = m["num_attention_heads"], m["num_query_groups"] or m["num_attention_heads"]

@@ -48,7 +48,8 @@ def init_distributed(cfg: dict) -> None:
         expert_model_parallel_size=par["expert_model_parallel_size"],
         expert_tensor_parallel_size=par["expert_tensor_parallel_size"],
     )
-    compat.seed_model_parallel_rng(cfg["train"]["seed"])
+    # As Megatron-LM does: each pipeline stage draws its own weights (seed + 100 * pp rank).
+    compat.seed_model_parallel_rng(cfg["train"]["seed"] + 100 * parallel_state.get_pipeline_model_parallel_rank())
 
 
 def rank_coordinates() -> dict:

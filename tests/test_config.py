@@ -87,6 +87,7 @@ REFUSED = [
     (["recompute=control", "recompute.recompute_num_layers=1"], "recompute_method", "recompute=full"),
     (["attention=te"], "attention=te", "attention=sdpa"),
     (["model.add_bias_linear=true"], "add_bias_linear", "false"),
+    (["model.normalization=BadNorm"], "model.normalization", "RMSNorm or LayerNorm"),
     (["model=moe", "model.moe_router_topk=9"], "moe_router_topk", "<= num_moe_experts"),
     (["model=moe", "model.moe_token_dispatcher_type=alltoall"], "alltoall", "allgather"),
     (["train.warmup_iters=8"], "warmup_iters", "train.warmup_iters < train.train_iters"),
