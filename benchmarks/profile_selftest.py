@@ -92,7 +92,7 @@ def main() -> int:
     common = shape + ["profile=peak", "train.train_iters=5", "train.warmup_iters=2"] + extra
     init_world(compose(common))
     from recipes.compat import seed_model_parallel_rng
-    from recipes.profile import first_label_to_try, plot_timelines, top_contributors
+    from recipes.profile import first_label_to_try, plot_timelines, top_contributors, write_timeline_pngs
     from recipes.worker import train_and_measure
 
     failures, results = [], []
@@ -112,6 +112,7 @@ def main() -> int:
             torch.cuda.empty_cache()
         result = {"name": name, "config": cfg, "choices": {"recompute": overrides[-1].split("=")[1]},
                   "status": rank.get("status"), "worst_rank": 0, "ranks": [rank]}
+        write_timeline_pngs(result, run_dir)
         (run_dir / "result.json").write_text(json.dumps(result, indent=1, default=str))
         results.append(result)
         label, why = first_label_to_try(result)

@@ -199,6 +199,9 @@ def run(cfg: DictConfig) -> dict:
     if plain["launcher"]["nnodes"] > 1:  # the other nodes' rank files, over a shared file system
         wait_for_rank_files(run_dir, world)
     result = merge_result(run_dir, meta, world, launch_error)
+    from recipes.profile import write_timeline_pngs
+
+    write_timeline_pngs(result, run_dir)
     if result["status"] == "failed" and not result.get("ranks"):
         result["log_tail"] = log_path.read_text()[-4000:]
     write_json_atomic(run_dir / "result.json", result)

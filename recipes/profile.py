@@ -159,15 +159,28 @@ def profile_step(trainer, cfg: dict, run_dir: Path | None = None, step_time_s: f
         cost["peak_change_within_1pct"] = abs(cost["peak_change"]) <= 0.01
     out["cost"] = cost
     out["top"] = top_buckets(out)
-    if run_dir is not None:
-        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    out["title"] = _run_title(cfg)
+    return out
+
+
+def write_timeline_pngs(result: dict, run_dir: Path | str) -> list[Path]:
+    """Each profiled rank's timeline PNG (``memory_timeline.png`` for rank 0, else
+    ``memory_timeline_rank<N>.png``). The controller draws them after the workers exit, so the
+    worker neither imports matplotlib nor renders while it holds the GPU."""
+    written = []
+    for r in result.get("ranks") or []:
+        prof = r.get("profile")
+        if not prof or not prof.get("timeline"):
+            continue
+        rank = r.get("rank", 0)
         png = Path(run_dir) / ("memory_timeline.png" if rank == 0 else f"memory_timeline_rank{rank}.png")
         try:
-            plot_timeline(out, png, title=f"{_run_title(cfg)} (rank {rank})")
-            out["png"] = str(png)
+            plot_timeline(prof, png, title=f"{prof.get('title', result.get('name', ''))} (rank {rank})")
+            prof["png"] = str(png)
+            written.append(png)
         except Exception as err:  # a plot never fails a run
-            out["png_error"] = f"{type(err).__name__}: {err}"
-    return out
+            prof["png_error"] = f"{type(err).__name__}: {err}"
+    return written
 
 
 # --- plots ---------------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from recipes.profile import (
     profile_step,
     replay,
     top_contributors,
+    write_timeline_pngs,
 )
 
 
@@ -84,6 +85,8 @@ def test_discarding_a_module_output_removes_its_bytes(megatron_world):
 def test_timeline_png_console_line_and_side_by_side(megatron_world, tmp_path):
     prof, _, _ = _profile("attention=unfused", "recompute=control", run_dir=tmp_path)
     png = tmp_path / "memory_timeline.png"
+    assert not png.exists()  # the worker does not draw: the controller does, after it exits
+    assert write_timeline_pngs({"ranks": [{"rank": 0, "profile": prof}]}, tmp_path) == [png]
     assert prof["png"] == str(png) and png.stat().st_size > 10_000
     phases = [p for _, _, p in prof["timeline"]["phases"]]
     assert {"forward layer 1", "backward layer 2", "optimizer step"} <= set(phases)
