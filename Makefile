@@ -48,5 +48,8 @@ estimate: install ## Predicted memory per rank, no run: make estimate ARGS="mode
 data: install ## Real text without a download: Python stdlib sources -> data/stdlib_text_document (.bin/.idx)
 	$(PY) -m recipes.preprocess --stdlib --output-prefix data/stdlib --append-eod
 
+bench: install ## Step speed per family (tokens/s, MFU, recompute overhead vs ideal): make bench SIZE=h200
+	$(PY) benchmarks/bench_mfu.py --size $(SIZE) $(ARGS)
+
 clean: ## Remove outputs/ and multirun/ (results of earlier runs)
 	rm -rf outputs multirun

@@ -21,6 +21,8 @@ step_sweeps() {  # issue 3/4: every family's label table at the FACTS.md shape (
   for s in standard_attn mla moe gdn; do stamp "sweep=$s"; $PY train.py -m sweep=$s size=$SIZE $SWEEP_ARGS hydra.sweep.dir=results/sweep_$s 2>&1 | grep -v "Warning\|warn(" | tail -14; done; }
 step_attention() {  # issue 2: {unfused, sdpa} x {none, control, core_attn, full} per family
   for m in standard_attn mla moe; do stamp "attention x $m"; $PY train.py -m model=$m size=$SIZE $SWEEP_ARGS attention=unfused,sdpa recompute=none,control,selective/core_attn,full hydra.sweep.dir=results/attention_$m 2>&1 | grep -v "Warning\|warn(" | tail -12; done; }
+step_mfu() {  # issue 7: MFU and recompute overhead per family, FACTS shape and the realistic size
+  for z in h200 h200_long; do stamp "bench_mfu size=$z"; $PY benchmarks/bench_mfu.py --size $z --families standard_attn,mla,moe --out results/mfu_$z 2>&1 | tail -12; done; }
 step_bench() { stamp bench_entrypoint; $PY benchmarks/bench_entrypoint.py size=$SIZE attention=sdpa recompute=none 2>&1 | tail -5;
   stamp bench_experts; $PY benchmarks/bench_experts.py 2>&1 | tail -12; }
 step_oom() {  # issue 4: a forced OOM inside a sweep; the sweep goes on

@@ -1,0 +1,102 @@
+"""Training-step speed per family: tokens/s, model TFLOP/s, MFU, and what recompute costs.
+
+For each family it runs three points, each a fresh worker process (``python train.py -m``):
+no recompute, or, when that is predicted not to fit this GPU, the narrowest option predicted to
+fit (``recipes.advise --predict``); the guide's label for the family; and full recompute. Then it
+prints, per point: step time, tokens/s, model TFLOP/s and MFU against ``measure.peak_tflops``
+(989, H200 bf16 dense), hardware TFLOP/s including the replayed forward work, the replay as a
+fraction of the step's model FLOPs (the ideal overhead: full recompute replays one forward, about
++33%), and the measured step-time overhead against the first point.
+
+    python benchmarks/bench_mfu.py --size h200 [--families standard_attn,moe] [-- extra overrides]
+    make bench SIZE=h200
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+#: The guide's first label per family.
+GUIDE = {"standard_attn": "selective/core_attn", "mla": "selective/mla_up_proj",
+         "moe": "selective/moe_act", "gdn": "selective/gdn_norm_out"}
+
+
+def first_option(family: str, size: str, extra: list[str]) -> str:
+    """``none``, or the narrowest option predicted to fit this GPU when ``none`` is not."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return "none"
+    from recipes.advise import advise_before_running
+
+    budget = torch.cuda.get_device_properties(0).total_memory / 2**30 - 2.0  # context, NCCL
+    advice = advise_before_running([f"model={family}", f"size={size}", *extra], budget)
+    fits = {r["recompute"]: r["fits"] for r in advice["options"]}
+    if fits.get("none", True) or advice["choice"] is None:
+        return "none"
+    return advice["choice"]["recompute"]
+
+
+def run_family(family: str, size: str, extra: list[str], out: Path) -> list[dict]:
+    options = [first_option(family, size, extra), GUIDE[family], "full"]
+    sweep_dir = out / family
+    cmd = [sys.executable, str(REPO / "train.py"), "-m", f"model={family}", f"size={size}",
+           "recompute=" + ",".join(dict.fromkeys(options)), "profile=none",
+           f"hydra.sweep.dir={sweep_dir}", *extra]
+    subprocess.run(cmd, cwd=REPO, check=False, capture_output=True)
+    rows = []
+    for option in dict.fromkeys(options):
+        found = [json.loads(p.read_text()) for p in sweep_dir.glob("*/result.json")
+                 if json.loads(p.read_text()).get("choices", {}).get("recompute") == option]
+        rows.append({"family": family, "recompute": option, "result": found[0] if found else None})
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| family | recompute | status | step ms | tokens/s | model TFLOP/s | MFU | hardware TFLOP/s "
+             "| replay (ideal overhead) | measured overhead |", "|" + "---|" * 10]
+    base: dict[str, float] = {}
+    for row in rows:
+        r = row["result"]
+        if not r or r.get("status") != "ok":
+            lines.append(f"| {row['family']} | {row['recompute']} | {r.get('status') if r else 'missing'} |"
+                         + " |" * 7)
+            continue
+        t = r["ranks"][0]["timing"]
+        base.setdefault(row["family"], t["step_time_s"])
+        mfu = f"{t['mfu']:.1%}" if t.get("mfu") is not None else "-"
+        lines.append(
+            f"| {row['family']} | {row['recompute']} | ok | {t['step_time_s'] * 1e3:.1f} | {t['tokens_per_s']:.0f} "
+            f"| {t['model_tflops_per_gpu']:.1f} | {mfu} | {t['hardware_tflops_per_gpu']:.1f} "
+            f"| +{t['recompute_flops_fraction']:.1%} | {t['step_time_s'] / base[row['family']] - 1:+.1%} |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", default="tiny")
+    parser.add_argument("--families", default="standard_attn,mla,moe")
+    parser.add_argument("--out", type=Path, default=REPO / "multirun" / "bench")
+    parser.add_argument("extra", nargs="*", help="Hydra overrides applied to every point")
+    args = parser.parse_args()
+    import torch
+
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu (smoke run: times are not MFU)"
+    start = time.time()
+    rows = [row for family in args.families.split(",") for row in run_family(family, args.size, args.extra, args.out)]
+    print(f"{time.strftime('%Y-%m-%d')}, {device}, size={args.size} {' '.join(args.extra)}, "
+          f"{time.time() - start:.0f} s")
+    print(table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
