@@ -11,6 +11,7 @@ fi
 export PYTHONUNBUFFERED=1 WANDB_MODE=offline
 PY=${PY:-python3}
 SIZE=${SIZE:-h200}
+FAMILIES=${FAMILIES:-"standard_attn mla moe gdn"}  # split across calls: one call has 10 minutes
 # What docs/h200-results.md ran with (4 timed steps, profiling off); empty for the full defaults.
 SWEEP_ARGS=${SWEEP_ARGS-"profile=none train.train_iters=6 train.warmup_iters=2"}
 mkdir -p results
@@ -18,9 +19,9 @@ stamp() { echo "== $(date -u +%FT%TZ) $*"; }
 
 step_env() { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; $PY -c "import torch, megatron.core as m; print('torch', torch.__version__, 'megatron-core', m.__version__)"; }
 step_sweeps() {  # issue 3/4: every family's label table at the FACTS.md shape (sdpa)
-  for s in standard_attn mla moe gdn; do stamp "sweep=$s"; $PY train.py -m sweep=$s size=$SIZE $SWEEP_ARGS hydra.sweep.dir=results/sweep_$s 2>&1 | grep -v "Warning\|warn(" | tail -14; done; }
+  for s in $FAMILIES; do stamp "sweep=$s"; $PY train.py -m sweep=$s size=$SIZE $SWEEP_ARGS hydra.sweep.dir=results/sweep_$s 2>&1 | grep -v "Warning\|warn(" | tail -14; done; }
 step_attention() {  # issue 2: {unfused, sdpa} x {none, control, core_attn, full} per family
-  for m in standard_attn mla moe; do stamp "attention x $m"; $PY train.py -m model=$m size=$SIZE $SWEEP_ARGS attention=unfused,sdpa recompute=none,control,selective/core_attn,full hydra.sweep.dir=results/attention_$m 2>&1 | grep -v "Warning\|warn(" | tail -12; done; }
+  for m in $FAMILIES; do stamp "attention x $m"; $PY train.py -m model=$m size=$SIZE $SWEEP_ARGS attention=unfused,sdpa recompute=none,control,selective/core_attn,full hydra.sweep.dir=results/attention_$m 2>&1 | grep -v "Warning\|warn(" | tail -12; done; }
 step_mfu() {  # issue 7: MFU and recompute overhead per family, FACTS shape and the realistic size
   for z in h200 h200_long; do stamp "bench_mfu size=$z"; $PY benchmarks/bench_mfu.py --size $z --families standard_attn,mla,moe --out results/mfu_$z 2>&1 | tail -12; done; }
 step_bench() { stamp bench_entrypoint; $PY benchmarks/bench_entrypoint.py size=$SIZE attention=sdpa recompute=none 2>&1 | tail -5;
