@@ -176,7 +176,7 @@ class RecipeConfig:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     measure: MeasureConfig = field(default_factory=MeasureConfig)
-    size: Any = None  # the size knob's values, interpolated into model/train by the size group
+    size: Any = None  # unused: size files (@package _global_) set model.* and train.* directly
     name: Optional[str] = None  # run name; defaults to the Hydra choices
     output_dir: Optional[str] = None  # defaults to Hydra's run/sweep directory
     rerun: bool = False  # in a sweep, re-run points that already have a complete result
