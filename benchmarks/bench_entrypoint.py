@@ -27,15 +27,9 @@ sys.path.insert(0, str(REPO))
 
 
 def compose(overrides: list[str]) -> dict:
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from omegaconf import OmegaConf
+    from recipes.config import compose_config
 
-    from recipes.config import register_configs
-
-    register_configs()
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        return OmegaConf.to_container(hydra_compose("config", overrides=overrides), resolve=True)
+    return compose_config(overrides)
 
 
 def bare_loop(cfg: dict, steps: int, warmup: int) -> float:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import sys
 import time
@@ -40,11 +39,10 @@ def init_single_process() -> None:
     from recipes import upstream
     from recipes.compat import install_cpu_compat, seed_model_parallel_rng
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from launch.torchrun import free_port
+
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(port))
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)
     if torch.cuda.is_available():
         torch.cuda.set_device(0)

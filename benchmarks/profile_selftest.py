@@ -25,7 +25,6 @@ import argparse
 import gc
 import json
 import os
-import socket
 import sys
 from pathlib import Path
 
@@ -55,23 +54,15 @@ GUIDE_FIRST = {"standard_attn": "selective/core_attn", "mla": "selective/mla_up_
 
 
 def compose(overrides: list[str]) -> dict:
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from omegaconf import OmegaConf
+    from recipes.config import compose_config
 
-    from recipes.config import register_configs
-
-    register_configs()
-    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
-        cfg = hydra_compose(config_name="config", overrides=overrides)
-    return OmegaConf.to_container(cfg, resolve=True)
+    return compose_config(overrides)
 
 
 def init_world(cfg: dict) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1",
+    from launch.torchrun import free_port
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
                       LOCAL_RANK="0")
     from recipes.worker import init_distributed
 

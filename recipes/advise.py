@@ -381,7 +381,8 @@ def advise_before_running(overrides: list[str], budget_gib: float) -> dict:
     """PREDICTED advice, before any run: every option of the family by recipes.estimate's peak per
     rank; the choice is the fitting option that replays the least forward work (recipes.flops),
     no recompute first: the guide's "narrowest boundary that fits", to be confirmed by a sweep."""
-    from recipes.estimate import compose_config, predict_options, recompute_config
+    from recipes.config import compose_config
+    from recipes.estimate import predict_options, recompute_config
     from recipes.flops import layer_forward_flops, replayed_layer_flops
 
     cfg = compose_config(overrides)

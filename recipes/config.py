@@ -211,3 +211,18 @@ def register_configs() -> None:
     }
     for group, node in groups.items():
         cs.store(group=group, name=f"{group}_schema", node=node)
+
+
+def compose_config(overrides: list[str] = ()) -> dict:
+    """The resolved run config for these Hydra overrides, composed exactly as ``train.py`` does
+    (the plain dict a worker reads). For tools and tests that run outside ``@hydra.main``."""
+    from pathlib import Path
+
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    register_configs()
+    conf = str(Path(__file__).resolve().parent.parent / "conf")
+    with initialize_config_dir(config_dir=conf, version_base="1.3"):
+        cfg = compose(config_name="config", overrides=list(overrides))
+    return OmegaConf.to_container(cfg, resolve=True)

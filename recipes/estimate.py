@@ -20,6 +20,7 @@ import sys
 from dataclasses import dataclass, replace
 
 from recipes.activations import Dims, Term, dims, embedding_terms, head_terms, layer_terms
+from recipes.config import compose_config
 from recipes.ledger import KINDS
 from recipes.validate import ConfigError
 
@@ -271,22 +272,6 @@ def rank_options(cfg_or_overrides: dict | list[str], device: str = "cuda") -> li
     """
     cfg = compose_config(cfg_or_overrides) if isinstance(cfg_or_overrides, list) else cfg_or_overrides
     return [(option, p["peak_bytes"]) for option, p in predict_options(cfg, device)[0]]
-
-
-def compose_config(overrides: list[str]) -> dict:
-    """The resolved run config for these Hydra overrides, composed exactly as training does."""
-    from pathlib import Path
-
-    from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
-
-    from recipes.config import register_configs
-
-    register_configs()
-    conf = str(Path(__file__).resolve().parent.parent / "conf")
-    with initialize_config_dir(config_dir=conf, version_base="1.3"):
-        cfg = compose(config_name="config", overrides=list(overrides))
-    return OmegaConf.to_container(cfg, resolve=True)
 
 
 def compare_result(result: dict, name: str | None = None) -> list[dict]:

@@ -9,7 +9,6 @@ seconds a subprocess start costs while running the same worker code.
 from __future__ import annotations
 
 import os
-import socket
 import sys
 from pathlib import Path
 
@@ -21,32 +20,21 @@ sys.path.insert(0, str(REPO))
 
 CONF = str(REPO / "conf")
 
+from launch.torchrun import free_port  # noqa: E402  (after the repo is on sys.path)
+
 
 def compose(*overrides: str) -> dict:
     """The resolved config for these overrides, as the worker would read it."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from omegaconf import OmegaConf
+    from recipes.config import compose_config
 
-    from recipes.config import register_configs
-
-    register_configs()
-    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
-        cfg = hydra_compose(config_name="config", overrides=list(overrides))
-    return OmegaConf.to_container(cfg, resolve=True)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return compose_config(overrides)
 
 
 @pytest.fixture(scope="session")
 def megatron_world():
     """A single-process gloo world with megatron's parallel state (all sizes 1)."""
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
     from recipes.worker import init_distributed

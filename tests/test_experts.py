@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 import os
-import socket
 from types import SimpleNamespace
 
 import pytest
@@ -38,10 +37,9 @@ def model_parallel():
     """Single-process gloo group + megatron model-parallel state, torn down after the module."""
     created = not dist.is_initialized()
     if created:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+        from launch.torchrun import free_port
+
+        os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(free_port())
         dist.init_process_group("gloo", rank=0, world_size=1)
     owns_state = not parallel_state.model_parallel_is_initialized()  # else conftest's megatron_world
     if owns_state:
