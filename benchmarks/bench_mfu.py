@@ -24,9 +24,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-#: The guide's first label per family.
-GUIDE = {"standard_attn": "selective/core_attn", "mla": "selective/mla_up_proj",
-         "moe": "selective/moe_act", "gdn": "selective/gdn_norm_out"}
+from recipes.labels import GUIDE_FIRST_LABEL  # noqa: E402  (after the repo is on sys.path)
 
 
 def first_option(family: str, size: str, extra: list[str]) -> str:
@@ -46,7 +44,7 @@ def first_option(family: str, size: str, extra: list[str]) -> str:
 
 
 def run_family(family: str, size: str, extra: list[str], out: Path) -> list[dict]:
-    options = [first_option(family, size, extra), GUIDE[family], "full"]
+    options = [first_option(family, size, extra), GUIDE_FIRST_LABEL[family], "full"]
     sweep_dir = out / family
     cmd = [sys.executable, str(REPO / "train.py"), "-m", f"model={family}", f"size={size}",
            "recompute=" + ",".join(dict.fromkeys(options)), "profile=none",

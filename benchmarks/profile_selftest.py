@@ -50,7 +50,6 @@ CHECKS = [  # (name, overrides)
 FAMILIES = [("dense unfused", ["model=standard_attn", "attention=unfused"]),
             ("mla sdpa", ["model=mla", "attention=sdpa"]), ("moe sdpa", ["model=moe", "attention=sdpa"])]
 #: The guide's architecture default, run when the advisor says recompute is not the lever.
-GUIDE_FIRST = {"standard_attn": "selective/core_attn", "mla": "selective/mla_up_proj", "moe": "selective/moe_act"}
 
 
 def compose(overrides: list[str]) -> dict:
@@ -83,6 +82,7 @@ def main() -> int:
     common = shape + ["profile=peak", "train.train_iters=5", "train.warmup_iters=2"] + extra
     init_world(compose(common))
     from recipes.compat import seed_model_parallel_rng
+    from recipes.labels import GUIDE_FIRST_LABEL
     from recipes.profile import first_label_to_try, plot_timelines, top_contributors, write_timeline_pngs
     from recipes.worker import train_and_measure
 
@@ -108,7 +108,7 @@ def main() -> int:
         results.append(result)
         label, why = first_label_to_try(result)
         if args.runs == "families" and name.endswith(" control"):
-            follow = label or GUIDE_FIRST[cfg["model"]["family"]]  # shown either way, for comparison
+            follow = label or GUIDE_FIRST_LABEL[cfg["model"]["family"]]  # shown either way, for comparison
             queue.insert(0, (name.replace("control", follow), overrides[:-1] + [f"recompute={follow}"]))
         prof = rank.get("profile") or {}
         if prof.get("status") != "ok":

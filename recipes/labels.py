@@ -26,6 +26,9 @@ LABEL_FLAGS: dict[str, tuple[str, ...]] = {
     "mla_up_proj": ("recompute_up_proj",),
     "gdn_norm_out": ("recompute_norm_out",),  # GatedDeltaNet (megatron/core/ssm/gated_delta_net)
 }
+#: The guide's first selective label per model family (its decision guide, step 3).
+GUIDE_FIRST_LABEL = {"standard_attn": "selective/core_attn", "mla": "selective/mla_up_proj",
+                     "moe": "selective/moe_act", "gdn": "selective/gdn_norm_out"}
 #: What a label that wraps nothing should be replaced with.
 ADVICE = {
     "core_attn": "this model has no attention modules that megatron checkpoints",
