@@ -6,7 +6,10 @@ the device, forward/backward/step, no schedule, no data pipeline, no measurement
 ``python train.py`` with the same overrides in a fresh process, reading its result.json. Prints a
 markdown table with the ratio (target: entrypoint within 2% of the bare loop).
 
-    python benchmarks/bench_entrypoint.py size=h200 attention=sdpa recompute=none
+    python benchmarks/bench_entrypoint.py size=h200 attention=sdpa recompute=none [--kernels]
+
+``--kernels`` also profiles three bare-loop steps and prints the GPU kernel time per step by kind
+(GEMM, attention, norm, optimizer, loss, elementwise) and the top kernels: what limits MFU.
 """
 
 from __future__ import annotations
@@ -32,8 +35,9 @@ def compose(overrides: list[str]) -> dict:
     return compose_config(overrides)
 
 
-def bare_loop(cfg: dict, steps: int, warmup: int) -> float:
-    """Median step seconds of the plainest megatron-core training loop of this model."""
+def bare_loop(cfg: dict, steps: int, warmup: int, kernels: bool = False) -> float:
+    """Median step seconds of the plainest megatron-core training loop of this model (and, with
+    ``kernels``, the GPU kernel time per step by kind, printed)."""
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=os.environ.get("MASTER_PORT", "29517"))
     from megatron.core import parallel_state
@@ -66,11 +70,8 @@ def bare_loop(cfg: dict, steps: int, warmup: int) -> float:
     dev = compat.device()
     tokens = torch.randint(0, cfg["model"]["vocab_size"], (t["micro_batch_size"], t["seq_length"]), device=dev)
     position_ids = torch.arange(t["seq_length"], device=dev).expand_as(tokens)
-    times = []
-    for i in range(warmup + steps):
-        if on_gpu:
-            torch.cuda.synchronize()
-        start = time.perf_counter()
+
+    def step() -> None:
         if on_gpu:
             model.zero_grad_buffer()
         opt.zero_grad()
@@ -81,11 +82,69 @@ def bare_loop(cfg: dict, steps: int, warmup: int) -> float:
 
             finalize_model_grads([model])
         opt.step()
+
+    times = []
+    for i in range(warmup + steps):
+        if on_gpu:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        step()
         if on_gpu:
             torch.cuda.synchronize()
         if i >= warmup:
             times.append(time.perf_counter() - start)
+    if kernels:
+        print(kernel_table(step, statistics.median(times), on_gpu))
     return statistics.median(times)
+
+
+#: Kernel name patterns -> what the time is spent on (first match wins; names from the H200 profile).
+KERNEL_KINDS = [
+    ("attention (flash/cuDNN/efficient)", ("flash", "fmha", "cudnn", "attention", "sdpa", "efficient")),
+    ("GEMM (matmul)", ("gemm", "cutlass", "nvjet", "xmma", "cublas", "wgmma", "sm90_")),
+    ("norm (RMSNorm)", ("rms", "norm")),
+    ("optimizer (Adam, grad copies)", ("multi_tensor", "adam", "l2norm", "scale")),
+    ("loss (softmax, cross-entropy)", ("softmax", "log_softmax", "nll", "cross_entropy")),
+    ("elementwise, copies, other", ("",)),
+]
+
+
+def kernel_table(step, step_s: float, on_gpu: bool, repeats: int = 3, top: int = 12) -> str:
+    """GPU kernel time per step by kind and the top kernels, from torch.profiler over ``repeats`` steps.
+
+    Busy = kernel time / wall step time: what is left is the GPU waiting on the host (launch and
+    Python overhead) or on synchronization, the part no kernel tuning recovers.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+    with profile(activities=activities) as prof:
+        for _ in range(repeats):
+            step()
+        if on_gpu:
+            torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if on_gpu and e.device_type == torch.autograd.DeviceType.CUDA]
+    by_name: dict[str, float] = {}
+    for e in kernels:
+        by_name[e.name] = by_name.get(e.name, 0.0) + e.device_time / 1e3 / repeats  # ms per step
+    by_kind = {kind: 0.0 for kind, _ in KERNEL_KINDS}
+    for name, ms in by_name.items():
+        low = name.lower()
+        kind = next(k for k, pats in KERNEL_KINDS if any(p in low for p in pats))
+        by_kind[kind] += ms
+    busy = sum(by_name.values())
+    lines = [f"\nGPU kernel time per step (torch.profiler, {repeats} steps): {busy:.1f} ms of a "
+             f"{step_s * 1e3:.1f} ms step ({busy / (step_s * 1e3):.0%} busy)",
+             "| kind | ms/step | share of kernel time |", "|---|---|---|"]
+    lines += [f"| {k} | {ms:.2f} | {ms / busy:.1%} |" for k, ms in sorted(by_kind.items(), key=lambda kv: -kv[1])
+              if busy]
+    lines += ["", f"| top {top} kernels | ms/step | calls/step |", "|---|---|---|"]
+    counts: dict[str, int] = {}
+    for e in kernels:
+        counts[e.name] = counts.get(e.name, 0) + 1
+    for name, ms in sorted(by_name.items(), key=lambda kv: -kv[1])[:top]:
+        lines.append(f"| `{name[:90]}` | {ms:.2f} | {counts[name] // repeats} |")
+    return "\n".join(lines)
 
 
 def entrypoint(overrides: list[str], steps: int, warmup: int) -> dict:
@@ -97,13 +156,14 @@ def entrypoint(overrides: list[str], steps: int, warmup: int) -> dict:
 
 
 def main() -> None:
-    overrides = sys.argv[1:]
+    kernels = "--kernels" in sys.argv[1:]
+    overrides = [a for a in sys.argv[1:] if a != "--kernels"]
     steps, warmup = 20, 3
     cfg = compose(overrides)
     # The entrypoint first, in its own process, before this process holds GPU memory.
     result = entrypoint(overrides, steps, warmup)
     rank = result["ranks"][0]
-    bare = bare_loop(cfg, steps, warmup)
+    bare = bare_loop(cfg, steps, warmup, kernels)
     ours = rank["timing"]["step_time_s"]
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     print(f"\n{time.strftime('%Y-%m-%d')}, {device}, overrides: {' '.join(overrides) or '(defaults)'}")

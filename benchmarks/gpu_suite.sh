@@ -1,36 +1,57 @@
 #!/usr/bin/env bash
 # The GPU runs behind docs/: run on the H200 machine (offline, torch from its image, our
-# dependencies from the carried wheelhouse), one or more named steps per call:
-#   bash benchmarks/gpu_suite.sh sweeps attention bench
-# Everything lands under results/ (tarred into $OUT/results.tgz when $OUT is set).
+# dependencies from the carried wheelhouse), one or more named steps, each optionally with the
+# families it covers after a colon:
+#   bash benchmarks/gpu_suite.sh env sweeps:mla,moe attention:standard_attn,mla bench long
+# Everything lands under results/ (tarred into $OUT/results.tgz when $OUT is set). A queue longer
+# than one device call (10 minutes) runs in the background under benchmarks/gpu_poll.sh.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if [ -d .whl ] && ! python3 -c "import megatron.core" 2>/dev/null; then
   eval "$(bash .whl/install-wheelhouse.sh .whl)"
 fi
 export PYTHONUNBUFFERED=1 WANDB_MODE=offline
+export TRITON_CACHE_AUTOTUNING=1  # fla's autotuned GDN kernels: tune once per machine, not per point
 PY=${PY:-python3}
 SIZE=${SIZE:-h200}
-FAMILIES=${FAMILIES:-"standard_attn mla moe gdn"}  # split across calls: one call has 10 minutes
+LONG_SIZE=${LONG_SIZE:-h200_long}
+ATTENTION=${ATTENTION:-unfused,sdpa}  # the attention step's backends (sdpa rows also come from sweeps)
 # What docs/h200-results.md ran with (4 timed steps, profiling off); empty for the full defaults.
 SWEEP_ARGS=${SWEEP_ARGS-"profile=none train.train_iters=6 train.warmup_iters=2"}
 mkdir -p results
 stamp() { echo "== $(date -u +%FT%TZ) $*"; }
+quiet() { grep -v "Warning\|warn(\|warnings.warn" | tail -"$1"; }
 
-step_env() { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; $PY -c "import torch, megatron.core as m; print('torch', torch.__version__, 'megatron-core', m.__version__)"; }
-step_sweeps() {  # issue 3/4: every family's label table at the FACTS.md shape (sdpa)
-  for s in $FAMILIES; do stamp "sweep=$s"; $PY train.py -m sweep=$s size=$SIZE $SWEEP_ARGS hydra.sweep.dir=results/sweep_$s 2>&1 | grep -v "Warning\|warn(" | tail -14; done; }
+step_env() { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  $PY -c "import torch, megatron.core as m; print('torch', torch.__version__, 'megatron-core', m.__version__)"; }
+step_sweeps() {  # issues 3/4/11: each family's label table at the FACTS.md shape (sdpa)
+  for s in ${1//,/ }; do stamp "sweep=$s"; $PY train.py -m sweep=$s size=$SIZE $SWEEP_ARGS \
+    hydra.sweep.dir=results/sweep_$s 2>&1 | quiet 14; done; }
 step_attention() {  # issue 2: {unfused, sdpa} x {none, control, core_attn, full} per family
-  for m in $FAMILIES; do stamp "attention x $m"; $PY train.py -m model=$m size=$SIZE $SWEEP_ARGS attention=unfused,sdpa recompute=none,control,selective/core_attn,full hydra.sweep.dir=results/attention_$m 2>&1 | grep -v "Warning\|warn(" | tail -12; done; }
-step_mfu() {  # issue 7: MFU and recompute overhead per family, FACTS shape and the realistic size
-  for z in h200 h200_long; do stamp "bench_mfu size=$z"; $PY benchmarks/bench_mfu.py --size $z --families standard_attn,mla,moe --out results/mfu_$z 2>&1 | tail -12; done; }
-step_bench() { stamp bench_entrypoint; $PY benchmarks/bench_entrypoint.py size=$SIZE attention=sdpa recompute=none 2>&1 | tail -5;
-  stamp bench_experts; $PY benchmarks/bench_experts.py 2>&1 | tail -12; }
-step_oom() {  # issue 4: a forced OOM inside a sweep; the sweep goes on
-  stamp oom; $PY train.py -m size=$SIZE attention=unfused measure.memory_fraction=0.2 recompute=none,selective/core_attn,full hydra.sweep.dir=results/oom 2>&1 | grep -v "Warning\|warn(" | tail -8; }
-step_profile() { stamp profile; $PY benchmarks/profile_selftest.py --size h200 --runs families --out results/profile 2>&1 | tail -20; }
+  for m in ${1//,/ }; do stamp "attention=$ATTENTION x $m"; $PY train.py -m model=$m size=$SIZE $SWEEP_ARGS \
+    attention=$ATTENTION recompute=none,control,selective/core_attn,full \
+    hydra.sweep.dir=results/attention_$m 2>&1 | quiet 12; done; }
+step_attention_unfused() { ATTENTION=unfused step_attention "$1"; }  # families whose sdpa rows a sweep ran
+step_facts() {  # issue 2's FACTS.md comparison: fused bias-SwiGLU, and unfused attention with fp32 softmax
+  stamp "facts: bias_activation_fusion"; $PY train.py -m model=standard_attn size=$SIZE $SWEEP_ARGS \
+    model.bias_activation_fusion=true recompute=none,selective/mlp hydra.sweep.dir=results/facts_fusion 2>&1 | quiet 8
+  stamp "facts: unfused fp32 softmax"; $PY train.py -m model=standard_attn size=$SIZE $SWEEP_ARGS attention=unfused \
+    model.attention_softmax_in_fp32=true recompute=none hydra.sweep.dir=results/facts_fp32 2>&1 | quiet 6; }
+step_long() {  # issues 4/5/7: a family sweep at the realistic size (none does not fit: a real OOM), timed
+  for s in ${1:-standard_attn}; do stamp "sweep=$s size=$LONG_SIZE"; local t0=$SECONDS
+    $PY train.py -m sweep=$s size=$LONG_SIZE $SWEEP_ARGS hydra.sweep.dir=results/long_$s 2>&1 | quiet 14
+    echo "sweep=$s size=$LONG_SIZE: $((SECONDS - t0)) s end to end, report included"; done; }
+step_bench() {  # issues 2/7: entrypoint against a bare loop, and the bare loop's kernel time by kind
+  for m in ${1//,/ }; do stamp "bench_entrypoint model=$m"; $PY benchmarks/bench_entrypoint.py model=$m size=$SIZE \
+    attention=sdpa recompute=none --kernels 2>&1 | grep -v "Warning\|warn(" | tail -32; done; }
+step_experts() { stamp bench_experts; $PY benchmarks/bench_experts.py 2>&1 | tail -12; }
+step_oom() {  # a forced OOM inside a sweep (a memory fraction); the sweep goes on
+  stamp oom; $PY train.py -m size=$SIZE attention=unfused measure.memory_fraction=0.2 \
+    recompute=none,selective/core_attn,full hydra.sweep.dir=results/oom 2>&1 | quiet 8; }
+step_profile() { stamp profile; $PY benchmarks/profile_selftest.py --size $SIZE --runs families --out results/profile 2>&1 | tail -20; }
 
-for s in "$@"; do "step_$s"; done
+for s in "$@"; do stamp "step $s"; "step_${s%%:*}" $( [[ $s == *:* ]] && echo "${s#*:}" ); done
 stamp done
 for d in results/*/; do [ -f "$d/report.md" ] || $PY -m recipes.report "$d" >/dev/null 2>&1; done
 [ -n "${OUT:-}" ] && tar czf "$OUT/results.tgz" results
+exit 0
