@@ -123,7 +123,10 @@ def kernel_table(step, step_s: float, on_gpu: bool, repeats: int = 3, top: int =
             step()
         if on_gpu:
             torch.cuda.synchronize()
-    kernels = [e for e in prof.events() if on_gpu and e.device_type == torch.autograd.DeviceType.CUDA]
+    # Device events are kernels, memcpys/memsets and user annotations ("Optimizer.step#AdamW.step",
+    # "ProfilerStep#"); the annotations span other kernels, so counting them would count twice.
+    kernels = [e for e in prof.events() if on_gpu and e.device_type == torch.autograd.DeviceType.CUDA
+               and "#" not in e.name]
     by_name: dict[str, float] = {}
     for e in kernels:
         by_name[e.name] = by_name.get(e.name, 0.0) + e.device_time / 1e3 / repeats  # ms per step

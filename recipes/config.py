@@ -150,6 +150,7 @@ class TrainConfig:
     clip_grad: float = 1.0
     precision: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | bf16 | fp32
     optimizer: str = "auto"  # auto (megatron DistributedOptimizer on GPU, AdamW on CPU) | adamw
+    fused_adam: bool = True  # torch's fused Adam kernel (what TE/apex FusedAdam would be); false: foreach
 
 
 @dataclass

@@ -259,8 +259,8 @@ def print_run(result: dict) -> None:
 
 #: Worker timeline marks, in order, and the phase each one ends (recipes/worker.py).
 _PHASES = [("main_start", "start+imports"), ("distributed_ready", "init"), ("built", "build"),
-           ("warmed_up", "warm-up"), ("ledgers_done", "ledgers"), ("steady_done", "timed steps"),
-           ("profile_start", "findings"), ("end", "profile+exit")]
+           ("warmed_up", "warm-up"), ("steady_done", "timed steps"), ("profile_done", "profile"),
+           ("ledgers_done", "control ledgers"), ("end", "findings+exit")]
 
 
 def time_breakdown(result: dict) -> dict[str, float]:

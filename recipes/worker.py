@@ -2,8 +2,9 @@
 
 It reads the frozen, resolved config the controller wrote (``RUN_DIR/config.yaml``) and never runs
 Hydra. Order of work: distributed init -> model -> optimizer -> warm-up steps (the first one also
-records the activation ledger) -> timed steady-state steps -> this rank's measurements, written
-atomically to ``RUN_DIR/ranks/rank<N>.json``. An OOM or crash writes a rank file with status
+records the activation ledger) -> timed steady-state steps -> the profiled step (``profile=peak``)
+-> the in-run control ledger (labels switched off; see ``control_ledgers``) -> this rank's
+measurements, written atomically to ``RUN_DIR/ranks/rank<N>.json``. An OOM or crash writes a rank file with status
 ``oom``/``failed`` and the error, so the controller can always record the point.
 
     python -m torch.distributed.run --standalone --nproc_per_node 1 -m recipes.worker RUN_DIR
@@ -130,9 +131,12 @@ class Trainer:
                 clip_grad=train["clip_grad"],
             )
             self.optimizer = get_megatron_optimizer(opt_config, self.chunks)
-            return "megatron DistributedOptimizer (adam)"
+            fused = use_fused_adam(self.optimizer) if train["fused_adam"] else 0
+            return "megatron DistributedOptimizer (adam" + (", fused kernel)" if fused else ")")
         params = [p for c in self.chunks for p in c.parameters()]
         self.optimizer = torch.optim.AdamW(params, lr=train["lr"], weight_decay=train["weight_decay"])
+        if train["fused_adam"]:
+            use_fused_adam(self.optimizer)
         return "torch AdamW (CPU fallback)" if not self.on_gpu else "torch AdamW"
 
     def _forward_step(self, data_iterator, model):
@@ -233,6 +237,26 @@ class Trainer:
         self._grad_norm = reduce_gradients_cpu(self.chunks, self.config, self.cfg["train"]["clip_grad"])
 
 
+def use_fused_adam(optimizer) -> int:
+    """Switch the torch Adam(W) inside ``optimizer`` to torch's fused kernel; returns how many.
+
+    Without Transformer Engine or apex, megatron-core's ``get_megatron_optimizer`` falls back to
+    ``torch.optim.AdamW`` in its default multi-tensor (``foreach``) mode; with TE or apex it uses
+    their FusedAdam. torch's ``fused=True`` is the same update in one kernel per parameter group
+    (same math, no host loop over tensor lists). Set before the first step, when the optimizer
+    state is still empty (its ``step`` counters are then created on the device, as fused needs).
+    On the H200 the foreach update took about 14 of a 93 ms dense step (docs/h200-results.md).
+    """
+    inners = [getattr(o, "optimizer", o) for o in getattr(optimizer, "chained_optimizers", [optimizer])]
+    count = 0
+    for inner in inners:
+        if isinstance(inner, torch.optim.Adam | torch.optim.AdamW):
+            for group in inner.param_groups:
+                group["fused"], group["foreach"] = True, False
+            count += 1
+    return count
+
+
 def _sync() -> None:
     if compat.cuda_available():
         torch.cuda.synchronize()
@@ -294,14 +318,6 @@ def train_and_measure(cfg: dict, result: dict, run_dir: Path | None = None) -> "
     chunk_bytes = [l.total_bytes for l in trainer.chunk_ledgers] if cfg["measure"]["ledger"] else []
     result["pipeline"] = pipeline_report(trainer.chunks, trainer.num_microbatches, trainer.config,
                                          chunk_bytes)
-    if labels and cfg["measure"]["ledger"]:
-        # The matched control inside this run: the same micro-batch with the labels switched off.
-        control = trainer.ledger_pass(labels)
-        result["ledger"]["control_bytes_by_kind"] = control
-        result["ledger"]["control_total_bytes"] = sum(control.values())
-        alone = {l: sum(trainer.ledger_pass([l]).values()) for l in labels} if len(labels) > 1 else {}
-        result["ledger"]["without_label_total_bytes"] = alone
-    marks["ledgers_done"] = time.time()
     static = memory_now()
     if compat.cuda_available():
         torch.cuda.reset_peak_memory_stats()
@@ -320,7 +336,6 @@ def train_and_measure(cfg: dict, result: dict, run_dir: Path | None = None) -> "
         label: {k: v // max(steps, 1) for k, v in counts.items()}
         for label, counts in trainer.counter.as_dict().items()
     }
-    result["warnings"] = label_findings(result, labels)
     marks["steady_done"] = time.time()
     result["loss"] = losses
     result["grad_norm"] = list(trainer.grad_norms)  # before clipping, one per step
@@ -355,11 +370,54 @@ def train_and_measure(cfg: dict, result: dict, run_dir: Path | None = None) -> "
     if cfg["measure"]["profile"] != "none":
         from recipes.profile import profile_step  # one extra, profiled step (not timed)
 
-        marks["profile_start"] = time.time()
         result["profile"] = profile_step(trainer, cfg, run_dir, step_time_s=median)
+    marks["profile_done"] = time.time()
+    if labels and cfg["measure"]["ledger"]:
+        control_ledgers(trainer, labels, result)
+    marks["ledgers_done"] = time.time()
+    result["warnings"] = label_findings(result, labels) + result.pop("_ledger_warnings", [])
     result["status"] = "ok"
     trainer.close()
     return trainer
+
+
+def control_ledgers(trainer: "Trainer", labels: list[str], result: dict) -> None:
+    """The matched control inside this run: the same micro-batch with the labels switched off (and,
+    for several labels, each one alone off), recorded into ``result["ledger"]``.
+
+    These passes run after the timed steps (and the profiled step), for two reasons: without
+    recompute the step may not fit, which is often why the user recomputes (at ``size=h200_long``
+    the dense control needs about 150 GiB), and such an OOM must not cost the run its
+    measurements; and the allocator would otherwise keep the larger pass's blocks cached, so the
+    timed steps' reserved peak (the fragmentation verdict) would read the control's, not this
+    option's. An OOM here leaves the control bytes unset, with a warning that says where to look.
+    """
+    try:
+        control = trainer.ledger_pass(labels)
+        result["ledger"]["control_bytes_by_kind"] = control
+        result["ledger"]["control_total_bytes"] = sum(control.values())
+        alone = {l: sum(trainer.ledger_pass([l]).values()) for l in labels} if len(labels) > 1 else {}
+        result["ledger"]["without_label_total_bytes"] = alone
+    except torch.OutOfMemoryError as err:
+        result["ledger"]["control_error"] = f"oom: {str(err).splitlines()[0]}"
+        result.setdefault("_ledger_warnings", []).append(
+            "the in-run control ledger (these labels switched off) ran out of memory: this option's "
+            "measurements stand; compare against the sweep's control point or `python -m recipes.estimate`")
+    finally:
+        trainer.optimizer.zero_grad()
+        if compat.cuda_available():
+            torch.cuda.empty_cache()
+
+
+def is_oom(err: BaseException) -> bool:
+    """An allocation failure, also when it surfaces through NCCL (``DistBackendError: ... Failed to
+    CUDA calloc``, as the dense control did at size=h200_long on the H200) rather than as
+    ``torch.OutOfMemoryError``."""
+    if isinstance(err, torch.OutOfMemoryError):
+        return True
+    text = str(err)
+    return type(err).__name__ == "DistBackendError" and any(
+        s in text for s in ("Failed to CUDA calloc", "Failed to CUDA malloc", "out of memory"))
 
 
 def main(run_dir: str) -> int:
@@ -380,13 +438,15 @@ def main(run_dir: str) -> int:
     except LabelError as err:
         result.update(status="refused", error=str(err))
         exit_code = 2
-    except torch.OutOfMemoryError as err:
-        result.update(status="oom", error=str(err).splitlines()[0], memory_at_failure=memory_now())
-        exit_code = 3
     except Exception as err:  # recorded, never lost: the sweep goes on
-        result.update(status="failed", error=f"{type(err).__name__}: {err}")
-        result["traceback"] = traceback.format_exc(limit=20)
-        exit_code = 1
+        if is_oom(err):
+            first = next((l for l in str(err).splitlines() if "memory" in l or "calloc" in l), str(err))
+            result.update(status="oom", error=first.strip(), memory_at_failure=memory_now())
+            exit_code = 3
+        else:
+            result.update(status="failed", error=f"{type(err).__name__}: {err}")
+            result["traceback"] = traceback.format_exc(limit=20)
+            exit_code = 1
     write_json_atomic(run / "ranks" / f"rank{rank}.json", result)
     if exit_code:
         print(f"[rank {rank}] {result['status']}: {result.get('error')}", file=sys.stderr)

@@ -46,3 +46,63 @@ def test_crash_is_recorded_as_failed_with_the_error(tmp_path, monkeypatch):
 def test_no_rank_file_is_still_a_failed_result(tmp_path):
     result = merge_result(tmp_path, {"name": "p"}, 2, "workers exited with code -9")
     assert result["status"] == "failed" and "-9" in result["error"]
+
+
+def test_an_allocation_failure_inside_nccl_is_recorded_as_oom(tmp_path, monkeypatch):
+    # What the dense control printed at size=h200_long on the H200 (2026-11-29): NCCL could not
+    # allocate 608 bytes because the activations had taken the GPU. It is an OOM, not a crash.
+    msg = ("NCCL error in: /pytorch/torch/csrc/distributed/c10d/NCCLUtils.cpp:93, unhandled cuda error\n"
+           "ncclUnhandledCudaError: Call to CUDA function failed.\nLast error:\nFailed to CUDA calloc async 608 bytes")
+    code, rank = _run(tmp_path, monkeypatch, torch.distributed.DistBackendError(msg))
+    assert code == 3 and rank["status"] == "oom" and "calloc" in rank["error"]
+    other = torch.distributed.DistBackendError("NCCL error: remote process exited")
+    assert not worker.is_oom(other)  # a lost peer stays a failure
+
+
+def test_an_oom_in_the_in_run_control_ledger_keeps_the_measurements(megatron_world, monkeypatch):
+    """The control pass (labels switched off) runs after the timed steps; when it does not fit
+    (the reason the user recomputes), the run is still ok, with its timing and a warning."""
+    from conftest import train_in_process
+    from recipes.worker import Trainer
+
+    def ledger_pass(self, disabled_labels=()):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1024.00 MiB.")
+
+    monkeypatch.setattr(Trainer, "ledger_pass", ledger_pass)
+    rank = train_in_process(compose("size=tiny", "recompute=selective/mlp"))
+    assert rank["status"] == "ok" and rank["timing"]["steps"] > 0
+    assert rank["ledger"]["control_error"].startswith("oom") and "control_total_bytes" not in rank["ledger"]
+    assert any("control ledger" in w and "out of memory" in w for w in rank["warnings"])
+    assert rank["checkpoints"]["mlp"]["recompute"] > 0  # the option itself was measured
+
+
+def test_the_control_ledger_runs_after_the_timed_steps(megatron_world, monkeypatch):
+    """Order matters for the reserved peak: a control pass before the timed steps would leave its
+    larger blocks cached in the allocator and the option's fragmentation would read the control's."""
+    from conftest import train_in_process
+    from recipes.worker import Trainer
+
+    seen = []
+    step, ledger_pass = Trainer.step, Trainer.ledger_pass
+    monkeypatch.setattr(Trainer, "step", lambda self, record_ledger=False: seen.append("step") or step(self, record_ledger))
+    monkeypatch.setattr(Trainer, "ledger_pass", lambda self, d=(): seen.append("control") or ledger_pass(self, d))
+    rank = train_in_process(compose("size=tiny", "recompute=selective/mlp", "train.train_iters=4",
+                                    "train.warmup_iters=1"))
+    assert seen[:4] == ["step"] * 4 and seen[-1] == "control" and seen.count("control") == 1  # (+ the profiled step)
+    assert rank["ledger"]["control_total_bytes"] > rank["ledger"]["total_bytes"]
+
+
+def test_fused_adam_switches_the_torch_optimizer_and_matches_foreach():
+    """train.fused_adam: torch's fused AdamW kernel, the same update as the foreach default."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(64, 32)) for _ in range(2)]
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    fused, plain = torch.optim.AdamW(params, lr=1e-2), torch.optim.AdamW(twins, lr=1e-2)
+    assert worker.use_fused_adam(fused) == 1 and fused.param_groups[0]["fused"] is True
+    for _ in range(3):
+        for p, q in zip(params, twins):
+            p.grad = q.grad = torch.randn_like(p)
+        fused.step()
+        plain.step()
+    for p, q in zip(params, twins):
+        torch.testing.assert_close(p, q)
