@@ -66,6 +66,10 @@ def bare_loop(cfg: dict, steps: int, warmup: int, kernels: bool = False) -> floa
     else:
         model = chunks[0]
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    if cfg["train"]["fused_adam"]:  # the same optimizer kernel as the entrypoint's
+        from recipes.worker import use_fused_adam
+
+        use_fused_adam(opt)
     t = cfg["train"]
     dev = compat.device()
     tokens = torch.randint(0, cfg["model"]["vocab_size"], (t["micro_batch_size"], t["seq_length"]), device=dev)

@@ -10,6 +10,10 @@ fraction of the step's model FLOPs (the ideal overhead: full recompute replays o
 
     python benchmarks/bench_mfu.py --size h200 [--families standard_attn,moe] [-- extra overrides]
     make bench SIZE=h200
+    python benchmarks/bench_mfu.py --results docs/h200/sweep_standard_attn docs/h200/sweep_moe
+
+``--results`` runs nothing: it builds the same table from sweeps already measured (the label sweeps
+hold every point it needs), taking the narrowest fitting option where ``none`` ran out of memory.
 """
 
 from __future__ import annotations
@@ -58,6 +62,22 @@ def run_family(family: str, size: str, extra: list[str], out: Path) -> list[dict
     return rows
 
 
+def rows_from_results(dirs: list[Path]) -> list[dict]:
+    """The table's rows from measured sweeps: per family none (or, when it did not fit, the ok
+    point with the largest peak, i.e. the narrowest fitting option), the guide's label, full."""
+    results = [json.loads(p.read_text()) for d in dirs for p in sorted(d.rglob("result.json"))]
+    rows = []
+    for family in dict.fromkeys(r["choices"]["model"] for r in results):
+        mine = {r["choices"]["recompute"]: r for r in results if r["choices"]["model"] == family}
+        ok = [r for r in mine.values() if r.get("status") == "ok"]
+        first = "none"
+        if mine.get("none", {}).get("status") != "ok" and ok:
+            first = max(ok, key=lambda r: r["ranks"][0]["memory"]["peak_allocated_gib"])["choices"]["recompute"]
+        for option in dict.fromkeys([first, GUIDE_FIRST_LABEL[family], "full"]):
+            rows.append({"family": family, "recompute": option, "result": mine.get(option)})
+    return rows
+
+
 def table(rows: list[dict]) -> str:
     lines = ["| family | recompute | status | step ms | tokens/s | model TFLOP/s | MFU | hardware TFLOP/s "
              "| replay (ideal overhead) | measured overhead |", "|" + "---|" * 10]
@@ -83,8 +103,16 @@ def main() -> int:
     parser.add_argument("--size", default="tiny")
     parser.add_argument("--families", default="standard_attn,mla,moe")
     parser.add_argument("--out", type=Path, default=REPO / "multirun" / "bench")
+    parser.add_argument("--results", type=Path, nargs="+", help="measured sweep dirs: print their table, run nothing")
     parser.add_argument("extra", nargs="*", help="Hydra overrides applied to every point")
     args = parser.parse_args()
+    if args.results:
+        rows = rows_from_results(args.results)
+        first = next((r["result"] for r in rows if r["result"] and r["result"]["ranks"]), None)
+        where = f"{first['created'][:10]}, {first['ranks'][0]['device']}" if first else "no results"
+        print(f"{where}, from {' '.join(map(str, args.results))} (measured earlier; nothing run now)")
+        print(table(rows))
+        return 0
     import torch
 
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu (smoke run: times are not MFU)"

@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 
 from recipes.report import NOISY_STEPS, find_results, rank_rows, recompute_order
+from recipes.results import first_sentence
 
 MIB = 2**20
 GIB = 2**30
@@ -247,7 +248,7 @@ def _mem(value_gib: float, gpu: bool) -> str:
 def _delta(c: dict, gpu: bool) -> str:
     """``saves 2.10 GiB peak allocated (-12.0%), at +3.1% step time, against <control point>``."""
     if not c.get("control"):
-        return "no matched control to compare with"
+        return "has no matched control to compare with (none ran, or it did not fit)"
     if gpu and c.get("d_peak_gib") is not None:
         verb = "saves" if c["d_peak_gib"] <= 0 else "adds"
         mem = f"{verb} {abs(c['d_peak_gib']):.2f} GiB peak allocated ({c['d_peak_pct']:+.1f}%)"
@@ -319,7 +320,7 @@ def explain(advice: dict, sweep_dir: str = "") -> str:
                      "Change the backend before recomputing.")
     for c in advice["not_fitting"]:
         if c["status"] == "oom":
-            lines.append(f"- `{c['point']}`: ran out of memory (counts as not fitting): {c.get('error', '')}")
+            lines.append(f"- `{c['point']}`: ran out of memory (counts as not fitting): {first_sentence(c.get('error'))}")
     for c in advice["not_measured"]:
         lines.append(f"- `{c['point']}`: {c['status']}, not a candidate: {(c.get('error') or '').splitlines()[0]}")
     for c in advice["predicted"]:

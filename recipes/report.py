@@ -23,7 +23,7 @@ from pathlib import Path
 from hydra.experimental.callback import Callback
 
 from recipes.controller import NOT_MEASURED  # config sections that do not change a measurement
-from recipes.results import load_result
+from recipes.results import first_sentence, load_result
 
 #: The guide's controls, in order of preference for the deltas (the control itself is compared
 #: with ``none``: their difference is the noise floor of the measurement).
@@ -270,8 +270,7 @@ def _notes(rows: list[dict], results: list[dict]) -> list[str]:
                      "idle machine (rerun=true), on a shared CPU with OMP_NUM_THREADS=1.")
     for r in point_rows(rows):
         if r["status"] != "ok":
-            error = (r.get("error") or "").splitlines()
-            notes.append(f"`{r['point']}` {r['status']}: {error[0] if error else ''}")
+            notes.append(f"`{r['point']}` {r['status']}: {first_sentence(r.get('error'))}")
     return notes
 
 

@@ -118,3 +118,11 @@ def summary(result: dict) -> dict:
     if r.get("status") == "oom":
         row["peak_allocated_gib"] = (r.get("memory_at_failure") or {}).get("peak_allocated_gib")
     return row
+
+
+def first_sentence(error: str | None) -> str:
+    """An error's first line, and of torch's OOM message only the part up to the size it tried to
+    allocate (the rest is torch's generic advice, which the advisor gives in context)."""
+    text = (error or "").splitlines()[0] if error else ""
+    cut = text.find(". GPU ")
+    return text[: cut + 1] if cut > 0 else text
