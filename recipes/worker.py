@@ -158,9 +158,14 @@ class Trainer:
 
         return output, loss_func
 
-    def step(self, record_ledger: bool = False) -> float | None:
-        """One optimizer step over all micro-batches; returns the mean loss (last stage) or None."""
-        loss = self.compute_gradients(record_ledger)
+    def step(self, record_ledger: bool = False) -> torch.Tensor | None:
+        """One optimizer step over all micro-batches; returns the mean loss (last stage) or None.
+
+        The loss stays a device tensor: reading it here would synchronize the host between the
+        backward and the optimizer, leaving the GPU idle while the optimizer's kernels are
+        launched. The caller reads it after the step's own synchronization (``float(loss)``).
+        """
+        loss = self.compute_gradients(record_ledger, sync_loss=False)
         stepped = self.optimizer.step()  # megatron's returns (ok, grad norm, zeros); AdamW None
         self.grad_norms.append(stepped[1] if isinstance(stepped, tuple) else self._grad_norm)
         return loss
@@ -177,8 +182,9 @@ class Trainer:
         """Undo the checkpoint counter's patches (tests build several trainers in one process)."""
         self.counter.uninstall()
 
-    def compute_gradients(self, record_ledger: bool = False) -> float | None:
-        """Forward and backward over all micro-batches and the gradient reduction; no update."""
+    def compute_gradients(self, record_ledger: bool = False, sync_loss: bool = True):
+        """Forward and backward over all micro-batches and the gradient reduction; no update.
+        Returns the mean loss (a float, or with ``sync_loss=False`` a device tensor) or None."""
         self._ledger_pending = set(range(len(self.chunks))) if record_ledger else set()
         if hasattr(self.chunks[0], "zero_grad_buffer"):
             for c in self.chunks:
@@ -192,7 +198,8 @@ class Trainer:
                 for k in self.chunk_ledgers[0].bytes_by_kind
             }
         if losses:
-            return float(torch.stack([l["lm loss"] for l in losses]).mean())
+            loss = torch.stack([l["lm loss"] for l in losses]).mean()
+            return float(loss) if sync_loss else loss
         return None
 
     def _schedule(self, data, forward_only: bool) -> list[dict]:
@@ -337,7 +344,7 @@ def train_and_measure(cfg: dict, result: dict, run_dir: Path | None = None) -> "
         for label, counts in trainer.counter.as_dict().items()
     }
     marks["steady_done"] = time.time()
-    result["loss"] = losses
+    result["loss"] = [None if l is None else float(l) for l in losses]
     result["grad_norm"] = list(trainer.grad_norms)  # before clipping, one per step
     if evals:
         result["eval_loss"] = evals

@@ -106,3 +106,17 @@ def test_fused_adam_switches_the_torch_optimizer_and_matches_foreach():
         plain.step()
     for p, q in zip(params, twins):
         torch.testing.assert_close(p, q)
+
+
+def test_the_step_leaves_the_loss_on_the_device(megatron_world):
+    """No host sync between backward and the optimizer: ``step`` returns the loss as a tensor (the
+    worker reads it after the step's own synchronization), ``compute_gradients`` a float."""
+    from conftest import build_trainer
+
+    trainer = build_trainer(compose("size=tiny"))
+    try:
+        loss = trainer.step()
+        assert isinstance(loss, torch.Tensor) and loss.dim() == 0 and not loss.requires_grad
+        assert isinstance(trainer.compute_gradients(), float)
+    finally:
+        trainer.close()
