@@ -94,7 +94,38 @@ def allow_sequence_parallel_torch_norm() -> bool:
     return True
 
 
+def release_allgather_dispatcher_probs() -> bool:
+    """``MoEAllGatherTokenDispatcher`` keeps ``self.local_probs`` after the combine (token_dispatcher.py,
+    ``dispatch_postprocess``). That attribute is the routing probabilities together with their
+    autograd graph, and nothing reads it once ``combine_postprocess`` has run.
+
+    Without recompute, backward frees the graph's saved tensors and only an empty graph stays
+    referenced. Under full recompute the attribute holds the *recompute's* graph, and the router's
+    saved activations stay alive after the step until the next forward overwrites them: two [s, b,
+    h] fp32 tensors per MoE layer. This was found on a CPU (``tests/test_upstream.py``). It
+    matches the H200's `full` MoE point (docs/estimate.md), which held 0.5 GiB more static memory
+    than every other MoE point, about 64 MiB per layer. The fix drops the reference at the end of
+    ``combine_postprocess``; the autograd graph keeps what backward needs. Returns True when applied.
+    """
+    if "dispatcher_probs" in _FIXED:
+        return True
+    from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher as cls
+
+    original = cls.combine_postprocess
+
+    def combine_postprocess(self, hidden_states):
+        out = original(self, hidden_states)
+        self.local_probs = None
+        return out
+
+    cls.combine_postprocess = combine_postprocess
+    cls._recipes_original_combine_postprocess = original
+    _FIXED.add("dispatcher_probs")
+    return True
+
+
 def apply_all() -> None:
     """Apply every workaround that applies to this environment (idempotent)."""
     fix_checkpoint_without_output_fp8_default()
     allow_sequence_parallel_torch_norm()
+    release_allgather_dispatcher_probs()
