@@ -258,7 +258,9 @@ def print_run(result: dict) -> None:
 
 
 #: Worker timeline marks, in order, and the phase each one ends (recipes/worker.py).
-_PHASES = [("main_start", "start+imports"), ("distributed_ready", "init"), ("built", "build"),
+_PHASES = [("main_start", "start+imports"), ("megatron_imported", "megatron imports"),
+           ("device_ready", "device init"), ("process_group_ready", "process group"),
+           ("distributed_ready", "parallel state"), ("built", "build"),
            ("warmed_up", "warm-up"), ("steady_done", "timed steps"), ("profile_done", "profile"),
            ("ledgers_done", "control ledgers"), ("end", "findings+exit")]
 
