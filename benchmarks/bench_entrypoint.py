@@ -6,10 +6,12 @@ the device, forward/backward/step, no schedule, no data pipeline, no measurement
 ``python train.py`` with the same overrides in a fresh process, reading its result.json. Prints a
 markdown table with the ratio (target: entrypoint within 2% of the bare loop).
 
-    python benchmarks/bench_entrypoint.py size=h200 attention=sdpa recompute=none [--kernels]
+    python benchmarks/bench_entrypoint.py size=h200 attention=sdpa recompute=none [--kernels] [--compile-rope]
 
 ``--kernels`` also profiles three bare-loop steps and prints the GPU kernel time per step by kind
 (GEMM, attention, norm, optimizer, loss, elementwise) and the top kernels: what limits MFU.
+``--compile-rope`` also times the bare loop again with megatron's RoPE under ``torch.compile`` (issue
+7: measure torch.compile both ways, in one run, before anything adopts it).
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ def compose(overrides: list[str]) -> dict:
     return compose_config(overrides)
 
 
-def bare_loop(cfg: dict, steps: int, warmup: int, kernels: bool = False) -> tuple[float, float]:
+def bare_loop(cfg: dict, steps: int, warmup: int, kernels: bool = False,
+              compile_rope: bool = False) -> tuple[float, float]:
     """(median, fastest) step seconds of the plainest megatron-core training loop of this model (and, with
     ``kernels``, the GPU kernel time per step by kind, printed)."""
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
@@ -87,19 +90,53 @@ def bare_loop(cfg: dict, steps: int, warmup: int, kernels: bool = False) -> tupl
             finalize_model_grads([model])
         opt.step()
 
-    times = []
-    for i in range(warmup + steps):
-        if on_gpu:
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        step()
-        if on_gpu:
-            torch.cuda.synchronize()
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
+    def timed() -> list[float]:
+        times = []
+        for i in range(warmup + steps):
+            if on_gpu:
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            step()
+            if on_gpu:
+                torch.cuda.synchronize()
+            if i >= warmup:
+                times.append(time.perf_counter() - start)
+        return times
+
+    times = timed()
     if kernels:
         print(kernel_table(step, statistics.median(times), on_gpu))
+    if compile_rope:
+        print(compiled_rope_row(model, tokens, position_ids, timed, statistics.median(times)))
     return statistics.median(times), min(times)
+
+
+def compiled_rope_row(model, tokens, position_ids, timed, plain_s: float) -> str:
+    """The same loop with megatron's unfused rotary embedding under ``torch.compile``, side by side.
+
+    Without TE, ``apply_rope_fusion`` is unavailable and RoPE runs as separate cat/mul/add kernels
+    (about 2.4 ms of copies per dense H200 step, docs/h200-results.md). This measures whether
+    inductor's fusion of that function wins, and checks the loss is unchanged at the same weights;
+    nothing in ``recipes/`` uses it unless it does.
+    """
+    from megatron.core.models.common.embeddings import rope_utils
+
+    def loss() -> float:
+        with torch.no_grad():
+            return float(model(tokens, position_ids, None, labels=tokens).float().mean())
+
+    plain_loss = loss()
+    original = rope_utils._apply_rotary_pos_emb_bshd
+    rope_utils._apply_rotary_pos_emb_bshd = torch.compile(original, dynamic=False)
+    try:
+        compiled_loss = loss()
+        times = timed()  # its warm-up steps include the compilation
+    finally:
+        rope_utils._apply_rotary_pos_emb_bshd = original
+    median = statistics.median(times)
+    return (f"\ntorch.compile of megatron's RoPE (bare loop, same run): {median * 1e3:.2f} ms median "
+            f"against {plain_s * 1e3:.2f} ms plain ({median / plain_s:.3f}x); "
+            f"loss at the same weights {plain_loss:.6f} plain, {compiled_loss:.6f} compiled")
 
 
 #: Kernel name patterns -> what the time is spent on (first match wins; names from the H200 profile).
@@ -164,13 +201,14 @@ def entrypoint(overrides: list[str], steps: int, warmup: int) -> dict:
 
 def main() -> None:
     kernels = "--kernels" in sys.argv[1:]
-    overrides = [a for a in sys.argv[1:] if a != "--kernels"]
+    compile_rope = "--compile-rope" in sys.argv[1:]
+    overrides = [a for a in sys.argv[1:] if a not in ("--kernels", "--compile-rope")]
     steps, warmup = 20, 3
     cfg = compose(overrides)
     # The entrypoint first, in its own process, before this process holds GPU memory.
     result = entrypoint(overrides, steps, warmup)
     rank = result["ranks"][0]
-    bare, bare_min = bare_loop(cfg, steps, warmup, kernels)
+    bare, bare_min = bare_loop(cfg, steps, warmup, kernels, compile_rope)
     ours, ours_min = rank["timing"]["step_time_s"], rank["timing"]["step_time_min_s"]
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     print(f"\n{time.strftime('%Y-%m-%d')}, {device}, overrides: {' '.join(overrides) or '(defaults)'}")

@@ -43,7 +43,7 @@ step_long() {  # issues 4/5/7: a family sweep at the realistic size (none does n
     echo "sweep=$s size=$LONG_SIZE: $((SECONDS - t0)) s end to end, report included"; done; }
 step_bench() {  # issues 2/7: entrypoint against a bare loop, and the bare loop's kernel time by kind
   for m in ${1//,/ }; do stamp "bench_entrypoint model=$m"; $PY benchmarks/bench_entrypoint.py model=$m size=$SIZE \
-    attention=sdpa recompute=none --kernels 2>&1 | grep -v "Warning\|warn(" | tail -32; done; }
+    attention=sdpa recompute=none --kernels --compile-rope 2>&1 | grep -v "Warning\|warn(" | tail -34; done; }
 step_experts() { stamp bench_experts; $PY benchmarks/bench_experts.py 2>&1 | tail -12; }
 step_oom() {  # a forced OOM inside a sweep (a memory fraction); the sweep goes on
   stamp oom; $PY train.py -m size=$SIZE attention=unfused measure.memory_fraction=0.2 \
