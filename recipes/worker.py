@@ -388,16 +388,15 @@ def train_and_measure(cfg: dict, result: dict, run_dir: Path | None = None) -> "
 
         result["profile"] = profile_step(trainer, cfg, run_dir, step_time_s=median)
     marks["profile_done"] = time.time()
-    if labels and cfg["measure"]["ledger"]:
-        control_ledgers(trainer, labels, result)
+    ledger_warnings = control_ledgers(trainer, labels, result) if labels and cfg["measure"]["ledger"] else []
     marks["ledgers_done"] = time.time()
-    result["warnings"] = label_findings(result, labels) + result.pop("_ledger_warnings", [])
+    result["warnings"] = label_findings(result, labels) + ledger_warnings
     result["status"] = "ok"
     trainer.close()
     return trainer
 
 
-def control_ledgers(trainer: "Trainer", labels: list[str], result: dict) -> None:
+def control_ledgers(trainer: "Trainer", labels: list[str], result: dict) -> list[str]:
     """The matched control inside this run: the same micro-batch with the labels switched off (and,
     for several labels, each one alone off), recorded into ``result["ledger"]``.
 
@@ -406,7 +405,7 @@ def control_ledgers(trainer: "Trainer", labels: list[str], result: dict) -> None
     the dense control needs about 150 GiB), and such an OOM must not cost the run its
     measurements; and the allocator would otherwise keep the larger pass's blocks cached, so the
     timed steps' reserved peak (the fragmentation verdict) would read the control's, not this
-    option's. An OOM here leaves the control bytes unset, with a warning that says where to look.
+    option's. An OOM here leaves the control bytes unset; the returned warning says where to look.
     """
     try:
         control = trainer.ledger_pass(labels)
@@ -414,11 +413,11 @@ def control_ledgers(trainer: "Trainer", labels: list[str], result: dict) -> None
         result["ledger"]["control_total_bytes"] = sum(control.values())
         alone = {l: sum(trainer.ledger_pass([l]).values()) for l in labels} if len(labels) > 1 else {}
         result["ledger"]["without_label_total_bytes"] = alone
+        return []
     except torch.OutOfMemoryError as err:
         result["ledger"]["control_error"] = f"oom: {str(err).splitlines()[0]}"
-        result.setdefault("_ledger_warnings", []).append(
-            "the in-run control ledger (these labels switched off) ran out of memory: this option's "
-            "measurements stand; compare against the sweep's control point or `python -m recipes.estimate`")
+        return ["the in-run control ledger (these labels switched off) ran out of memory: this option's "
+                "measurements stand; compare against the sweep's control point or `python -m recipes.estimate`"]
     finally:
         trainer.optimizer.zero_grad()
         if compat.cuda_available():
