@@ -19,7 +19,6 @@ hold every point it needs), taking the narrowest fitting option where ``none`` r
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import sys
 import time
@@ -29,6 +28,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from recipes.labels import GUIDE_FIRST_LABEL  # noqa: E402  (after the repo is on sys.path)
+from recipes.report import find_results  # noqa: E402
 
 
 def first_option(family: str, size: str, extra: list[str]) -> str:
@@ -47,6 +47,17 @@ def first_option(family: str, size: str, extra: list[str]) -> str:
     return advice["choice"]["recompute"]
 
 
+def by_option(family: str, results: list[dict]) -> dict[str, dict]:
+    """This family's results by recompute option (a later result for the same option wins)."""
+    return {r["choices"]["recompute"]: r for r in results if r["choices"]["model"] == family}
+
+
+def option_rows(family: str, options: list[str], results: list[dict]) -> list[dict]:
+    """One table row per option (in order, once each), with this family's result for it, if any."""
+    mine = by_option(family, results)
+    return [{"family": family, "recompute": o, "result": mine.get(o)} for o in dict.fromkeys(options)]
+
+
 def run_family(family: str, size: str, extra: list[str], out: Path) -> list[dict]:
     options = [first_option(family, size, extra), GUIDE_FIRST_LABEL[family], "full"]
     sweep_dir = out / family
@@ -54,27 +65,26 @@ def run_family(family: str, size: str, extra: list[str], out: Path) -> list[dict
            "recompute=" + ",".join(dict.fromkeys(options)), "profile=none",
            f"hydra.sweep.dir={sweep_dir}", *extra]
     subprocess.run(cmd, cwd=REPO, check=False, capture_output=True)
-    rows = []
-    for option in dict.fromkeys(options):
-        found = [json.loads(p.read_text()) for p in sweep_dir.glob("*/result.json")
-                 if json.loads(p.read_text()).get("choices", {}).get("recompute") == option]
-        rows.append({"family": family, "recompute": option, "result": found[0] if found else None})
-    return rows
+    return option_rows(family, options, find_results(sweep_dir))
+
+
+def first_measured(family: str, results: list[dict]) -> str:
+    """``none``, or when it did not fit, the ok point with the largest peak (the narrowest fitting
+    option)."""
+    latest = by_option(family, results)
+    ok = [r for r in latest.values() if r.get("status") == "ok"]
+    if latest.get("none", {}).get("status") == "ok" or not ok:
+        return "none"
+    return max(ok, key=lambda r: r["ranks"][0]["memory"]["peak_allocated_gib"])["choices"]["recompute"]
 
 
 def rows_from_results(dirs: list[Path]) -> list[dict]:
     """The table's rows from measured sweeps: per family none (or, when it did not fit, the ok
     point with the largest peak, i.e. the narrowest fitting option), the guide's label, full."""
-    results = [json.loads(p.read_text()) for d in dirs for p in sorted(d.rglob("result.json"))]
+    results = [r for d in dirs for r in find_results(d)]
     rows = []
     for family in dict.fromkeys(r["choices"]["model"] for r in results):
-        mine = {r["choices"]["recompute"]: r for r in results if r["choices"]["model"] == family}
-        ok = [r for r in mine.values() if r.get("status") == "ok"]
-        first = "none"
-        if mine.get("none", {}).get("status") != "ok" and ok:
-            first = max(ok, key=lambda r: r["ranks"][0]["memory"]["peak_allocated_gib"])["choices"]["recompute"]
-        for option in dict.fromkeys([first, GUIDE_FIRST_LABEL[family], "full"]):
-            rows.append({"family": family, "recompute": option, "result": mine.get(option)})
+        rows += option_rows(family, [first_measured(family, results), GUIDE_FIRST_LABEL[family], "full"], results)
     return rows
 
 
