@@ -30,11 +30,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-
-def compose(overrides: list[str]) -> dict:
-    from recipes.config import compose_config
-
-    return compose_config(overrides)
+from recipes.config import compose_config  # noqa: E402  (after the repo is on sys.path)
 
 
 def bare_loop(cfg: dict, steps: int, warmup: int, kernels: bool = False,
@@ -204,7 +200,7 @@ def main() -> None:
     compile_rope = "--compile-rope" in sys.argv[1:]
     overrides = [a for a in sys.argv[1:] if a not in ("--kernels", "--compile-rope")]
     steps, warmup = 20, 3
-    cfg = compose(overrides)
+    cfg = compose_config(overrides)
     # The entrypoint first, in its own process, before this process holds GPU memory.
     result = entrypoint(overrides, steps, warmup)
     rank = result["ranks"][0]

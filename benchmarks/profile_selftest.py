@@ -32,6 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
+from recipes.config import compose_config  # noqa: E402  (after the repo is on sys.path)
+
 CONF = str(Path(__file__).resolve().parent.parent / "conf")
 #: A shape that takes seconds on an H200 yet has real activation tensors (MiB, not KiB).
 SMALL = ["model.num_layers=4", "model.hidden_size=1024", "model.ffn_hidden_size=4096",
@@ -50,12 +52,6 @@ CHECKS = [  # (name, overrides)
 FAMILIES = [("dense unfused", ["model=standard_attn", "attention=unfused"]),
             ("mla sdpa", ["model=mla", "attention=sdpa"]), ("moe sdpa", ["model=moe", "attention=sdpa"])]
 #: The guide's architecture default, run when the advisor says recompute is not the lever.
-
-
-def compose(overrides: list[str]) -> dict:
-    from recipes.config import compose_config
-
-    return compose_config(overrides)
 
 
 def init_world(cfg: dict) -> None:
@@ -80,7 +76,7 @@ def main() -> int:
     on_gpu = torch.cuda.is_available()
     shape = (SMALL if args.size == "small" else ["size=h200"]) if on_gpu else []
     common = shape + ["profile=peak", "train.train_iters=5", "train.warmup_iters=2"] + extra
-    init_world(compose(common))
+    init_world(compose_config(common))
     from recipes.compat import seed_model_parallel_rng
     from recipes.labels import GUIDE_FIRST_LABEL
     from recipes.profile import first_label_to_try, plot_timelines, top_contributors, write_timeline_pngs
@@ -92,7 +88,7 @@ def main() -> int:
     queue = [(n, o) for n, o in queue if args.only in n]
     while queue:
         name, overrides = queue.pop(0)
-        cfg = compose(common + overrides)
+        cfg = compose_config(common + overrides)
         run_dir = out / name.replace(" ", "_").replace("/", ".")
         run_dir.mkdir(parents=True, exist_ok=True)
         seed_model_parallel_rng(cfg["train"]["seed"])

@@ -25,10 +25,9 @@ import sys
 from pathlib import Path
 
 from recipes.report import NOISY_STEPS, find_results, rank_rows, recompute_order
-from recipes.results import first_sentence
+from recipes.results import GIB, first_sentence
 
 MIB = 2**20
-GIB = 2**30
 #: Fragmentation is flagged when reserved - allocated is at least this fraction of reserved ...
 FRAG_FRACTION = 0.10
 #: ... and at least this many GiB (small gaps are the allocator's normal rounding).

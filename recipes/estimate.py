@@ -22,9 +22,9 @@ from dataclasses import dataclass, replace
 from recipes.activations import Dims, Term, dims, embedding_terms, head_terms, layer_terms
 from recipes.config import compose_config
 from recipes.ledger import KINDS
+from recipes.results import GIB
 from recipes.validate import ConfigError
 
-GIB = 1024**3
 #: Recompute options per family, as Hydra overrides of the ``recompute`` group.
 OPTIONS = {
     "standard_attn": ["none", "control", "selective/core_attn", "selective/mlp", "selective/layernorm",
