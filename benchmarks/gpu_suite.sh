@@ -44,6 +44,22 @@ step_long() {  # issues 4/5/7: a family sweep at the realistic size (none does n
 step_bench() {  # issues 2/7: entrypoint against a bare loop, and the bare loop's kernel time by kind
   for m in ${1//,/ }; do stamp "bench_entrypoint model=$m"; $PY benchmarks/bench_entrypoint.py model=$m size=$SIZE \
     attention=sdpa recompute=none --kernels --compile-rope 2>&1 | grep -v "Warning\|warn(" | tail -34; done; }
+step_mfu() {  # issue 7: what lifts MFU without TE: megatron's fused SwiGLU, and 4 micro-batches per step
+  # (dense: the 2x2 grid; other families: fused, 1 and 4 micro-batches, next to their sweep's none point)
+  for m in ${1//,/ }; do stamp "mfu model=$m"; local fuse=true; [ "$m" = standard_attn ] && fuse=false,true
+    $PY train.py -m model=$m size=$SIZE $SWEEP_ARGS recompute=none model.bias_activation_fusion=$fuse \
+    train.global_batch_size=2,8 hydra.sweep.dir=results/mfu_$m 2>&1 | quiet 8; done; }
+step_gdn() {  # issue 11: fla needs Triton >= 3.7.1 on Hopper (fla #640); the image has 3.6. A later call
+  # carries .triton/ (benchmarks/pack_triton.sh) and touches results/triton.ready; this step waits for it.
+  local t0=$SECONDS; while [ ! -f results/triton.ready ] && [ $((SECONDS - t0)) -lt 900 ]; do sleep 5; done
+  [ -f results/triton.ready ] || { echo "no Triton 3.7.1 arrived: gdn skipped"; return; }
+  mkdir -p /tmp/triton-site && tar -C /tmp/triton-site -xJf .triton/triton-3.7.1-stripped.tar.xz || return
+  local pp=/tmp/triton-site${PYTHONPATH:+:$PYTHONPATH}
+  PYTHONPATH=$pp $PY -c "import triton, fla; print('triton', triton.__version__, 'fla', fla.__version__)"
+  stamp "fla kernel against its reference"; PYTHONPATH=$pp $PY -m pytest -q -p no:cacheprovider \
+    tests/test_gdn.py -k gpu 2>&1 | tail -6
+  stamp "sweep=gdn"; PYTHONPATH=$pp $PY train.py -m sweep=gdn size=$SIZE $SWEEP_ARGS \
+    hydra.sweep.dir=results/sweep_gdn 2>&1 | quiet 14; }
 step_experts() { stamp bench_experts; $PY benchmarks/bench_experts.py 2>&1 | tail -12; }
 step_oom() {  # a forced OOM inside a sweep (a memory fraction); the sweep goes on
   stamp oom; $PY train.py -m size=$SIZE attention=unfused measure.memory_fraction=0.2 \
