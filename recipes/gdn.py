@@ -103,6 +103,33 @@ def select_gdn_ops() -> bool:
     return True
 
 
+def check_fla_kernels() -> None:
+    """Refuse, at build time, a GPU whose fla kernels would refuse the first backward step.
+
+    fla-core 0.6.0 raises in ``chunk_bwd_dqkwg`` (``fla/ops/common/chunk_o.py``) on Hopper with
+    Triton >= 3.4 and < 3.7.1, which give wrong gradients there (fla #640), unless tilelang is
+    installed (fla then dispatches that kernel to tilelang). fla says so only after a whole forward
+    pass; this says it before any step, with the offline fix. Does nothing without CUDA (the CPU runs
+    the references above). ``tests/test_gdn.py`` fails once fla drops its guard.
+    """
+    if not cuda_available():
+        return
+    import importlib.util
+
+    import triton
+    from fla import utils
+
+    from recipes.validate import ConfigError
+
+    if (utils.IS_NVIDIA_HOPPER and utils.TRITON_ABOVE_3_4_0 and not utils.TRITON_ABOVE_3_7_1
+            and importlib.util.find_spec("tilelang") is None):
+        raise ConfigError(
+            "model=gdn", f"fla-core's GDN backward gives wrong gradients with Triton {triton.__version__} on "
+            "Hopper GPUs (fla #640), and fla refuses it at the first backward step",
+            "pip install 'triton>=3.7.1' (or tilelang); on a machine without network, "
+            "bash benchmarks/pack_triton.sh here, carry .triton/ and unpack it first on PYTHONPATH (docs/gdn.md)")
+
+
 def _disable_jit_on_cpu() -> None:
     """Run GDN's ``@jit_fuser`` (``torch.compile``) helpers eagerly on a CPU.
 
@@ -152,6 +179,7 @@ def build_gdn_block_spec(config, attention_layer_spec, vp_stage: int | None = No
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     select_gdn_ops()
+    check_fla_kernels()
     layer = attention_layer_spec.submodules
     gdn_layer = dataclasses.replace(attention_layer_spec, submodules=dataclasses.replace(
         layer,

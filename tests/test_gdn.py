@@ -200,3 +200,66 @@ def test_gdn_flops_count_gdn_layers_as_gdn():
     assert step_flops(cfg, 1)["model"] == 3 * expected
     core = step_flops(compose("model=gdn", "size=h200", "recompute=selective/core_attn"), 1)
     assert core["hardware"] - core["model"] == attn * layer["core_attn"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="fla's Triton kernels need a CUDA GPU")
+def test_fla_kernels_match_the_reference_on_the_gpu():
+    """The GPU's chunked delta-rule kernel (forward and every gradient) against fla's token-by-token
+    reference, in fp32. This is what fla's Triton check (#640: Triton 3.4-3.7.0 on Hopper) guards:
+    with a Triton it accepts, the kernel must agree with the recurrence, gradients included."""
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule, naive
+
+    torch.manual_seed(0)
+    b, s, h, hv, d = 2, 256, 2, 4, 64  # grouped values (hv = 2 h), as in model=gdn
+    dev = torch.device("cuda")
+    q = torch.nn.functional.normalize(torch.randn(b, s, h, d, device=dev), dim=-1)
+    k = torch.nn.functional.normalize(torch.randn(b, s, h, d, device=dev), dim=-1)
+    v = torch.randn(b, s, hv, d, device=dev)
+    beta, g = torch.rand(b, s, hv, device=dev), -torch.rand(b, s, hv, device=dev)
+    leaves = [t.requires_grad_() for t in (q, k, v, beta, g)]
+    out, _ = chunk_gated_delta_rule(q, k, v, g=g, beta=beta)
+    grads = torch.autograd.grad(out.square().sum(), leaves)
+    rep = hv // h  # the reference has no grouped heads: repeat q/k per value head
+    ref, _ = naive.naive_recurrent_gated_delta_rule(q.repeat_interleave(rep, 2), k.repeat_interleave(rep, 2),
+                                                    v, beta, g)
+    ref_grads = torch.autograd.grad(ref.square().sum(), leaves)
+    torch.testing.assert_close(out, ref.to(out.dtype), rtol=2e-3, atol=2e-3)
+    for name, got, want in zip("q k v beta g".split(), grads, ref_grads):
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2, msg=lambda m, n=name: f"d{n}: {m}")
+
+
+def test_a_hopper_gpu_with_triton_before_3_7_1_is_refused_at_build_with_the_fix(monkeypatch):
+    """recipes.gdn.check_fla_kernels on a simulated H200 with the image's Triton 3.6: refused before any
+    step, naming fla #640 and the offline fix; Triton 3.7.1 or tilelang passes; no CUDA passes."""
+    import importlib.util
+
+    from fla import utils
+
+    from recipes import gdn
+    from recipes.validate import ConfigError
+
+    gdn.check_fla_kernels()  # this machine as it is: no CUDA (CI), or a GPU with a fixed Triton
+    monkeypatch.setattr(gdn, "cuda_available", lambda: True)
+    monkeypatch.setattr(utils, "IS_NVIDIA_HOPPER", True)
+    monkeypatch.setattr(utils, "TRITON_ABOVE_3_4_0", True)
+    monkeypatch.setattr(utils, "TRITON_ABOVE_3_7_1", False)
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tilelang"
+                        else real_find_spec(name, *a))
+    with pytest.raises(ConfigError, match=r"fla #640") as err:
+        gdn.check_fla_kernels()
+    assert err.value.option == "model=gdn" and "triton>=3.7.1" in err.value.fix and "pack_triton.sh" in err.value.fix
+    monkeypatch.setattr(utils, "TRITON_ABOVE_3_7_1", True)
+    gdn.check_fla_kernels()
+
+
+def test_fla_still_guards_its_hopper_triton_bug():
+    """check_fla_kernels mirrors fla-core's own guard in chunk_bwd_dqkwg. Fails once fla drops it
+    (fixed kernels or a new bound): then update or delete the check."""
+    import inspect
+
+    from fla.ops.common import chunk_o
+
+    source = inspect.getsource(chunk_o.chunk_bwd_dqkwg)
+    assert "IS_NVIDIA_HOPPER and TRITON_ABOVE_3_4_0 and not TRITON_ABOVE_3_7_1" in source
