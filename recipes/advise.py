@@ -33,6 +33,9 @@ FRAG_FRACTION = 0.10
 #: ... and at least this many GiB (small gaps are the allocator's normal rounding).
 FRAG_MIN_GIB = 0.5
 NO_RECOMPUTE = ("none", "control")
+#: Peaks closer than this are the same memory (the allocator rounds blocks; a label that saves only
+#: this much saves nothing).
+SAME_MEMORY_GIB = 0.05
 
 
 def measured_candidates(sweep_dir: Path) -> list[dict]:
@@ -163,6 +166,42 @@ def _memory(c: dict, gpu: bool) -> float | None:
     return c["ledger_bytes"] / GIB if c.get("ledger_bytes") is not None else None
 
 
+def selective_labels(recompute: str | None) -> frozenset | None:
+    """The labels a choice recomputes, as a set (none and control: empty); None for full recompute."""
+    if recompute in NO_RECOMPUTE:
+        return frozenset()
+    if recompute and recompute.startswith("selective/"):
+        return frozenset(recompute.split("/", 1)[1].split("-"))
+    return None
+
+
+def superfluous(fitting: list[dict]) -> dict[str, dict]:
+    """Points that recompute a strict superset of another fitting point's labels, in the same config,
+    for no less memory (point -> that narrower point). Their extra replay cannot make a step faster,
+    so a lead in step time is between-process noise: they are never the choice.
+    E.g. gdn_norm_out-core_attn under SDPA, where core_attn saves nothing."""
+    out = {}
+    for c in fitting:
+        mine = selective_labels(c["recompute"])
+        if not mine:
+            continue
+        for d in fitting:
+            theirs = selective_labels(d["recompute"])
+            if (theirs is not None and d is not c and d["key"] == c["key"] and theirs < mine
+                    and c["memory_gib"] >= d["memory_gib"] - SAME_MEMORY_GIB):
+                out[c["point"]] = d
+                break
+    return out
+
+
+def noise_floor_pct(candidates: list[dict]) -> float | None:
+    """How far apart ``control`` and ``none`` (the same computation, separate processes) measured in
+    step time, in percent: the sweep's own noise floor for step-time differences (largest over configs)."""
+    gaps = [abs(c["d_time_pct"]) for c in candidates
+            if c["recompute"] == "control" and c.get("d_time_pct") is not None]
+    return max(gaps) if gaps else None
+
+
 def _pick(fitting: list[dict]) -> dict | None:
     """No recompute first, then selective labels, full last; least step time within the class."""
     for allowed in (lambda c: c["recompute"] in NO_RECOMPUTE,
@@ -204,7 +243,8 @@ def advise(candidates: list[dict], budget_gib: float) -> dict:
         c["memory_gib"] = _memory(c, gpu)
         c["fits"] = c["memory_gib"] <= budget_gib
     fitting = [c for c in ok if c["fits"]]
-    choice = _pick(fitting)
+    extra = superfluous(fitting)
+    choice = _pick([c for c in fitting if c["point"] not in extra])
     closest = None if choice else min(ok, key=lambda c: c["memory_gib"], default=None)
     slim = _public
     return {
@@ -214,6 +254,10 @@ def advise(candidates: list[dict], budget_gib: float) -> dict:
         "fragmentation": fragmentation(ok + [c for c in measured if c["status"] == "oom"]) if gpu else [],
         "choice": slim(choice),
         "closest": slim(closest),
+        "noise_floor_pct": noise_floor_pct(measured),
+        "superfluous": [{**slim(c), "narrower": extra[c["point"]]["recompute"]} for c in fitting
+                        if c["point"] in extra and choice and c.get("step_ms") is not None
+                        and c["step_ms"] < choice["step_ms"]],
         "faster_not_fitting": [slim(c) for c in ok if choice and not c["fits"] and c["step_ms"] < choice["step_ms"]],
         "full_fitting": [slim(c) for c in fitting if (c["recompute"] or "").startswith("full") and c is not choice],
         "attention": _attention_finding(ok, gpu),
@@ -300,6 +344,16 @@ def explain(advice: dict, sweep_dir: str = "") -> str:
         for f in advice["full_fitting"] if c["recompute"] not in NO_RECOMPUTE else []:
             text += (f" {_name(f, c)} also fits ({_mem(f['memory_gib'], gpu)}) but {_delta(f, gpu)}: "
                      "full recompute stays the last resort.")
+        floor = advice.get("noise_floor_pct")
+        for f in advice.get("superfluous") or []:
+            text += (f" {_name(f, c)} measured faster ({f['step_ms']:.1f} ms) but recomputes everything "
+                     f"{f['narrower']} does and more, for no less memory: its lead is noise between processes"
+                     + (f" (none and control, the same computation, differ by {floor:.1f}% here)" if floor else "")
+                     + ".")
+        if floor is not None and c["recompute"] not in NO_RECOMPUTE and c.get("d_time_pct") is not None \
+                and abs(c["d_time_pct"]) <= floor:
+            text += (f" Its step-time cost ({c['d_time_pct']:+.1f}%) is within this sweep's noise floor "
+                     f"({floor:.1f}%): repeat the points to resolve it.")
         if (c.get("step_noise") or 0) > NOISY_STEPS:
             text += (f" Caution: its median step is {c['step_noise']:.0%} slower than its fastest, so the time "
                      "comparison is contention, not recompute; re-run on an idle machine (rerun=true) "

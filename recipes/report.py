@@ -263,6 +263,12 @@ def _notes(rows: list[dict], results: list[dict]) -> list[str]:
     if controls:
         notes.append(f"Deltas are against the matched control ({', '.join(controls)}): same config "
                      "but recompute; the control row itself is compared with none (the noise floor).")
+    floors = [abs(r["d_time_pct"]) for r in point_rows(rows)
+              if r["recompute"] == "control" and r.get("d_time_pct") is not None]
+    if floors:
+        notes.append(f"Noise floor: `control` and `none` run the same computation in separate processes and "
+                     f"differ by {max(floors):.1f}% in step time; time deltas within that are not resolved by "
+                     "this sweep (step noise only measures the spread inside one process).")
     noisy = [r["point"] for r in point_rows(rows) if (r.get("step_noise") or 0) > NOISY_STEPS]
     if noisy:
         notes.append(f"Step times are noisy (median step over {NOISY_STEPS:.0%} slower than the fastest) for "

@@ -224,3 +224,33 @@ def test_sweep_advice_lists_unmeasured_options_as_predicted_and_shows_prediction
     assert {p["point"] for p in pairs} == {"standard_attn sdpa none", "standard_attn sdpa control",
                                           "standard_attn sdpa selective/core_attn"}
     assert all(p["predicted_peak_gib"] > 0 for p in pairs)
+
+
+def _candidate(recompute: str, reserved: float, step_ms: float, d_time_pct: float | None = None) -> dict:
+    return {"point": f"gdn sdpa {recompute}", "model": "gdn", "attention": "sdpa", "recompute": recompute,
+            "status": "ok", "source": "measured", "key": "k", "family_key": "f",
+            "ranks": [{"rank": 0, "peak_allocated_gib": reserved - 0.5, "peak_reserved_gib": reserved}],
+            "peak_allocated_gib": reserved - 0.5, "peak_reserved_gib": reserved, "ledger_bytes": 1,
+            "step_ms": step_ms, "d_time_pct": d_time_pct, "control": "gdn sdpa control"}
+
+
+def test_a_wider_label_that_saves_nothing_more_is_never_chosen_for_its_noisy_lead():
+    """gdn_norm_out-core_attn replays everything gdn_norm_out does and more (core_attn saves nothing
+    under SDPA): measured faster, it is noise between processes; the narrower label is the choice."""
+    cands = [_candidate("none", 25.4, 116.6), _candidate("control", 26.4, 124.3, +6.6),
+             _candidate("selective/gdn_norm_out", 25.05, 122.0, -1.9),
+             _candidate("selective/gdn_norm_out-core_attn", 25.05, 113.8, -8.4)]
+    advice = advise.advise(cands, 25.2)
+    assert advice["choice"]["recompute"] == "selective/gdn_norm_out"
+    assert [s["recompute"] for s in advice["superfluous"]] == ["selective/gdn_norm_out-core_attn"]
+    assert advice["noise_floor_pct"] == pytest.approx(6.6)
+    text = advise.explain(advice)
+    assert "its lead is noise between processes" in text and "within this sweep's noise floor (6.6%)" in text
+
+
+def test_a_wider_label_that_saves_more_memory_stays_a_candidate():
+    cands = [_candidate("control", 26.4, 124.3, +0.5), _candidate("selective/gdn_norm_out", 25.05, 122.0, -1.9),
+             _candidate("selective/gdn_norm_out-core_attn", 24.0, 120.0, -3.5)]
+    advice = advise.advise(cands, 25.2)  # both fit; the wider one saves 1 GiB more and measured faster
+    assert advice["choice"]["recompute"] == "selective/gdn_norm_out-core_attn" and not advice["superfluous"]
+    assert advise.selective_labels("full") is None and advise.selective_labels("control") == frozenset()
