@@ -124,13 +124,39 @@ def _add_deltas(row: dict, control: dict) -> None:
         row["d_time_pct"] = _pct(row["step_ms"], control["step_ms"])
 
 
+def _flat(config: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in (config or {}).items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def point_names(results: list[dict]) -> list[str]:
+    """Each result's name, plus ``key=value`` for the settings that tell apart points of the same
+    name (``model/attention/recompute`` is the name; a sweep over other options, e.g.
+    ``train.global_batch_size=2,8``, would otherwise print identical rows)."""
+    names = [r.get("name") for r in results]
+    for name in set(names):
+        same = [i for i, n in enumerate(names) if n == name]
+        flats = [{k: v for k, v in _flat(results[i].get("config")).items() if k.split(".")[0] not in NOT_MEASURED}
+                 for i in same]
+        varied = sorted({k for f in flats for k in f if any(g.get(k) != f.get(k) for g in flats)})
+        if len(same) > 1 and varied:
+            for i, f in zip(same, flats):
+                names[i] = f"{name} " + " ".join(f"{k}={f.get(k)}" for k in varied)
+    return names
+
+
 def rank_rows(results: list[dict]) -> list[dict]:
     """One row per point and rank (a point with no rank result gets one row), in the guide's order,
     with deltas against the matched control (same config but recompute; ``control``, else ``none``)."""
     rows: list[dict] = []
-    for result in results:
+    for result, name in zip(results, point_names(results)):
         choices = result.get("choices", {})
-        base = {"point": result.get("name"), "model": choices.get("model"),
+        base = {"point": name, "model": choices.get("model"),
                 "attention": choices.get("attention"), "recompute": choices.get("recompute"),
                 "run_dir": result.get("run_dir"), "point_status": result.get("status"), "_key": match_key(result),
                 "_family_key": match_key(result, ("recompute", "attention"))}

@@ -254,3 +254,14 @@ def test_a_wider_label_that_saves_more_memory_stays_a_candidate():
     advice = advise.advise(cands, 25.2)  # both fit; the wider one saves 1 GiB more and measured faster
     assert advice["choice"]["recompute"] == "selective/gdn_norm_out-core_attn" and not advice["superfluous"]
     assert advise.selective_labels("full") is None and advise.selective_labels("control") == frozenset()
+
+
+def test_points_of_one_name_are_told_apart_by_what_the_sweep_varied():
+    """`-m train.global_batch_size=2,8`: same model/attention/recompute, so the report names the knob."""
+    def result(gbs: int, run_dir: str) -> dict:
+        return {"name": "standard_attn sdpa none", "run_dir": run_dir,
+                "config": {"train": {"global_batch_size": gbs, "seed": 1}, "output_dir": run_dir}}
+
+    names = report.point_names([result(2, "a"), result(8, "b"), {"name": "moe sdpa none", "config": {}}])
+    assert names == ["standard_attn sdpa none train.global_batch_size=2",
+                     "standard_attn sdpa none train.global_batch_size=8", "moe sdpa none"]
