@@ -158,7 +158,7 @@ def _sum(terms: list[Term]) -> int:
     return sum(t[2] for t in terms)
 
 
-def transient_bytes(d: Dims, has_head: bool, last_layer_recomputed: bool = True) -> int:
+def transient_bytes(d: Dims, has_head: bool, last_layer_recomputed: bool = True, head_freed: int = 0) -> int:
     """Short-lived memory on top of the saved activations (an approximation, not a ledger term).
 
     The larger of: the loss (bf16 logits / their gradient next to the fp32 softmax, plus the
@@ -166,6 +166,9 @@ def transient_bytes(d: Dims, has_head: bool, last_layer_recomputed: bool = True)
     other saved activation is still alive: what its recompute re-materializes, plus gradients of
     its largest saved tensor and of that tensor's input. (Full recompute with the block method
     recomputes the first layers, whose backward runs last, when the others' activations are gone.)
+    ``head_freed``: the head's saved bytes (final norm, logits), which the loss and output-layer
+    backward have already freed when the last layer's backward runs (measured on the H200: without
+    it, full recompute was over-predicted by the logits' size on every family).
     """
     plain = replace(d, labels=frozenset(), full=False)
     layer = layer_terms(plain)
@@ -176,7 +179,7 @@ def transient_bytes(d: Dims, has_head: bool, last_layer_recomputed: bool = True)
     if has_head:
         sb = d.s * d.b
         loss = (d.e * sb * d.model["vocab_size"] // d.tp if d.e < 4 else 0) + d.e * sb * d.h
-    return max(loss, remat + 2 * biggest)
+    return max(loss, remat + 2 * biggest - head_freed)
 
 
 def num_microbatches(cfg: dict) -> int:
@@ -218,7 +221,8 @@ def predict(cfg: dict, device: str = "auto", stage: int | None = None) -> dict:
         rc = cfg["recompute"]
         block = d.full and rc["recompute_method"] == "block" and rc["recompute_num_layers"] < len(
             chunks[-1].layers)
-        transient = transient_bytes(d, has_head, last_layer_recomputed=not block)
+        head_freed = _sum(head_terms(d)) if has_head else 0
+        transient = transient_bytes(d, has_head, last_layer_recomputed=not block, head_freed=head_freed)
         layers = [layer for c in chunks for layer in c.layers]
         stages.append({
             "stage": st, "num_layers": len(layers),
