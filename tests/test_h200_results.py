@@ -21,13 +21,15 @@ from recipes.results import first_sentence
 
 H200 = REPO / "docs" / "h200"
 RESULTS = sorted(H200.rglob("result.json"))
+#: The estimator refuses model=gdn by name (tests/test_gdn.py); every other family is checked.
+MODELED = [p for p in RESULTS if json.loads(p.read_text())["config"]["model"]["family"] != "gdn"]
 
 
 def test_the_h200_results_are_there():
     assert len(RESULTS) >= 40 and all(json.loads(p.read_text())["ranks"] for p in RESULTS)
 
 
-@pytest.mark.parametrize("path", RESULTS, ids=lambda p: f"{p.parent.parent.name}/{p.parent.name[:60]}")
+@pytest.mark.parametrize("path", MODELED, ids=lambda p: f"{p.parent.parent.name}/{p.parent.name[:60]}")
 def test_estimator_against_every_measured_h200_row(path):
     """Issue 5's targets: ledger within 5%, peak allocated within 10% of max_memory_allocated."""
     result = json.loads(path.read_text())
@@ -36,6 +38,18 @@ def test_estimator_against_every_measured_h200_row(path):
         peak_err = row["predicted_peak_gib"] / row["measured_peak_gib"] - 1
         assert abs(ledger_err) < 0.05, f"ledger {ledger_err:+.1%}"
         assert abs(peak_err) <= 0.10, f"peak {peak_err:+.1%}"
+
+
+FUSED_ADAM = [p for p in MODELED if json.loads(p.read_text())["config"]["train"].get("fused_adam")]
+
+
+@pytest.mark.parametrize("path", FUSED_ADAM, ids=lambda p: f"{p.parent.parent.name}/{p.parent.name[:60]}")
+def test_estimator_peak_within_one_percent_with_fused_adam(path):
+    """The runs with the default optimizer kernel (Runs B-D) are predicted within 1%: this holds only
+    with the head freed before the last layer's backward (without it, full recompute is +6.7% dense,
+    +6.8% MLA, +7.6% at h200_long) and with the MoE dispatcher fix measured (Run A: -10%)."""
+    for row in compare_result(json.loads(path.read_text())):
+        assert abs(row["predicted_peak_gib"] / row["measured_peak_gib"] - 1) <= 0.01
 
 
 def test_advisor_picks_mlp_where_none_does_not_fit_at_the_realistic_size():
@@ -67,3 +81,15 @@ def test_mfu_table_from_measured_sweeps_takes_the_narrowest_fitting_option():
     assert [r["recompute"] for r in rows] == ["selective/mlp", "selective/core_attn", "full"]
     table = bench.table(rows)
     assert "| standard_attn | selective/mlp | ok | 1556.6 |" in table and "| oom |" in table
+
+
+def test_gdn_table_gdn_norm_out_saves_what_core_attn_does_not():
+    """Issue 11's GPU table (fla kernels, Triton 3.7.1): gdn_norm_out lowers the ledger and the peak;
+    core_attn under SDPA saves nothing; the advisor picks the narrow label over its noisy superset."""
+    rows = {c["recompute"]: c for c in measured_candidates(H200 / "sweep_gdn")}
+    assert all(c["status"] == "ok" for c in rows.values()) and len(rows) == 6
+    assert rows["selective/gdn_norm_out"]["d_peak_gib"] < -0.3 and rows["selective/gdn_norm_out"]["d_ledger_pct"] < -3
+    assert abs(rows["selective/core_attn"]["d_peak_gib"]) < 0.01
+    advice = advise(measured_candidates(H200 / "sweep_gdn"), 25.2)
+    assert advice["choice"]["recompute"] == "selective/gdn_norm_out"
+    assert [c["recompute"] for c in advice["superfluous"]] == ["selective/gdn_norm_out-core_attn"]
