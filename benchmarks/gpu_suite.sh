@@ -60,6 +60,9 @@ step_gdn() {  # issue 11: fla needs Triton >= 3.7.1 on Hopper (fla #640); the im
     tests/test_gdn.py -k gpu 2>&1 | tail -6
   stamp "sweep=gdn"; PYTHONPATH=$pp $PY train.py -m sweep=gdn size=$SIZE $SWEEP_ARGS \
     hydra.sweep.dir=results/sweep_gdn 2>&1 | quiet 14; }
+step_entry() {  # issue 2: entrypoint against the bare loop over 4 alternating pairs of fresh processes
+  for m in ${1//,/ }; do stamp "bench_entrypoint --repeats 4 model=$m"; $PY benchmarks/bench_entrypoint.py model=$m \
+    size=$SIZE attention=sdpa recompute=none --repeats 4 2>&1 | grep -v "Warning\|warn(" | tail -9; done; }
 step_experts() { stamp bench_experts; $PY benchmarks/bench_experts.py 2>&1 | tail -12; }
 step_oom() {  # a forced OOM inside a sweep (a memory fraction); the sweep goes on
   stamp oom; $PY train.py -m size=$SIZE attention=unfused measure.memory_fraction=0.2 \
