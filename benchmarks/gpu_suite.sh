@@ -60,6 +60,16 @@ step_gdn() {  # issue 11: fla needs Triton >= 3.7.1 on Hopper (fla #640); the im
     tests/test_gdn.py -k gpu 2>&1 | tail -6
   stamp "sweep=gdn"; PYTHONPATH=$pp $PY train.py -m sweep=gdn size=$SIZE $SWEEP_ARGS \
     hydra.sweep.dir=results/sweep_gdn 2>&1 | quiet 14; }
+step_labels() {  # issue 3: the labels the family sweeps leave out, so every (family, label) pair has a GPU row
+  for m in ${1//,/ }; do stamp "labels model=$m"; local extra=""
+    case $m in mla|gdn) extra=",selective/layernorm,selective/mlp";; moe) extra=",selective/layernorm,selective/moe-layernorm";; esac
+    [ -n "$extra" ] && $PY train.py -m model=$m size=$SIZE $SWEEP_ARGS recompute=control$extra \
+      hydra.sweep.dir=results/labels_$m 2>&1 | quiet 8
+    $PY train.py -m model=$m size=$SIZE $SWEEP_ARGS recompute=full/block recompute.recompute_num_layers=4 \
+      hydra.sweep.dir=results/labels_$m 2>&1 | quiet 4
+    [ "$m" = moe ] && $PY train.py -m model=moe size=$SIZE $SWEEP_ARGS model.moe_shared_expert_intermediate_size=2048 \
+      recompute=control,selective/shared_experts hydra.sweep.dir=results/labels_moe_shared 2>&1 | quiet 6
+  done; }
 step_entry() {  # issue 2: entrypoint against the bare loop over 4 alternating pairs of fresh processes
   for m in ${1//,/ }; do stamp "bench_entrypoint --repeats 4 model=$m"; $PY benchmarks/bench_entrypoint.py model=$m \
     size=$SIZE attention=sdpa recompute=none --repeats 4 2>&1 | grep -v "Warning\|warn(" | tail -9; done; }
