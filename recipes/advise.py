@@ -51,7 +51,7 @@ def measured_candidates(sweep_dir: Path) -> list[dict]:
         c["ranks"].append({k: r.get(k) for k in ("rank", "status", "peak_allocated_gib", "peak_reserved_gib",
                                                   "fragmentation_gib", "ledger_bytes")})
         if r["worst"] or r["rank"] is None:  # the worst rank's time and deltas speak for the point
-            c.update({k: r.get(k) for k in ("step_ms", "step_noise", "control", "d_peak_gib", "d_peak_pct",
+            c.update({k: r.get(k) for k in ("step_ms", "step_noise", "step_spread", "control", "d_peak_gib", "d_peak_pct",
                                             "d_ledger_pct", "d_time_pct", "worst_rank") if r.get(k) is not None})
             c["worst_rank"] = r["rank"]
     for c in points.values():
@@ -195,10 +195,12 @@ def superfluous(fitting: list[dict]) -> dict[str, dict]:
 
 
 def noise_floor_pct(candidates: list[dict]) -> float | None:
-    """How far apart ``control`` and ``none`` (the same computation, separate processes) measured in
-    step time, in percent: the sweep's own noise floor for step-time differences (largest over configs)."""
+    """How far the same computation measured apart in separate processes, in percent: ``control``
+    against ``none``, and each repeated point's spread over its processes (``measure.repeat``). The
+    sweep's own noise floor for step-time differences (the largest)."""
     gaps = [abs(c["d_time_pct"]) for c in candidates
             if c["recompute"] == "control" and c.get("d_time_pct") is not None]
+    gaps += [100.0 * c["step_spread"] for c in candidates if c.get("step_spread") is not None]
     return max(gaps) if gaps else None
 
 
@@ -273,7 +275,8 @@ def advise(candidates: list[dict], budget_gib: float) -> dict:
 def _public(c: dict | None) -> dict | None:
     """The keys of a candidate that the JSON output carries."""
     keys = ("point", "model", "attention", "recompute", "status", "source", "memory_gib", "peak_allocated_gib",
-            "peak_reserved_gib", "ledger_bytes", "step_ms", "step_noise", "control", "d_peak_gib", "d_peak_pct",
+            "peak_reserved_gib", "ledger_bytes", "step_ms", "step_noise", "step_spread", "control", "d_peak_gib",
+            "d_peak_pct",
             "d_ledger_pct", "d_time_pct", "worst_rank", "fits", "error")
     return None if c is None else {k: c.get(k) for k in keys if c.get(k) is not None}
 
@@ -348,12 +351,13 @@ def explain(advice: dict, sweep_dir: str = "") -> str:
         for f in advice.get("superfluous") or []:
             text += (f" {_name(f, c)} measured faster ({f['step_ms']:.1f} ms) but recomputes everything "
                      f"{f['narrower']} does and more, for no less memory: its lead is noise between processes"
-                     + (f" (none and control, the same computation, differ by {floor:.1f}% here)" if floor else "")
+                     + (f" (the same computation measured up to {floor:.1f}% apart in separate processes "
+                        "here)" if floor else "")
                      + ".")
         if floor is not None and c["recompute"] not in NO_RECOMPUTE and c.get("d_time_pct") is not None \
                 and abs(c["d_time_pct"]) <= floor:
             text += (f" Its step-time cost ({c['d_time_pct']:+.1f}%) is within this sweep's noise floor "
-                     f"({floor:.1f}%): repeat the points to resolve it.")
+                     f"({floor:.1f}%): repeat the points to resolve it (measure.repeat=0,1,2).")
         if (c.get("step_noise") or 0) > NOISY_STEPS:
             text += (f" Caution: its median step is {c['step_noise']:.0%} slower than its fastest, so the time "
                      "comparison is contention, not recompute; re-run on an idle machine (rerun=true) "

@@ -162,6 +162,7 @@ class MeasureConfig:
     expandable_segments: bool = False  # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
     memory_fraction: Optional[float] = None  # cap this process's share of GPU memory (forces OOMs)
     profile: str = "peak"  # peak (one profiled step: timeline, peak attribution) | none (`profile=none`)
+    repeat: int = 0  # which repetition of a point; sweep measure.repeat=0,1,2 to time each point in 3 processes
 
 
 @dataclass

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -42,6 +43,7 @@ COLUMNS = [
     ("profile_peak_mib", "profiled peak MiB", "{:.2f}"),
     ("step_ms", "step ms", "{:.1f}"),
     ("step_noise", "step noise", "{:+.0%}"),
+    ("step_spread", "spread over processes", "{:+.0%}"),
     ("d_time_pct", "time vs control", "{:+.1f}%"),
     ("tokens_per_s", "tokens/s", "{:.0f}"),
     ("mfu", "MFU", "{:.1%}"),
@@ -49,7 +51,7 @@ COLUMNS = [
 CSV_KEYS = ["point", "rank", "worst", "status", "model", "attention", "recompute", "control",
             "peak_allocated_gib", "peak_reserved_gib", "fragmentation_gib", "activation_gib",
             "d_peak_gib", "d_peak_pct", "ledger_bytes", "ledger_mib", "d_ledger_pct", "profile_peak_mib",
-            "step_ms", "step_noise", "d_time_ms", "d_time_pct", "tokens_per_s", "mfu", "error", "run_dir"]
+            "step_ms", "step_noise", "repeats", "step_spread", "d_time_ms", "d_time_pct", "tokens_per_s", "mfu", "error", "run_dir"]
 #: Step noise = median / fastest timed step - 1; above this, step-time deltas are contention, not recompute.
 NOISY_STEPS = 0.25
 
@@ -62,14 +64,63 @@ def find_results(sweep_dir: Path) -> list[dict]:
     return [load_result(f) for f in files]
 
 
+def _without_repeat(config: dict) -> dict:
+    """The config minus ``measure.repeat``: repetitions of a point measure the same thing."""
+    if isinstance(config.get("measure"), dict) and "repeat" in config["measure"]:
+        config = {**config, "measure": {k: v for k, v in config["measure"].items() if k != "repeat"}}
+    return config
+
+
 def match_key(result: dict, varied: tuple[str, ...] = ("recompute",)) -> str:
     """What must be equal for two points to be compared: everything but the ``varied`` sections."""
     config = result.get("config")
     if not config:
         choices = result.get("choices", {})
         return "|".join(str(choices.get(k)) for k in ("model", "attention") if k not in varied)
-    rest = {k: v for k, v in config.items() if k not in NOT_MEASURED + varied}
+    rest = {k: v for k, v in _without_repeat(config).items() if k not in NOT_MEASURED + varied}
     return json.dumps(rest, sort_keys=True, default=str)
+
+
+def merge_repeats(results: list[dict]) -> list[dict]:
+    """One result per point: completed repetitions of a point (``measure.repeat=0,1,2``, one process
+    each) merged. Per rank: step time = the median of the processes' medians, fastest = the fastest
+    step of any, ``step_time_spread`` = slowest / fastest process median - 1 (the between-process
+    noise that one process cannot show), peaks = the highest. Failed repetitions stay separate rows."""
+    groups: dict[str, list[dict]] = {}
+    out: list[dict] = []
+    for r in results:
+        if r.get("status") == "ok" and r.get("config"):
+            groups.setdefault(match_key(r, ()), []).append(r)
+        else:
+            out.append(r)
+    for same in groups.values():
+        if len(same) == 1:
+            out.append(same[0])
+            continue
+        merged = {**same[0], "repeats": len(same), "ranks": []}
+        for rank in same[0].get("ranks") or []:
+            peers = [next((x for x in r.get("ranks") or [] if x.get("rank") == rank.get("rank")), None) for r in same]
+            peers = [x for x in peers if x is not None]
+            timing = dict(rank.get("timing") or {})
+            medians = [x["timing"]["step_time_s"] for x in peers if (x.get("timing") or {}).get("step_time_s")]
+            if medians:
+                scale = statistics.median(medians) / timing["step_time_s"] if timing.get("step_time_s") else 1.0
+                timing.update(step_time_s=statistics.median(medians), step_time_spread=max(medians) / min(medians) - 1,
+                              step_time_min_s=min(x["timing"].get("step_time_min_s") or m
+                                                  for x, m in zip(peers, medians)), repeats=len(medians))
+                for key in ("tokens_per_s", "model_tflops_per_gpu", "hardware_tflops_per_gpu", "mfu"):
+                    if timing.get(key) is not None:
+                        timing[key] = timing[key] / scale
+            memory = dict(rank.get("memory") or {})
+            for key in ("peak_allocated_gib", "peak_reserved_gib"):
+                values = [(x.get("memory") or {}).get(key) for x in peers]
+                if all(v is not None for v in values) and values:
+                    memory[key] = max(values)
+            if memory.get("peak_allocated_gib") is not None and memory.get("peak_reserved_gib") is not None:
+                memory["fragmentation_gib"] = memory["peak_reserved_gib"] - memory["peak_allocated_gib"]
+            merged["ranks"].append({**rank, "timing": timing, "memory": memory or rank.get("memory")})
+        out.append(merged)
+    return out
 
 
 def recompute_order(label: str | None) -> tuple:
@@ -99,6 +150,7 @@ def _rank_numbers(rank: dict) -> dict:
         "profile_peak_mib": profile_peak / 2**20 if profile_peak is not None else None,
         "step_ms": step * 1e3 if step is not None else None,
         "step_noise": step / fast - 1.0 if step and fast else None,
+        "repeats": timing.get("repeats"), "step_spread": timing.get("step_time_spread"),
         "tokens_per_s": timing.get("tokens_per_s"), "mfu": timing.get("mfu"),
     }
 
@@ -141,8 +193,8 @@ def point_names(results: list[dict]) -> list[str]:
     names = [r.get("name") for r in results]
     for name in set(names):
         same = [i for i, n in enumerate(names) if n == name]
-        flats = [{k: v for k, v in _flat(results[i].get("config")).items() if k.split(".")[0] not in NOT_MEASURED}
-                 for i in same]
+        flats = [{k: v for k, v in _flat(results[i].get("config")).items()
+                  if k.split(".")[0] not in NOT_MEASURED and k != "measure.repeat"} for i in same]
         varied = sorted({k for f in flats for k in f if any(g.get(k) != f.get(k) for g in flats)})
         if len(same) > 1 and varied:
             for i, f in zip(same, flats):
@@ -154,6 +206,7 @@ def rank_rows(results: list[dict]) -> list[dict]:
     """One row per point and rank (a point with no rank result gets one row), in the guide's order,
     with deltas against the matched control (same config but recompute; ``control``, else ``none``)."""
     rows: list[dict] = []
+    results = merge_repeats(results)
     for result, name in zip(results, point_names(results)):
         choices = result.get("choices", {})
         base = {"point": name, "model": choices.get("model"),
@@ -289,6 +342,13 @@ def _notes(rows: list[dict], results: list[dict]) -> list[str]:
     if controls:
         notes.append(f"Deltas are against the matched control ({', '.join(controls)}): same config "
                      "but recompute; the control row itself is compared with none (the noise floor).")
+    spreads = [r for r in point_rows(rows) if r.get("step_spread") is not None]
+    if spreads:
+        counts = sorted({r["repeats"] for r in spreads})
+        runs = f"{counts[0]}" if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
+        notes.append(f"Repeated points ran in {runs} processes each (measure.repeat); their step ms is the median "
+                     "of the processes' medians and 'spread over "
+                     f"processes' is slowest / fastest - 1, up to {max(r['step_spread'] for r in spreads):.1%}.")
     floors = [abs(r["d_time_pct"]) for r in point_rows(rows)
               if r["recompute"] == "control" and r.get("d_time_pct") is not None]
     if floors:

@@ -326,6 +326,8 @@ def _validate_run(cfg) -> None:
            "use logger=none or logger=wandb")
     _check(log["mode"] in ("offline", "online", "disabled"), "logger.mode",
            f"unknown W&B mode {log['mode']!r}", "use offline, online or disabled")
+    _check(meas.get("repeat", 0) >= 0, "measure.repeat", f"{meas.get('repeat')} is negative",
+           "use measure.repeat=0,1,2 (one process per value) to repeat each point")
     _check(meas["profile"] in ("none", "peak"), "measure.profile",
            f"unknown profile {meas['profile']!r}", "use measure.profile=none or peak")
     frac = meas["memory_fraction"]

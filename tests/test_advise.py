@@ -265,3 +265,29 @@ def test_points_of_one_name_are_told_apart_by_what_the_sweep_varied():
     names = report.point_names([result(2, "a"), result(8, "b"), {"name": "moe sdpa none", "config": {}}])
     assert names == ["standard_attn sdpa none train.global_batch_size=2",
                      "standard_attn sdpa none train.global_batch_size=8", "moe sdpa none"]
+
+
+def test_repeated_points_merge_into_one_row_with_their_spread_over_processes():
+    """`-m measure.repeat=0,1,2`: three processes of one point become one row: the median of their
+    median steps, the highest peaks, and the spread between processes, which feeds the noise floor."""
+    def point(repeat: int, step_s: float, peak: float, status: str = "ok") -> dict:
+        config = compose("recompute=control", "size=h200", f"measure.repeat={repeat}")
+        rank = {"rank": 0, "status": status, "device": "NVIDIA H200",
+                "memory": {"peak_allocated_gib": peak, "peak_reserved_gib": peak + 0.5},
+                "timing": {"step_time_s": step_s, "step_time_min_s": step_s * 0.99, "tokens_per_s": 8192 / step_s,
+                           "mfu": 0.1 / step_s},
+                "ledger": {"total_bytes": 100}}
+        return {"name": "standard_attn sdpa control", "status": status, "config": config, "choices": {},
+                "run_dir": f"r{repeat}", "ranks": [rank]}
+
+    results = [point(0, 0.100, 20.0), point(1, 0.110, 20.1), point(2, 0.090, 20.0), point(3, 0.2, 30.0, "oom")]
+    rows = report.rank_rows(results)
+    merged = next(r for r in rows if r["status"] == "ok")
+    assert len(rows) == 2 and merged["repeats"] == 3
+    assert merged["step_ms"] == pytest.approx(100.0) and merged["step_spread"] == pytest.approx(0.110 / 0.090 - 1)
+    assert merged["peak_allocated_gib"] == 20.1 and merged["mfu"] == pytest.approx(1.0)
+    assert merged["point"] == "standard_attn sdpa control"  # measure.repeat is not a distinguishing setting
+    assert "spread over processes" in report.format_markdown(rows)
+    # the advisor's noise floor takes the spread
+    assert advise.noise_floor_pct([{"recompute": "control", "step_spread": merged["step_spread"]}]) == \
+        pytest.approx(100 * (0.110 / 0.090 - 1))

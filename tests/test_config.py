@@ -86,6 +86,7 @@ REFUSED = [
      "distribute_saved_activations", "recompute=full"),
     (["recompute=control", "recompute.recompute_num_layers=1"], "recompute_method", "recompute=full"),
     (["attention=te"], "attention=te", "attention=sdpa"),
+    (["measure.repeat=-1"], "measure.repeat", "measure.repeat=0,1,2"),
     (["model.add_bias_linear=true"], "add_bias_linear", "false"),
     (["model.normalization=BadNorm"], "model.normalization", "RMSNorm or LayerNorm"),
     (["model=moe", "model.moe_router_topk=9"], "moe_router_topk", "<= num_moe_experts"),
