@@ -81,10 +81,17 @@ def first_measured(family: str, results: list[dict]) -> str:
 def rows_from_results(dirs: list[Path]) -> list[dict]:
     """The table's rows from measured sweeps: per family none (or, when it did not fit, the ok
     point with the largest peak, i.e. the narrowest fitting option), the guide's label, full."""
-    results = [r for d in dirs for r in find_results(d)]
+    per_dir = [find_results(d) for d in dirs]
+    sizes = {r["choices"].get("size") for results in per_dir for r in results}
     rows = []
-    for family in dict.fromkeys(r["choices"]["model"] for r in results):
-        rows += option_rows(family, [first_measured(family, results), GUIDE_FIRST_LABEL[family], "full"], results)
+    for results in per_dir:  # one sweep at a time: two sizes of a family are two blocks of rows
+        for family in dict.fromkeys(r["choices"]["model"] for r in results):
+            options = [first_measured(family, results), GUIDE_FIRST_LABEL[family], "full"]
+            for row in option_rows(family, options, results):
+                if len(sizes) > 1:
+                    size = next((r["choices"].get("size") for r in results if r["choices"]["model"] == family), "")
+                    row["family"] = f"{family} (size={size})"
+                rows.append(row)
     return rows
 
 

@@ -93,3 +93,14 @@ def test_gdn_table_gdn_norm_out_saves_what_core_attn_does_not():
     advice = advise(measured_candidates(H200 / "sweep_gdn"), 25.2)
     assert advice["choice"]["recompute"] == "selective/gdn_norm_out"
     assert [c["recompute"] for c in advice["superfluous"]] == ["selective/gdn_norm_out-core_attn"]
+
+
+def test_mfu_table_keeps_two_sizes_of_one_family_apart():
+    spec = importlib.util.spec_from_file_location("bench_mfu", REPO / "benchmarks" / "bench_mfu.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    rows = bench.rows_from_results([H200 / "sweep_standard_attn", H200 / "long_standard_attn"])
+    assert [(r["family"], r["recompute"]) for r in rows] == [
+        ("standard_attn (size=h200)", "none"), ("standard_attn (size=h200)", "selective/core_attn"),
+        ("standard_attn (size=h200)", "full"), ("standard_attn (size=h200_long)", "selective/mlp"),
+        ("standard_attn (size=h200_long)", "selective/core_attn"), ("standard_attn (size=h200_long)", "full")]
