@@ -181,8 +181,15 @@ def test_gpu_oom_is_recorded_and_the_sweep_goes_on(tmp_path):
 @pytest.mark.slow
 def test_bench_entrypoint_repeats_alternate_fresh_processes():
     """`bench_entrypoint.py --repeats 2` (tiny, CPU): two pairs, each side a fresh process, and the
-    median ratio (the H200 showed that one MoE pair is not enough to resolve 2%)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
+    median ratio (the H200 showed that one MoE pair is not enough to resolve 2%). The inherited
+    MASTER_PORT is held by a live listener, as a test session's or torchrun's is: the bare loop must
+    not reuse it."""
+    import socket
+
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    held.listen()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "MASTER_PORT": str(held.getsockname()[1])}
     proc = subprocess.run([sys.executable, "benchmarks/bench_entrypoint.py", "recompute=none", "--repeats", "2"],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
