@@ -189,7 +189,7 @@ def test_bench_entrypoint_repeats_alternate_fresh_processes():
     held = socket.socket()
     held.bind(("127.0.0.1", 0))
     held.listen()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "MASTER_PORT": str(held.getsockname()[1])}
+    env = {**_env(), "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "MASTER_PORT": str(held.getsockname()[1])}
     proc = subprocess.run([sys.executable, "benchmarks/bench_entrypoint.py", "recompute=none", "--repeats", "2"],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
