@@ -24,7 +24,7 @@ import json
 import sys
 from pathlib import Path
 
-from recipes.report import NOISY_STEPS, find_results, rank_rows, recompute_order
+from recipes.report import NOISY_STEPS, control_gap_pct, find_results, rank_rows, recompute_order
 from recipes.results import GIB, first_sentence
 
 MIB = 2**20
@@ -198,9 +198,9 @@ def noise_floor_pct(candidates: list[dict]) -> float | None:
     """How far the same computation measured apart in separate processes, in percent: ``control``
     against ``none``, and each repeated point's spread over its processes (``measure.repeat``). The
     sweep's own noise floor for step-time differences (the largest)."""
-    gaps = [abs(c["d_time_pct"]) for c in candidates
-            if c["recompute"] == "control" and c.get("d_time_pct") is not None]
-    gaps += [100.0 * c["step_spread"] for c in candidates if c.get("step_spread") is not None]
+    gaps = [100.0 * c["step_spread"] for c in candidates if c.get("step_spread") is not None]
+    control = control_gap_pct(candidates)
+    gaps += [control] if control is not None else []
     return max(gaps) if gaps else None
 
 

@@ -241,6 +241,13 @@ def _control_row(row: dict, rows: list[dict]) -> dict | None:
     return None
 
 
+def control_gap_pct(rows: list[dict]) -> float | None:
+    """How far ``control`` measured from ``none`` in step time, in percent (largest over configs):
+    the same computation in separate processes, so the sweep's noise floor between processes."""
+    gaps = [abs(r["d_time_pct"]) for r in rows if r["recompute"] == "control" and r.get("d_time_pct") is not None]
+    return max(gaps) if gaps else None
+
+
 def point_rows(rows: list[dict]) -> list[dict]:
     """The rows that decide fit: each point's worst rank (or its only row)."""
     return [r for r in rows if r["worst"] or r["rank"] is None]
@@ -349,11 +356,10 @@ def _notes(rows: list[dict], results: list[dict]) -> list[str]:
         notes.append(f"Repeated points ran in {runs} processes each (measure.repeat); their step ms is the median "
                      "of the processes' medians and 'spread over "
                      f"processes' is slowest / fastest - 1, up to {max(r['step_spread'] for r in spreads):.1%}.")
-    floors = [abs(r["d_time_pct"]) for r in point_rows(rows)
-              if r["recompute"] == "control" and r.get("d_time_pct") is not None]
-    if floors:
+    floor = control_gap_pct(point_rows(rows))
+    if floor is not None:
         notes.append(f"Noise floor: `control` and `none` run the same computation in separate processes and "
-                     f"differ by {max(floors):.1f}% in step time; time deltas within that are not resolved by "
+                     f"differ by {floor:.1f}% in step time; time deltas within that are not resolved by "
                      "this sweep (step noise only measures the spread inside one process).")
     noisy = [r["point"] for r in point_rows(rows) if (r.get("step_noise") or 0) > NOISY_STEPS]
     if noisy:
