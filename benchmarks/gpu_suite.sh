@@ -49,27 +49,37 @@ step_mfu() {  # issue 7: what lifts MFU without TE: megatron's fused SwiGLU, and
   for m in ${1//,/ }; do stamp "mfu model=$m"; local fuse=true; [ "$m" = standard_attn ] && fuse=false,true
     $PY train.py -m model=$m size=$SIZE $SWEEP_ARGS recompute=none model.bias_activation_fusion=$fuse \
     train.global_batch_size=2,8 hydra.sweep.dir=results/mfu_$m 2>&1 | quiet 8; done; }
-step_gdn() {  # issue 11: fla needs Triton >= 3.7.1 on Hopper (fla #640); the image has 3.6. A later call
-  # carries .triton/ (benchmarks/pack_triton.sh) and touches results/triton.ready; this step waits for it.
+triton_site() {  # fla needs Triton >= 3.7.1 on Hopper (fla #640); the image has 3.6. A later call carries
+  # .triton/ (benchmarks/pack_triton.sh) and touches results/triton.ready; wait for it, unpack, print the path.
   local t0=$SECONDS; while [ ! -f results/triton.ready ] && [ $((SECONDS - t0)) -lt 900 ]; do sleep 5; done
-  [ -f results/triton.ready ] || { echo "no Triton 3.7.1 arrived: gdn skipped"; return; }
-  mkdir -p /tmp/triton-site && tar -C /tmp/triton-site -xJf .triton/triton-3.7.1-stripped.tar.xz || return
-  local pp=/tmp/triton-site${PYTHONPATH:+:$PYTHONPATH}
+  [ -f results/triton.ready ] || { echo "no Triton 3.7.1 arrived: GDN skipped" >&2; return 1; }
+  [ -d /tmp/triton-site/triton ] || { mkdir -p /tmp/triton-site &&
+    tar -C /tmp/triton-site -xJf .triton/triton-3.7.1-stripped.tar.xz; } || return 1
+  echo /tmp/triton-site${PYTHONPATH:+:$PYTHONPATH}; }
+step_gdn() {  # issue 11: the GDN label table, on Triton 3.7.1 for this step only
+  local pp; pp=$(triton_site) || return
   PYTHONPATH=$pp $PY -c "import triton, fla; print('triton', triton.__version__, 'fla', fla.__version__)"
   stamp "fla kernel against its reference"; PYTHONPATH=$pp $PY -m pytest -q -p no:cacheprovider \
     tests/test_gdn.py -k gpu 2>&1 | tail -6
   stamp "sweep=gdn"; PYTHONPATH=$pp $PY train.py -m sweep=gdn size=$SIZE $SWEEP_ARGS \
     hydra.sweep.dir=results/sweep_gdn 2>&1 | quiet 14; }
 step_labels() {  # issue 3: the labels the family sweeps leave out, so every (family, label) pair has a GPU row
-  for m in ${1//,/ }; do stamp "labels model=$m"; local extra=""
+  for m in ${1//,/ }; do stamp "labels model=$m"; local extra="" pp=${PYTHONPATH:-}
+    if [ "$m" = gdn ]; then pp=$(triton_site) || continue; fi
     case $m in mla|gdn) extra=",selective/layernorm,selective/mlp";; moe) extra=",selective/layernorm,selective/moe-layernorm";; esac
-    [ -n "$extra" ] && $PY train.py -m model=$m size=$SIZE $SWEEP_ARGS recompute=control$extra \
+    [ -n "$extra" ] && PYTHONPATH=$pp $PY train.py -m model=$m size=$SIZE $SWEEP_ARGS recompute=control$extra \
       hydra.sweep.dir=results/labels_$m 2>&1 | quiet 8
-    $PY train.py -m model=$m size=$SIZE $SWEEP_ARGS recompute=full/block recompute.recompute_num_layers=4 \
+    PYTHONPATH=$pp $PY train.py -m model=$m size=$SIZE $SWEEP_ARGS recompute=full/block recompute.recompute_num_layers=4 \
       hydra.sweep.dir=results/labels_$m 2>&1 | quiet 4
-    [ "$m" = moe ] && $PY train.py -m model=moe size=$SIZE $SWEEP_ARGS model.moe_shared_expert_intermediate_size=2048 \
+    [ "$m" = moe ] && PYTHONPATH=$pp $PY train.py -m model=moe size=$SIZE $SWEEP_ARGS model.moe_shared_expert_intermediate_size=2048 \
       recompute=control,selective/shared_experts hydra.sweep.dir=results/labels_moe_shared 2>&1 | quiet 6
   done; }
+step_repeats() {  # issue 3: labels' time costs resolved against the spread between processes; the
+  # repetition varies slowest, so each round times every label once, side by side
+  for m in ${1//,/ }; do stamp "repeats model=$m"; local r=none,control,selective/core_attn
+    case $m in moe) r=none,control,selective/moe_act;; mla) r=none,control,selective/mla_up_proj;; esac
+    $PY train.py -m model=$m size=$SIZE $SWEEP_ARGS measure.repeat=0,1,2 recompute=$r \
+      hydra.sweep.dir=results/repeats_$m 2>&1 | quiet 10; done; }
 step_entry() {  # issue 2: entrypoint against the bare loop over 4 alternating pairs of fresh processes
   for m in ${1//,/ }; do stamp "bench_entrypoint --repeats 4 model=$m"; $PY benchmarks/bench_entrypoint.py model=$m \
     size=$SIZE attention=sdpa recompute=none --repeats 4 2>&1 | grep -v "Warning\|warn(" | tail -9; done; }
