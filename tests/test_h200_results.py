@@ -104,3 +104,63 @@ def test_mfu_table_keeps_two_sizes_of_one_family_apart():
         ("standard_attn (size=h200)", "none"), ("standard_attn (size=h200)", "selective/core_attn"),
         ("standard_attn (size=h200)", "full"), ("standard_attn (size=h200_long)", "selective/mlp"),
         ("standard_attn (size=h200_long)", "selective/core_attn"), ("standard_attn (size=h200_long)", "full")]
+
+
+def _measured_pairs() -> dict[tuple[str, str], list[dict]]:
+    """(model, recompute option) -> results at the FACTS.md shape (size=h200)."""
+    pairs: dict[tuple[str, str], list[dict]] = {}
+    for path in RESULTS:
+        result = json.loads(path.read_text())
+        choices = result["choices"]
+        if choices["size"] == "h200":
+            pairs.setdefault((choices["model"], choices["recompute"]), []).append(result)
+    return pairs
+
+
+def _option_labels(option: str) -> list[str]:
+    return option.split("/", 1)[1].split("-") if option.startswith("selective/") else []
+
+
+def test_every_family_label_pair_that_applies_has_an_h200_row():
+    """Issue 3's GPU table: every recompute option in conf/ that applies to a family (recipes.validate's
+    LABELS) ran on the H200 at the FACTS.md shape and finished; an option added without a GPU row fails."""
+    from recipes.validate import FAMILIES, LABELS
+
+    options = sorted(str(p.relative_to(REPO / "conf" / "recompute").with_suffix(""))
+                     for p in (REPO / "conf" / "recompute").rglob("*.yaml"))
+    measured = _measured_pairs()
+    missing = [(family, option) for family in FAMILIES for option in options
+               if all(family in LABELS[label]["families"] for label in _option_labels(option))
+               and not any(r["status"] == "ok" for r in measured.get((family, option), []))]
+    assert not missing, f"no H200 row for {missing}: run benchmarks/gpu_suite.sh labels:<family>"
+
+
+def test_full_block_peak_is_linear_in_the_layers_recomputed():
+    """Run E: 4 of 8 layers under full/block land on the midpoint of the control and full recompute."""
+    measured = _measured_pairs()
+    for family in ("standard_attn", "mla", "moe", "gdn"):
+        peak = {o: min(r["ranks"][0]["memory"]["peak_allocated_gib"] for r in measured[(family, o)]
+                       if r["config"]["train"].get("fused_adam"))
+                for o in ("control", "full", "full/block")}
+        block = measured[(family, "full/block")][0]["config"]["recompute"]
+        assert block["recompute_method"] == "block" and block["recompute_num_layers"] == 4
+        midpoint = (peak["control"] + peak["full"]) / 2
+        assert abs(peak["full/block"] - midpoint) < 0.06, (family, peak)
+
+
+def test_layernorm_frees_one_hidden_state_per_norm_on_every_family():
+    """Run E: selective/layernorm's ledger saving is 2 norms x L layers x one [s, b, h] bf16 tensor,
+    against the control of the same sweep (the norms' fp32 statistics add well under 1%)."""
+    for family in ("standard_attn", "mla", "moe", "gdn"):
+        sweep = next(p.parent.parent for p in RESULTS if p.parent.parent.name.startswith(("sweep_", "labels_"))
+                     and "recompute=selective.layernorm__" in p.parent.name
+                     and json.loads(p.read_text())["choices"]["model"] == family)
+        ledger, cfg = {}, None
+        for path in sweep.glob("*/result.json"):
+            result = json.loads(path.read_text())
+            ledger[result["choices"]["recompute"]] = result["ranks"][0]["ledger"]["total_bytes"]
+            cfg = result["config"]
+        m, t = cfg["model"], cfg["train"]
+        norms = 2 * m["num_layers"] * t["seq_length"] * t["micro_batch_size"] * m["hidden_size"] * 2
+        saved = ledger["control"] - ledger["selective/layernorm"]
+        assert norms <= saved < norms * 1.01, (family, saved, norms)
