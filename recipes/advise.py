@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 
 from recipes.report import NOISY_STEPS, control_gap_pct, find_results, rank_rows, recompute_order
-from recipes.results import GIB, first_sentence
+from recipes.results import GIB, first_sentence, recompute_of
 
 MIB = 2**20
 #: Fragmentation is flagged when reserved - allocated is at least this fraction of reserved ...
@@ -88,7 +88,7 @@ def predicted_candidates(sweep_dir: Path) -> list[dict]:
 
     results = find_results(sweep_dir)
     measured = {((r.get("choices") or {}).get("model"), (r.get("choices") or {}).get("attention"),
-                 (r.get("choices") or {}).get("recompute")) for r in results}
+                 recompute_of(r)) for r in results}
     rows = []
     for (model, attention), r in _groups(results).items():
         gpu = _on_gpu(r)
@@ -134,8 +134,8 @@ def what_drives_the_peak(sweep_dir: Path) -> dict | None:
     """The guide's first label from the control's peak attribution (recipes.profile), if profiled."""
     from recipes.profile import first_label_to_try, top_contributors
 
-    for r in sorted(find_results(sweep_dir), key=lambda r: recompute_order((r.get("choices") or {}).get("recompute"))):
-        if (r.get("choices") or {}).get("recompute") in NO_RECOMPUTE and r.get("status") == "ok":
+    for r in sorted(find_results(sweep_dir), key=lambda r: recompute_order(recompute_of(r))):
+        if recompute_of(r) in NO_RECOMPUTE and r.get("status") == "ok":
             label, why = first_label_to_try(r)
             if label is None and why.startswith("no peak attribution"):
                 continue

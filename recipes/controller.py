@@ -16,7 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from launch.torchrun import free_port
 from recipes.results import load_result, merge_result, summary, write_json_atomic
-from recipes.validate import ConfigError, validate
+from recipes.validate import ConfigError, recompute_option, validate
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 #: Statuses that count as a complete result (a sweep re-run skips them unless rerun=true).
@@ -42,11 +42,12 @@ def run_directory(cfg: DictConfig) -> Path:
 
 
 def run_name(cfg: DictConfig, choices: dict[str, str]) -> str:
-    """``model/attention/recompute`` unless the user named the run."""
+    """``model attention recompute`` unless the user named the run; the recompute part says what the
+    values recompute (recipes.validate.recompute_option), whatever option they were composed from."""
     if cfg.name:
         return cfg.name
     parts = [choices.get("model", cfg.model.family), choices.get("attention", cfg.attention.backend),
-             choices.get("recompute", "custom")]
+             recompute_option(cfg)]
     return " ".join(str(p) for p in parts)
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 from hydra.experimental.callback import Callback
 
 from recipes.controller import NOT_MEASURED  # config sections that do not change a measurement
-from recipes.results import first_sentence, load_result
+from recipes.results import first_sentence, load_result, recompute_of
 
 #: The guide's controls, in order of preference for the deltas (the control itself is compared
 #: with ``none``: their difference is the noise floor of the measurement).
@@ -210,7 +210,7 @@ def rank_rows(results: list[dict]) -> list[dict]:
     for result, name in zip(results, point_names(results)):
         choices = result.get("choices", {})
         base = {"point": name, "model": choices.get("model"),
-                "attention": choices.get("attention"), "recompute": choices.get("recompute"),
+                "attention": choices.get("attention"), "recompute": recompute_of(result),
                 "run_dir": result.get("run_dir"), "point_status": result.get("status"), "_key": match_key(result),
                 "_family_key": match_key(result, ("recompute", "attention"))}
         ranks = result.get("ranks") or [{}]

@@ -13,6 +13,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from recipes.validate import recompute_option
+
 SCHEMA_VERSION = 1
 GIB = 1024**3
 #: Status severity: the run's status is its worst rank's.
@@ -87,12 +89,22 @@ def load_result(path: Path) -> dict:
     return json.loads(path.read_text())
 
 
+def recompute_of(result: dict) -> str | None:
+    """The recompute option a point ran, from its recorded config (recipes.validate.recompute_option),
+    so that a point composed as ``recompute=control recompute.recompute_modules=[...]`` is not read as
+    a control; results without a config fall back to the Hydra choice."""
+    config = result.get("config")
+    if config and "recompute" in config:
+        return recompute_option(config)
+    return (result.get("choices") or {}).get("recompute")
+
+
 def summary(result: dict) -> dict:
     """The flat numbers of a run (its worst rank) for tables, W&B and the advisor."""
     row = {
         "name": result.get("name"),
         "status": result.get("status"),
-        "recompute": result.get("choices", {}).get("recompute"),
+        "recompute": recompute_of(result),
         "attention": result.get("choices", {}).get("attention"),
         "model": result.get("choices", {}).get("model"),
     }

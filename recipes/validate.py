@@ -146,6 +146,20 @@ def recompute_labels(cfg) -> list[str]:
     return list(rc["recompute_modules"]) if rc["recompute_granularity"] == "selective" else []
 
 
+def recompute_option(cfg) -> str:
+    """What a config recomputes, named as the recompute group names it (``none``, ``control``,
+    ``selective/<label>-<label>``, ``full``, ``full/block``), read from the values rather than the
+    Hydra choice: ``recompute=control recompute.recompute_modules=[moe_act]`` is selective/moe_act."""
+    rc = cfg["recompute"]
+    gran = rc["recompute_granularity"]
+    if gran == "selective":
+        labels = recompute_labels(cfg)
+        return "selective/" + "-".join(labels) if labels else "control"
+    if gran == "full":
+        return "full/block" if rc["recompute_method"] == "block" else "full"
+    return "none"
+
+
 def _validate_recompute(cfg) -> None:
     rc, m, par = cfg["recompute"], cfg["model"], cfg["parallel"]
     gran = rc["recompute_granularity"]

@@ -291,3 +291,21 @@ def test_repeated_points_merge_into_one_row_with_their_spread_over_processes():
     # the advisor's noise floor takes the spread
     assert advise.noise_floor_pct([{"recompute": "control", "step_spread": merged["step_spread"]}]) == \
         pytest.approx(100 * (0.110 / 0.090 - 1))
+
+
+def test_a_point_is_read_by_what_it_recomputed_not_by_its_option_name(tmp_path):
+    """`recompute=control recompute.recompute_modules=[core_attn]` recomputes core_attn: it is neither
+    the sweep's matched control nor a no-recompute choice for the advisor."""
+    write_point(tmp_path, "unfused", "control", [rank_result(0, (38.9, 39.8, 0.197))])
+    run_dir = tmp_path / "attention=unfused__recompute=control__modules=core_attn"
+    write_json_atomic(run_dir / "ranks" / "rank0.json", rank_result(0, (18.0, 18.6, 0.247)))
+    config = compose("attention=unfused", "recompute=control", "recompute.recompute_modules=[core_attn]", "size=h200")
+    meta = {"name": "standard_attn unfused control", "run_dir": str(run_dir), "config": config,
+            "choices": {"model": "standard_attn", "attention": "unfused", "recompute": "control"}}
+    write_json_atomic(run_dir / "result.json", merge_result(run_dir, meta, 1, None))
+
+    rows = {r["recompute"]: r for r in report.rank_rows(report.find_results(tmp_path))}
+    assert set(rows) == {"control", "selective/core_attn"}
+    assert rows["selective/core_attn"]["d_peak_gib"] == pytest.approx(18.0 - 38.9)
+    advice, _ = run_advise(tmp_path, budget=20)
+    assert advice["choice"]["recompute"] == "selective/core_attn"

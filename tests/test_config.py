@@ -10,7 +10,7 @@ from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ConfigKeyError, ValidationError
 
 from conftest import CONF, compose
-from recipes.validate import ConfigError, validate
+from recipes.validate import ConfigError, recompute_option, validate
 
 RECOMPUTE = sorted(
     str(p.relative_to(Path(CONF) / "recompute").with_suffix(""))
@@ -34,6 +34,9 @@ def test_every_group_option_composes():
 def test_every_recompute_option_composes(option):
     cfg = compose(f"recompute={option}")
     assert cfg["recompute"]["recompute_granularity"] in (None, "selective", "full")
+    # reports and the advisor name a point by what its values recompute; for every shipped option
+    # that is the option's own name, so a new option file must follow the naming
+    assert recompute_option(cfg) == option
 
 
 def test_schema_fields_exist_in_megatron():
