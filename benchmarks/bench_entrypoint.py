@@ -232,6 +232,9 @@ def main() -> None:
     if "--repeats" in args:
         del args[args.index("--repeats"):args.index("--repeats") + 2]
     overrides = [a for a in args if a not in ("--kernels", "--compile-rope", "--bare-only")]
+    if repeats > 1 and (kernels or compile_rope):
+        sys.exit("bench_entrypoint: --repeats times fresh processes of the plain loops; --kernels and "
+                 "--compile-rope change one bare loop in this process. Run them without --repeats.")
     steps, warmup = 20, 3
     cfg = compose_config(overrides)
     if bare_only:  # one side of a --repeats pair: print (median, fastest) seconds as JSON

@@ -195,3 +195,10 @@ def test_bench_entrypoint_repeats_alternate_fresh_processes():
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = [line for line in proc.stdout.splitlines() if line.startswith("| 1 |") or line.startswith("| 2 |")]
     assert len(rows) == 2 and "median ratio" in proc.stdout and "over 2 pairs" in proc.stdout
+
+
+def test_bench_entrypoint_refuses_repeats_with_one_process_options():
+    """--kernels/--compile-rope act on the bare loop of one process; --repeats would drop them silently."""
+    proc = subprocess.run([sys.executable, "benchmarks/bench_entrypoint.py", "--repeats", "2", "--kernels"],
+                          cwd=REPO, env=_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "--kernels" in proc.stderr and "without --repeats" in proc.stderr
