@@ -309,3 +309,27 @@ def test_a_point_is_read_by_what_it_recomputed_not_by_its_option_name(tmp_path):
     assert rows["selective/core_attn"]["d_peak_gib"] == pytest.approx(18.0 - 38.9)
     advice, _ = run_advise(tmp_path, budget=20)
     assert advice["choice"]["recompute"] == "selective/core_attn"
+
+
+def _gdn_like_sweep(root: Path, none_step_s: float | None) -> Path:
+    """Run E's GDN numbers (H200): mlp and full/block (4 of 8 layers) fit in the same memory, and the
+    partial block measured faster; ``none_step_s`` sets the none/control gap (the noise floor)."""
+    points = {"control": (24.94, 25.40, 0.1086), "selective/mlp": (19.93, 21.13, 0.1381),
+              "full/block": (19.89, 20.25, 0.1217)}
+    if none_step_s is not None:
+        points["none"] = (24.94, 25.40, none_step_s)
+    for recompute, measured in points.items():
+        write_point(root, "sdpa", recompute, [rank_result(0, measured)])
+    return root
+
+
+@pytest.mark.parametrize("none_step_s,chosen,says", [
+    (0.1100, "full/block", "Chosen over selective/mlp"),  # floor 1.3%: the 13.5% lead is resolved
+    (0.0900, "selective/mlp", "within this sweep's noise floor"),  # floor 20.7%: not resolved
+    (None, "selective/mlp", "cannot tell from noise"),  # no none point: no floor at all
+])
+def test_a_partial_full_block_measured_faster_than_a_wide_label(tmp_path, none_step_s, chosen, says):
+    advice, text = run_advise(_gdn_like_sweep(tmp_path, none_step_s), budget=21.5)
+    assert advice["choice"]["recompute"] == chosen and says in text
+    assert advice["faster_full"]["lead_pct"] == pytest.approx((0.1381 / 0.1217 - 1) * 100)
+    assert ("last resort" in text) is False
