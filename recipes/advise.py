@@ -486,13 +486,42 @@ def advise_before_running(overrides: list[str], budget_gib: float) -> dict:
     per_layer = sum(layer.get(k, 0.0) for k in ("attn_proj", "core_attn", "mlp", "moe"))
     rows = []
     for option, p in done:
-        replay = replayed_layer_flops({**cfg, "recompute": recompute_config(option)}, layer, per_layer)
+        rc = recompute_config(option)
+        if option == "full/block":
+            rc, p = _fewest_block_layers(cfg, rc, p, budget_gib)
+        replay = replayed_layer_flops({**cfg, "recompute": rc}, layer, per_layer)
         rows.append({"recompute": option, "predicted_peak_gib": p["peak_bytes"] / GIB,
-                     "fits": p["peak_bytes"] / GIB <= budget_gib, "replay_fraction": replay / per_layer})
+                     "fits": p["peak_bytes"] / GIB <= budget_gib, "replay_fraction": replay / per_layer,
+                     **({"recompute_num_layers": rc["recompute_num_layers"]} if option == "full/block" else {})})
+    rows.sort(key=lambda r: r["predicted_peak_gib"])
     fitting = [r for r in rows if r["fits"]]
     choice = min(fitting, key=lambda r: (r["replay_fraction"], recompute_order(r["recompute"])), default=None)
     return {"source": "predicted", "budget_gib": budget_gib, "overrides": overrides, "options": rows,
             "choice": choice, "refused": [{"recompute": o, "why": w} for o, w in refused]}
+
+
+def _fewest_block_layers(cfg: dict, rc: dict, p: dict, budget_gib: float) -> tuple[dict, dict]:
+    """full/block with the fewest layers per stage (recompute_num_layers) whose predicted peak fits.
+    Its peak falls linearly in the layers recomputed (H200, Run E: 4 of 8 layers land on the midpoint
+    of the control and uniform full recompute in every family), and so does its replay; when no count
+    fits, every layer."""
+    from recipes.estimate import predict
+
+    per_stage = cfg["model"]["num_layers"] // cfg["parallel"]["pipeline_model_parallel_size"]
+    if cfg["parallel"].get("virtual_pipeline_model_parallel_size"):
+        per_stage //= cfg["parallel"]["virtual_pipeline_model_parallel_size"]
+    for k in range(1, per_stage + 1):
+        trial = {**rc, "recompute_num_layers": k}
+        p = predict({**cfg, "recompute": trial}, "cuda")
+        if p["peak_bytes"] / GIB <= budget_gib:
+            break
+    return trial, p
+
+
+def _option_overrides(row: dict) -> str:
+    """The command-line overrides that select a predicted row."""
+    n = row.get("recompute_num_layers")
+    return f"recompute={row['recompute']}" + (f" recompute.recompute_num_layers={n}" if n else "")
 
 
 def explain_prediction(advice: dict) -> str:
@@ -500,13 +529,25 @@ def explain_prediction(advice: dict) -> str:
              f"budget {advice['budget_gib']:.2f} GiB per GPU:"]
     for r in advice["options"]:
         mark = "fits" if r["fits"] else "over"
-        lines.append(f"  {r['recompute']:<34} {r['predicted_peak_gib']:8.2f} GiB  {mark}  "
+        name = r["recompute"] + (f" ({r['recompute_num_layers']} layers)" if r.get("recompute_num_layers") else "")
+        lines.append(f"  {name:<34} {r['predicted_peak_gib']:8.2f} GiB  {mark}  "
                      f"replays {r['replay_fraction']:.0%} of a layer's forward")
     c = advice["choice"]
     if c:
-        lines.append(f"Try first: recompute={c['recompute']} (predicted {c['predicted_peak_gib']:.2f} GiB, the "
-                     "fitting option that replays the least work). Confirm with a sweep: "
-                     "python train.py -m sweep=<family> ..., then recipes.advise on its directory.")
+        lines.append(f"Try first: {_option_overrides(c)} (predicted {c['predicted_peak_gib']:.2f} GiB, the "
+                     "fitting option that replays the least work).")
+        runner = min((r for r in advice["options"] if r["fits"] and r is not c),
+                     key=lambda r: (r["replay_fraction"], recompute_order(r["recompute"])), default=None)
+        base = " ".join(advice["overrides"])
+        if runner:
+            lines.append(f"Confirm it next to the runner-up ({_option_overrides(runner)}, replays "
+                         f"{runner['replay_fraction']:.0%}) in one sweep directory, then advise on it:\n"
+                         f"  python train.py -m {base} {_option_overrides(c)} hydra.sweep.dir=multirun/confirm\n"
+                         f"  python train.py -m {base} {_option_overrides(runner)} hydra.sweep.dir=multirun/confirm\n"
+                         "  python -m recipes.advise multirun/confirm --budget-gib "
+                         f"{advice['budget_gib']:g}")
+        else:
+            lines.append(f"Confirm it with a run: python train.py {base} {_option_overrides(c)}.")
     else:
         near = min(advice["options"], key=lambda r: r["predicted_peak_gib"], default=None)
         lines.append("Nothing is predicted to fit" + (f"; closest: {near['recompute']} at "

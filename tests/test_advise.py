@@ -333,3 +333,22 @@ def test_a_partial_full_block_measured_faster_than_a_wide_label(tmp_path, none_s
     assert advice["choice"]["recompute"] == chosen and says in text
     assert advice["faster_full"]["lead_pct"] == pytest.approx((0.1381 / 0.1217 - 1) * 100)
     assert ("last resort" in text) is False
+
+
+def test_predicted_full_block_takes_the_fewest_layers_that_fit():
+    """Dense at the realistic size, 139 GiB: full/block over the fewest layers that fit replays less
+    than mlp (5 of 32 layers in full against 53% of every layer), so it is the one to try first;
+    one layer fewer is predicted over the budget."""
+    from recipes.config import compose_config
+    from recipes.estimate import predict, recompute_config
+
+    advice = advise.advise_before_running(["model=standard_attn", "size=h200_long"], 139.0)
+    block = next(r for r in advice["options"] if r["recompute"] == "full/block")
+    k = block["recompute_num_layers"]
+    assert block["fits"] and advice["choice"] is block and 1 < k < 32
+    assert block["replay_fraction"] < next(r for r in advice["options"] if r["recompute"] == "selective/mlp")["replay_fraction"]
+    cfg = compose_config(["model=standard_attn", "size=h200_long"])
+    fewer = predict({**cfg, "recompute": {**recompute_config("full/block"), "recompute_num_layers": k - 1}}, "cuda")
+    assert fewer["peak_bytes"] / 2**30 > 139.0
+    text = advise.explain_prediction(advice)
+    assert f"recompute=full/block recompute.recompute_num_layers={k}" in text and "runner-up (recompute=selective/mlp" in text
