@@ -488,7 +488,7 @@ def advise_before_running(overrides: list[str], budget_gib: float) -> dict:
     for option, p in done:
         rc = recompute_config(option)
         if option == "full/block":
-            rc, p = _fewest_block_layers(cfg, rc, p, budget_gib)
+            rc, p = _fewest_block_layers(cfg, rc, budget_gib)
         replay = replayed_layer_flops({**cfg, "recompute": rc}, layer, per_layer)
         rows.append({"recompute": option, "predicted_peak_gib": p["peak_bytes"] / GIB,
                      "fits": p["peak_bytes"] / GIB <= budget_gib, "replay_fraction": replay / per_layer,
@@ -500,7 +500,7 @@ def advise_before_running(overrides: list[str], budget_gib: float) -> dict:
             "choice": choice, "refused": [{"recompute": o, "why": w} for o, w in refused]}
 
 
-def _fewest_block_layers(cfg: dict, rc: dict, p: dict, budget_gib: float) -> tuple[dict, dict]:
+def _fewest_block_layers(cfg: dict, rc: dict, budget_gib: float) -> tuple[dict, dict]:
     """full/block with the fewest layers per stage (recompute_num_layers) whose predicted peak fits.
     Its peak falls linearly in the layers recomputed (H200, Run E: 4 of 8 layers land on the midpoint
     of the control and uniform full recompute in every family), and so does its replay; when no count
