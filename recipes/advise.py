@@ -36,6 +36,11 @@ NO_RECOMPUTE = ("none", "control")
 #: Peaks closer than this are the same memory (the allocator rounds blocks; a label that saves only
 #: this much saves nothing).
 SAME_MEMORY_GIB = 0.05
+#: What the allocator reserves above a predicted (allocated) peak, as a fraction of it. The
+#: estimator predicts max_memory_allocated; what must fit is what the allocator reserves. Over the
+#: 59 fused-Adam H200 points in docs/h200 (2026-11-29) reserved exceeded allocated by 2.3% (median),
+#: 7.3% (90th percentile), 8.2% (max); tests/test_h200_results.py keeps every row within this.
+ALLOCATOR_SLACK = 0.085
 
 
 def measured_candidates(sweep_dir: Path) -> list[dict]:
@@ -99,7 +104,8 @@ def predicted_candidates(sweep_dir: Path) -> list[dict]:
         for option, p in done:
             if (model, attention, option) in measured:
                 continue
-            nbytes = p["peak_bytes"] if gpu else p["activation_bytes"]
+            # on a GPU sweep the measured points are judged on reserved: so are the predictions
+            nbytes = p["peak_bytes"] * (1 + ALLOCATOR_SLACK) if gpu else p["activation_bytes"]
             rows.append({"point": f"{model} {attention} {option}", "model": model, "attention": attention,
                          "recompute": option, "status": "predicted", "source": "predicted",
                          "memory_gib": nbytes / GIB})
@@ -490,14 +496,23 @@ def advise_before_running(overrides: list[str], budget_gib: float) -> dict:
         if option == "full/block":
             rc, p = _fewest_block_layers(cfg, rc, budget_gib)
         replay = replayed_layer_flops({**cfg, "recompute": rc}, layer, per_layer)
-        rows.append({"recompute": option, "predicted_peak_gib": p["peak_bytes"] / GIB,
-                     "fits": p["peak_bytes"] / GIB <= budget_gib, "replay_fraction": replay / per_layer,
+        peak = p["peak_bytes"] / GIB
+        rows.append({"recompute": option, "predicted_peak_gib": peak, "fits": _fits(peak, budget_gib),
+                     "tight": peak <= budget_gib and not _fits(peak, budget_gib),
+                     "replay_fraction": replay / per_layer,
                      **({"recompute_num_layers": rc["recompute_num_layers"]} if option == "full/block" else {})})
     rows.sort(key=lambda r: r["predicted_peak_gib"])
     fitting = [r for r in rows if r["fits"]]
     choice = min(fitting, key=lambda r: (r["replay_fraction"], recompute_order(r["recompute"])), default=None)
     return {"source": "predicted", "budget_gib": budget_gib, "overrides": overrides, "options": rows,
             "choice": choice, "refused": [{"recompute": o, "why": w} for o, w in refused]}
+
+
+def _fits(predicted_peak_gib: float, budget_gib: float) -> bool:
+    """A predicted allocated peak fits when it does with the allocator's slack on top. On the H200,
+    full/block over 5 of 32 layers at size=h200_long was predicted at 136.02 GiB for a 139 GiB
+    budget and ran out of memory asking for 4 GiB at 131.96 GiB allocated and 133.45 reserved."""
+    return predicted_peak_gib * (1 + ALLOCATOR_SLACK) <= budget_gib
 
 
 def _fewest_block_layers(cfg: dict, rc: dict, budget_gib: float) -> tuple[dict, dict]:
@@ -513,7 +528,7 @@ def _fewest_block_layers(cfg: dict, rc: dict, budget_gib: float) -> tuple[dict, 
     for k in range(1, per_stage + 1):
         trial = {**rc, "recompute_num_layers": k}
         p = predict({**cfg, "recompute": trial}, "cuda")
-        if p["peak_bytes"] / GIB <= budget_gib:
+        if _fits(p["peak_bytes"] / GIB, budget_gib):
             break
     return trial, p
 
@@ -526,9 +541,11 @@ def _option_overrides(row: dict) -> str:
 
 def explain_prediction(advice: dict) -> str:
     lines = [f"PREDICTED (recipes.estimate, nothing measured) for {' '.join(advice['overrides']) or 'the defaults'}, "
-             f"budget {advice['budget_gib']:.2f} GiB per GPU:"]
+             f"budget {advice['budget_gib']:.2f} GiB per GPU for PyTorch's allocator (a GPU's capacity less what CUDA "
+             f"and its libraries hold: 2.4 GiB on the H200). Peak allocated; fits = with {ALLOCATOR_SLACK:.1%} "
+             "allocator slack on top, tight = only without it:"]
     for r in advice["options"]:
-        mark = "fits" if r["fits"] else "over"
+        mark = "fits" if r["fits"] else "tight" if r.get("tight") else "over"
         name = r["recompute"] + (f" ({r['recompute_num_layers']} layers)" if r.get("recompute_num_layers") else "")
         lines.append(f"  {name:<34} {r['predicted_peak_gib']:8.2f} GiB  {mark}  "
                      f"replays {r['replay_fraction']:.0%} of a layer's forward")
@@ -560,7 +577,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("sweep_dir", type=Path, nargs="?", help="a multirun/... sweep directory")
     parser.add_argument("--budget-gib", type=positive_budget, required=True,
-                        help="memory per GPU to fit in, GiB (CPU sweeps: applied to the activation ledger)")
+                        help="memory per GPU that PyTorch's allocator may reserve, GiB: the GPU's capacity less what "
+                             "CUDA and its libraries hold outside it (2.4 GiB on the H200: use 137 there). CPU "
+                             "sweeps: applied to the activation ledger")
     parser.add_argument("--json", action="store_true", help="print JSON for a script instead of text")
     parser.add_argument("--predict", nargs="+", metavar="OVERRIDE",
                         help="before any run: rank the options by predicted memory for these Hydra "
