@@ -83,12 +83,14 @@ def _on_gpu(result: dict) -> bool:
     return any(rank.get("memory") for rank in result.get("ranks") or [])
 
 
-def predicted_candidates(sweep_dir: Path) -> list[dict]:
+def predicted_candidates(sweep_dir: Path, budget_gib: float | None = None) -> list[dict]:
     """recipes.estimate's rows for options of the sweep's families that it did not measure.
 
     ``source: "predicted"``: listed as worth measuring, never chosen. Memory is the predicted peak
-    per rank (GPU sweeps) or the predicted activation bytes (CPU sweeps, to match the ledger)."""
-    from recipes.estimate import predict_options
+    per rank with the allocator's slack (GPU sweeps, judged like the measured reserved peaks) or the
+    predicted activation bytes (CPU sweeps, to match the ledger). With a budget, an unmeasured
+    ``full/block`` on a GPU sweep is priced at the fewest layers that fit it."""
+    from recipes.estimate import predict_options, recompute_config
     from recipes.validate import ConfigError
 
     results = find_results(sweep_dir)
@@ -104,11 +106,15 @@ def predicted_candidates(sweep_dir: Path) -> list[dict]:
         for option, p in done:
             if (model, attention, option) in measured:
                 continue
+            extra = {}
+            if option == "full/block" and gpu and budget_gib is not None:
+                rc, p = _fewest_block_layers(r["config"], recompute_config(option), budget_gib)
+                extra = {"recompute_num_layers": rc["recompute_num_layers"]}
             # on a GPU sweep the measured points are judged on reserved: so are the predictions
             nbytes = p["peak_bytes"] * (1 + ALLOCATOR_SLACK) if gpu else p["activation_bytes"]
             rows.append({"point": f"{model} {attention} {option}", "model": model, "attention": attention,
                          "recompute": option, "status": "predicted", "source": "predicted",
-                         "memory_gib": nbytes / GIB})
+                         "memory_gib": nbytes / GIB, **extra})
     return rows
 
 
@@ -307,7 +313,7 @@ def _public(c: dict | None) -> dict | None:
     keys = ("point", "model", "attention", "recompute", "status", "source", "memory_gib", "peak_allocated_gib",
             "peak_reserved_gib", "ledger_bytes", "step_ms", "step_noise", "step_spread", "control", "d_peak_gib",
             "d_peak_pct",
-            "d_ledger_pct", "d_time_pct", "worst_rank", "fits", "error")
+            "d_ledger_pct", "d_time_pct", "worst_rank", "fits", "error", "recompute_num_layers")
     return None if c is None else {k: c.get(k) for k in keys if c.get(k) is not None}
 
 
@@ -424,7 +430,12 @@ def explain(advice: dict, sweep_dir: str = "") -> str:
     for c in advice["not_measured"]:
         lines.append(f"- `{c['point']}`: {c['status']}, not a candidate: {(c.get('error') or '').splitlines()[0]}")
     for c in advice["predicted"]:
-        lines.append(f"- `{c['point']}`: predicted, not measured ({_mem(c.get('memory_gib') or 0, gpu)}); worth a run.")
+        mem = _mem(c.get("memory_gib") or 0, gpu) + (" with allocator slack" if gpu else "")
+        fits = (c.get("memory_gib") or 0) <= advice["budget_gib"]
+        lines.append(f"- `{c['point']}`" + (f" over {c['recompute_num_layers']} layers" if c.get("recompute_num_layers")
+                                            else "")
+                     + f": predicted, not measured ({mem}); "
+                     + (f"predicted to fit: worth a run ({_option_overrides(c)})." if fits else "predicted over the budget."))
     drives = advice.get("drives")
     if drives:
         first = f"try recompute={drives['label']} first" if drives["label"] else "recompute is not the lever"
@@ -604,7 +615,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: no result.json under {args.sweep_dir}: run a sweep first (python train.py -m sweep=moe)",
               file=sys.stderr)
         return 2
-    candidates = measured_candidates(args.sweep_dir) + predicted_candidates(args.sweep_dir)
+    candidates = measured_candidates(args.sweep_dir) + predicted_candidates(args.sweep_dir, args.budget_gib)
     advice = advise(candidates, args.budget_gib)
     advice["sweep_dir"] = str(args.sweep_dir)
     advice["drives"] = what_drives_the_peak(args.sweep_dir)

@@ -53,7 +53,7 @@ def test_estimator_peak_within_one_percent_with_fused_adam(path):
 
 
 def test_advisor_picks_mlp_where_none_does_not_fit_at_the_realistic_size():
-    advice = advise(measured_candidates(H200 / "long_standard_attn"), 139.0)
+    advice = advise(measured_candidates(H200 / "long_standard_attn"), 137.0)
     assert advice["choice"]["recompute"] == "selective/mlp"
     assert {c["recompute"] for c in advice["not_fitting"]} >= {"none", "control"}  # real OOMs
     text = explain(advice, "long")
@@ -194,3 +194,17 @@ def test_the_block_that_ran_out_of_memory_is_not_predicted_to_fit():
     block = next(r for r in advise_before_running(["model=standard_attn", "size=h200_long"], 139.0)["options"]
                  if r["recompute"] == "full/block")
     assert block["recompute_num_layers"] > result["config"]["recompute"]["recompute_num_layers"]
+
+
+def test_sweep_advice_prices_the_unmeasured_block_at_the_fewest_layers_that_fit():
+    """The realistic-size sweep measured no full/block: the advice lists it at the fewest layers that
+    fit 137 GiB with the allocator's slack, with the overrides that run it (never as the choice)."""
+    from recipes.advise import predicted_candidates
+
+    sweep = H200 / "long_standard_attn"
+    predicted = predicted_candidates(sweep, 137.0)
+    block = next(c for c in predicted if c["recompute"] == "full/block")
+    assert block["recompute_num_layers"] == 8 and block["memory_gib"] <= 137.0
+    advice = advise(measured_candidates(sweep) + predicted, 137.0)
+    assert advice["choice"]["recompute"] == "selective/mlp"
+    assert "worth a run (recompute=full/block recompute.recompute_num_layers=8)" in explain(advice, str(sweep))
