@@ -228,9 +228,15 @@ def repeated(overrides: list[str], repeats: int, steps: int, warmup: int) -> lis
 def main() -> None:
     args = sys.argv[1:]
     kernels, compile_rope, bare_only = (flag in args for flag in ("--kernels", "--compile-rope", "--bare-only"))
-    repeats = int(args[args.index("--repeats") + 1]) if "--repeats" in args else 1
+    repeats = 1
     if "--repeats" in args:
-        del args[args.index("--repeats"):args.index("--repeats") + 2]
+        i = args.index("--repeats")
+        value = args[i + 1] if i + 1 < len(args) else ""
+        if not value.isdigit() or int(value) < 1:
+            sys.exit(f"bench_entrypoint: --repeats needs a whole number of process pairs >= 1, got {value!r} "
+                     "(e.g. --repeats 4)")
+        repeats = int(value)
+        del args[i:i + 2]
     overrides = [a for a in args if a not in ("--kernels", "--compile-rope", "--bare-only")]
     if repeats > 1 and (kernels or compile_rope):
         sys.exit("bench_entrypoint: --repeats times fresh processes of the plain loops; --kernels and "

@@ -197,8 +197,12 @@ def test_bench_entrypoint_repeats_alternate_fresh_processes():
     assert len(rows) == 2 and "median ratio" in proc.stdout and "over 2 pairs" in proc.stdout
 
 
-def test_bench_entrypoint_refuses_repeats_with_one_process_options():
-    """--kernels/--compile-rope act on the bare loop of one process; --repeats would drop them silently."""
-    proc = subprocess.run([sys.executable, "benchmarks/bench_entrypoint.py", "--repeats", "2", "--kernels"],
+@pytest.mark.parametrize("args,says", [
+    (["--repeats", "2", "--kernels"], "without --repeats"),  # --kernels acts on one process's bare loop
+    (["--repeats", "four"], "e.g. --repeats 4"),
+    (["--repeats"], "e.g. --repeats 4"),
+])
+def test_bench_entrypoint_refuses_bad_arguments_by_name(args, says):
+    proc = subprocess.run([sys.executable, "benchmarks/bench_entrypoint.py", *args],
                           cwd=REPO, env=_env(), capture_output=True, text=True, timeout=120)
-    assert proc.returncode != 0 and "--kernels" in proc.stderr and "without --repeats" in proc.stderr
+    assert proc.returncode != 0 and "--" in proc.stderr and says in proc.stderr, proc.stderr[-500:]
