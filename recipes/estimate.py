@@ -19,7 +19,7 @@ import argparse
 import sys
 from dataclasses import dataclass, replace
 
-from recipes.activations import Dims, Term, dims, embedding_terms, head_terms, layer_terms
+from recipes.activations import Dims, Term, dims, embedding_terms, head_terms, is_gdn_layer, layer_terms
 from recipes.config import compose_config
 from recipes.ledger import KINDS
 from recipes.results import GIB
@@ -34,6 +34,8 @@ OPTIONS = {
     "moe": ["none", "control", "selective/moe_act", "selective/moe_act-layernorm", "selective/moe",
             "selective/moe-layernorm", "selective/core_attn", "selective/layernorm",
             "selective/shared_experts", "full", "full/block"],
+    "gdn": ["none", "control", "selective/gdn_norm_out", "selective/gdn_norm_out-core_attn",
+            "selective/core_attn", "selective/mlp", "selective/layernorm", "full", "full/block"],
 }
 
 
@@ -53,13 +55,16 @@ class Chunk:
 
 
 def build_chunk(cfg: dict, d: Dims, index: int) -> Chunk:
-    """The terms of model chunk ``index`` (0 holds the embedding, the last the loss)."""
+    """The terms of model chunk ``index`` (0 holds the embedding, the last the loss). Chunk
+    ``index`` holds global layers ``index * n ..`` (megatron's layer offset), which says which
+    layers of model=gdn are GatedDeltaNet layers."""
     par, rc = cfg["parallel"], cfg["recompute"]
     num_chunks = par["pipeline_model_parallel_size"] * (par["virtual_pipeline_model_parallel_size"] or 1)
     n = cfg["model"]["num_layers"] // num_chunks
+    gdn = [is_gdn_layer(d, index * n + i) for i in range(n)]
     extra = embedding_terms(d) if index == 0 else []
     if not d.full:
-        layers = [layer_terms(d) for _ in range(n)]
+        layers = [layer_terms(d, gdn[i]) for i in range(n)]
     else:  # a checkpoint keeps its chunk's input (1/tp of it when distributed over TP)
         k = rc["recompute_num_layers"]
         hidden = d.e * d.s_sp * d.b * d.h // (d.tp if rc["distribute_saved_activations"] else 1)
@@ -67,7 +72,7 @@ def build_chunk(cfg: dict, d: Dims, index: int) -> Chunk:
         if rc["recompute_method"] == "uniform":
             layers = [ckpt if i % k == 0 else [] for i in range(n)]
         else:  # block: the first k layers are checkpointed one by one, the rest keep everything
-            layers = [ckpt if i < k else layer_terms(d) for i in range(n)]
+            layers = [ckpt if i < k else layer_terms(d, gdn[i]) for i in range(n)]
         if d.rope and d.family != "mla":  # GPTModel's rotary freqs, one storage for all checkpoints
             extra.append(("other", "rotary freqs (fp32, checkpoint input)", 4 * d.s * d.rope))
     if index == num_chunks - 1:
@@ -104,8 +109,17 @@ def num_parameters(cfg: dict, stage: int) -> tuple[int, int]:
     else:
         mlp = (glu + 1) * h * m["ffn_hidden_size"] // tp
     layers = m["num_layers"] // pp
-    dense = layers * (attn + mlp + 2 * norm * h)
     chunks = [v * pp + stage for v in range(vpp)]
+    num_gdn, gdn = 0, 0
+    if m["family"] == "gdn":  # GatedDeltaNet mixers in place of attention (recipes.activations.is_gdn_layer)
+        n, freq = layers // vpp, m["linear_attention_freq"]
+        num_gdn = sum((c * n + i + 1) % freq != 0 for c in chunks for i in range(n))
+        nk, nv, dk, dv = (m[k] for k in ("linear_num_key_heads", "linear_num_value_heads",
+                                         "linear_key_head_dim", "linear_value_head_dim"))
+        conv = 2 * nk * dk + nv * dv  # in_proj, depthwise conv, dt_bias + A_log, out_proj; out_norm over dv
+        gdn = (h * (conv + nv * dv + 2 * nv) + conv * m["linear_conv_kernel_dim"] + 2 * nv + nv * dv * h) // tp
+        gdn += norm * dv
+    dense = layers * (mlp + 2 * norm * h) + (layers - num_gdn) * attn + num_gdn * gdn
     if 0 in chunks:
         dense += V // tp * h + (cfg["train"]["seq_length"] * h if m["position_embedding_type"] ==
                                 "learned_absolute" else 0)
@@ -158,7 +172,8 @@ def _sum(terms: list[Term]) -> int:
     return sum(t[2] for t in terms)
 
 
-def transient_bytes(d: Dims, has_head: bool, last_layer_recomputed: bool = True, head_freed: int = 0) -> int:
+def transient_bytes(d: Dims, has_head: bool, last_layer_recomputed: bool = True, head_freed: int = 0,
+                    last_gdn: bool = False) -> int:
     """Short-lived memory on top of the saved activations (an approximation, not a ledger term).
 
     The larger of: the loss (bf16 logits / their gradient next to the fp32 softmax, plus the
@@ -168,11 +183,12 @@ def transient_bytes(d: Dims, has_head: bool, last_layer_recomputed: bool = True,
     recomputes the first layers, whose backward runs last, when the others' activations are gone.)
     ``head_freed``: the head's saved bytes (final norm, logits), which the loss and output-layer
     backward have already freed when the last layer's backward runs (measured on the H200: without
-    it, full recompute was over-predicted by the logits' size on every family).
+    it, full recompute was over-predicted by the logits' size on every family). ``last_gdn``: that
+    last layer is a GatedDeltaNet layer (model=gdn).
     """
     plain = replace(d, labels=frozenset(), full=False)
-    layer = layer_terms(plain)
-    kept = _sum(layer_terms(d)) if not d.full else 0
+    layer = layer_terms(plain, last_gdn)
+    kept = _sum(layer_terms(d, last_gdn)) if not d.full else 0
     remat = max(0, _sum(layer) - kept) if last_layer_recomputed else 0
     biggest = max(t[2] for t in layer)
     loss = 0
@@ -222,7 +238,9 @@ def predict(cfg: dict, device: str = "auto", stage: int | None = None) -> dict:
         block = d.full and rc["recompute_method"] == "block" and rc["recompute_num_layers"] < len(
             chunks[-1].layers)
         head_freed = _sum(head_terms(d)) if has_head else 0
-        transient = transient_bytes(d, has_head, last_layer_recomputed=not block, head_freed=head_freed)
+        last = (chunks[-1].index + 1) * len(chunks[-1].layers) - 1  # its backward runs first
+        transient = transient_bytes(d, has_head, last_layer_recomputed=not block, head_freed=head_freed,
+                                    last_gdn=is_gdn_layer(d, last))
         layers = [layer for c in chunks for layer in c.layers]
         stages.append({
             "stage": st, "num_layers": len(layers),
@@ -258,7 +276,7 @@ def predict_options(cfg: dict, device: str = "cuda") -> tuple[list[tuple[str, di
     """Every recompute option of the family: (predictions sorted by peak, refused with the reason)."""
     done, refused = [], []
     if cfg["model"]["family"] not in OPTIONS:
-        dims(cfg, device)  # refuses the family by name (model=gdn)
+        dims(cfg, device)  # refuses the family by name
     for option in OPTIONS[cfg["model"]["family"]]:
         trial = {**cfg, "recompute": recompute_config(option)}
         try:

@@ -12,7 +12,35 @@ from typing import Any
 
 
 def layer_forward_flops(cfg: Any) -> dict[str, float]:
-    """Forward matmul FLOPs of one transformer layer for one micro-batch, by region."""
+    """Forward matmul FLOPs of one transformer layer for one micro-batch, by region.
+
+    model=gdn mixes two kinds of layer, so this is its average layer: attention's regions weighted
+    by the share of attention layers, the GatedDeltaNet mixers' work (``gdn_layer_forward_flops``)
+    counted in ``attn_proj`` (no selective label replays it), the MLP in every layer. Summed over
+    the layers it is the model's layer work, and a label's replay over it the model's replay
+    fraction (what ``recipes.advise --predict`` ranks by)."""
+    layer = attention_layer_forward_flops(cfg)
+    m = cfg["model"]
+    if m["family"] != "gdn":
+        return layer
+    layers, num_gdn = m["num_layers"], num_gdn_layers(cfg)
+    share = (layers - num_gdn) / layers
+    return {**layer, "attn_proj": share * layer["attn_proj"] + num_gdn * gdn_layer_forward_flops(cfg) / layers,
+            "core_attn": share * layer["core_attn"]}
+
+
+def num_gdn_layers(cfg: Any, first: int = 0, count: int | None = None) -> int:
+    """GatedDeltaNet layers among layers ``first .. first + count - 1`` (all by default) of model=gdn:
+    every ``linear_attention_freq``-th layer is attention (megatron's linear attention pattern)."""
+    m = cfg["model"]
+    if m["family"] != "gdn":
+        return 0
+    count = m["num_layers"] - first if count is None else count
+    return sum((i + 1) % m["linear_attention_freq"] != 0 for i in range(first, first + count))
+
+
+def attention_layer_forward_flops(cfg: Any) -> dict[str, float]:
+    """Forward matmul FLOPs of one attention (standard, MLA or MoE) layer for one micro-batch, by region."""
     m, t = cfg["model"], cfg["train"]
     b, s, h = t["micro_batch_size"], t["seq_length"], m["hidden_size"]
     tokens = b * s
@@ -74,31 +102,27 @@ def step_flops(cfg: Any, num_microbatches: int) -> dict[str, float]:
     layers = m["num_layers"]
     forward = layers * per_layer + logits
     replay = layers * replayed_layer_flops(cfg, layer, per_layer)
-    if m["family"] == "gdn":  # every linear_attention_freq-th layer is attention, the rest GDN
-        num_attn = layers // m["linear_attention_freq"]
-        num_gdn = layers - num_attn
-        gdn_layer = gdn_layer_forward_flops(cfg) + layer["mlp"]
-        rc = cfg["recompute"]
-        if rc["recompute_granularity"] == "full":
-            gdn_replay = gdn_layer
-        else:  # of the selective labels only mlp reaches a GDN layer (gdn_norm_out is elementwise)
-            selective = rc["recompute_granularity"] == "selective"
-            gdn_replay = layer["mlp"] if selective and "mlp" in rc["recompute_modules"] else 0.0
-        forward = num_attn * per_layer + num_gdn * gdn_layer + logits
-        replay = num_attn * replayed_layer_flops(cfg, layer, per_layer) + num_gdn * gdn_replay
     dp = cfg.get("_data_parallel_size", 1)
     scale = num_microbatches * dp
     return {"model": 3 * forward * scale, "hardware": (3 * forward + replay) * scale}
 
 
 def replayed_layer_flops(cfg: Any, layer: dict[str, float], per_layer: float) -> float:
-    """Forward FLOPs one layer replays in backward under this run's recompute policy."""
+    """Forward FLOPs one layer replays in backward under this run's recompute policy (for model=gdn
+    the average layer, as ``layer_forward_flops``: the GDN layers replay only under full and mlp)."""
     rc = cfg["recompute"]
     if rc["recompute_granularity"] == "full":
         if rc["recompute_method"] == "block":
             pp = cfg["parallel"]["pipeline_model_parallel_size"]
             per_stage = cfg["model"]["num_layers"] // pp
-            return per_layer * min(rc["recompute_num_layers"] or 0, per_stage) / per_stage
+            k = min(rc["recompute_num_layers"] or 0, per_stage)
+            if cfg["model"]["family"] == "gdn":  # the first k layers of each stage, GDN or attention
+                attention = attention_layer_forward_flops(cfg)
+                attn = attention["attn_proj"] + attention["core_attn"]
+                gdn = sum(num_gdn_layers(cfg, stage * per_stage, k) for stage in range(pp))
+                mixers = (pp * k - gdn) * attn + gdn * gdn_layer_forward_flops(cfg)
+                return (mixers + pp * k * layer["mlp"]) / cfg["model"]["num_layers"]
+            return per_layer * k / per_stage
         return per_layer
     if rc["recompute_granularity"] != "selective":
         return 0.0

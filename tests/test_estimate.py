@@ -1,10 +1,11 @@
 """The activation-memory model against measurement, against the paper, and its refusals.
 
 Every family x applicable recompute label x {unfused, sdpa} is built on three shapes (the tiny
-size, MHA with dropout at another sequence length, GQA with LayerNorm/GELU/shared experts) and one
-micro-batch's saved-for-backward ledger is measured in this process (``gradients``); the
-prediction must be within 5% of it, in total and per module kind. (On the CPU it is exact today:
-the terms were read off this ledger, so a miss means the code that runs changed.)
+size, MHA with dropout at another sequence length, GQA with LayerNorm/GELU/shared experts; GDN on
+two shapes of its own) and one micro-batch's saved-for-backward ledger is measured in this process
+(``gradients``); the prediction must be within 5% of it, in total and per module kind. (On the CPU
+it is exact today: the terms were read off this ledger, so a miss means the code that runs changed.
+For GDN, whose CPU terms are fla's naive reference, the test asserts it byte for byte.)
 """
 
 from __future__ import annotations
@@ -35,6 +36,23 @@ LABELS = {
     "standard_attn": COMMON + ["selective/mlp"],
     "mla": COMMON + ["selective/mlp", "selective/mla_up_proj", "selective/mla_up_proj-core_attn"],
     "moe": COMMON + ["selective/moe_act", "selective/moe", "selective/moe_act-layernorm"],
+    "gdn": COMMON + ["selective/mlp", "selective/gdn_norm_out", "selective/gdn_norm_out-core_attn", "full/block"],
+}
+#: GDN's own shapes: sequences padded to 2 and 3 of the delta rule's 64-token chunks, one and three
+#: sequences, value heads 2x and 1x the key heads, unequal head dims, conv widths, a LayerNorm, dropout.
+GDN_SHAPES = {
+    "gdn_s96_dropout": ["train.seq_length=96", "train.micro_batch_size=1", "model.hidden_size=96",
+                        "model.num_attention_heads=6", "model.num_query_groups=null", "model.ffn_hidden_size=160",
+                        "model.hidden_dropout=0.1", "model.attention_dropout=0.1", "model.num_layers=4",
+                        "model.linear_attention_freq=2", "model.linear_num_key_heads=3",
+                        "model.linear_num_value_heads=6", "model.linear_key_head_dim=8",
+                        "model.linear_value_head_dim=12", "model.linear_conv_kernel_dim=3"],
+    "gdn_s150_layernorm": ["train.seq_length=150", "train.micro_batch_size=3", "model.hidden_size=128",
+                           "model.num_attention_heads=8", "model.num_query_groups=2", "model.ffn_hidden_size=192",
+                           "model.normalization=LayerNorm", "model.gated_linear_unit=false", "model.num_layers=3",
+                           "model.linear_attention_freq=3", "model.linear_num_key_heads=4",
+                           "model.linear_num_value_heads=4", "model.linear_key_head_dim=16",
+                           "model.linear_value_head_dim=8"],
 }
 SHAPES = {
     "tiny": [],
@@ -49,6 +67,7 @@ SHAPES = {
                            "model.gated_linear_unit=false", "model.activation=gelu",
                            "model.moe_shared_expert_intermediate_size=64", "model.kv_lora_rank=24",
                            "model.qk_layernorm=true"],
+    **GDN_SHAPES,
 }
 #: Every label on the tiny size; on the other shapes, the labels whose terms depend on the shape.
 OTHER_SHAPES = {
@@ -57,6 +76,8 @@ OTHER_SHAPES = {
                         "moe": ["none", "selective/moe_act", "selective/core_attn"]},
     "gqa_layernorm_gelu": {"standard_attn": ["none", "full"], "mla": ["none", "selective/mla_up_proj"],
                            "moe": ["none", "selective/moe_act", "selective/shared_experts"]},
+    "gdn_s96_dropout": {"gdn": ["none", "selective/gdn_norm_out", "full/block"]},
+    "gdn_s150_layernorm": {"gdn": ["none", "selective/gdn_norm_out", "selective/layernorm", "full/block"]},
 }
 CASES = [(family, label, "tiny") for family, labels in LABELS.items() for label in labels]
 CASES += [(family, label, shape) for shape, by_family in OTHER_SHAPES.items()
@@ -77,6 +98,8 @@ def test_prediction_matches_the_measured_ledger(megatron_world, family, label, s
     _, grads, ledger, _ = gradients(cfg)
     predicted = predict(cfg, device="auto")  # what this machine ran: fp32 on a CPU, bf16 on a GPU
     assert_close(predicted["activation_bytes_by_kind"], ledger, f"{family} {label} {shape} {backend}")
+    if family == "gdn" and predicted["device"] == "cpu":  # byte for byte, every kind
+        assert predicted["activation_bytes_by_kind"] == {k: ledger.get(k, 0) for k in KINDS}
     assert sum(predicted["per_layer"][0].values()) > 0
     if label == "none" and predicted["device"] == "cpu":  # the count static memory is built on
         assert sum(num_parameters(cfg, 0)) == sum(g.numel() for g in grads.values())
@@ -133,6 +156,10 @@ def test_static_bytes_distributed_optimizer_and_cpu_adamw():
     (["model.normalization=Foo"], "model.normalization"),
     (["parallel=cp2"], "parallel.context_parallel_size"),
     (["parallel=cp2", "attention=te"], "attention=te"),
+    (["model=gdn", "parallel=tp2"], "parallel.tensor_model_parallel_size"),
+    (["model=gdn", "model.normalization=LayerNorm"], "model.normalization"),
+    (["model=gdn", "model.activation=gelu"], "model.activation"),
+    (["model=gdn", "attention=unfused", "train.precision=fp32"], "train.precision"),
 ])
 def test_unmodeled_configs_are_refused_by_name(overrides, option):
     with pytest.raises(ConfigError) as info:
@@ -176,3 +203,20 @@ def test_tensor_and_sequence_parallel_ranks_match(tmp_path):
         assert sum(num_parameters(result["config"], 0)) == rank["num_parameters"]
     rows = compare_result(result, "tp2")  # what `python -m recipes.estimate --compare DIR` prints
     assert len(rows) == 2 and all(r["predicted_ledger_bytes"] == r["measured_ledger_bytes"] for r in rows)
+
+
+@pytest.mark.slow
+def test_gdn_layer_pattern_across_interleaved_pipeline_ranks(tmp_path):
+    """model=gdn under pp2_vpp2 in 2 gloo processes: which layers are GatedDeltaNet follows the global
+    layer index (rank 0 holds GDN, GDN | GDN, attention; rank 1 attention, GDN | GDN, GDN), per rank
+    byte for byte, parameters included."""
+    cmd = [sys.executable, "train.py", "model=gdn", "parallel=pp2_vpp2", "model.num_layers=8",
+           "model.linear_attention_freq=3", "recompute=selective/gdn_norm_out", "train.train_iters=2",
+           "train.warmup_iters=1", "measure.profile=none", f"output_dir={tmp_path}"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    result = json.loads((tmp_path / "result.json").read_text())
+    for rank in result["ranks"]:
+        predicted = predict(result["config"], device="auto", stage=rank["coords"]["pp"])
+        assert predicted["activation_bytes_by_kind"] == {k: rank["ledger"]["bytes_by_kind"].get(k, 0) for k in KINDS}
+        assert sum(num_parameters(result["config"], rank["coords"]["pp"])) == rank["num_parameters"]

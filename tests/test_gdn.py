@@ -121,13 +121,31 @@ def test_gdn_options_are_checked_before_launch():
         assert err.value.option == option
 
 
-def test_estimator_refuses_gdn_by_name():
-    from recipes.estimate import predict, predict_options
+def test_estimator_predicts_gdn_and_refuses_by_name_what_it_does_not_model():
+    """The estimator models GDN layers on both devices (tests/test_estimate.py matches the CPU ledger
+    byte for byte, tests/test_h200_results.py the H200 rows); what was never matched against a
+    ledger is refused by option: tensor parallel, a non-SiLU activation (megatron asserts SiLU),
+    and on CUDA a LayerNorm output norm or a precision other than bf16."""
+    from recipes.estimate import OPTIONS, predict, predict_options
     from recipes.validate import ConfigError
 
-    for fn in (predict, predict_options):
-        with pytest.raises(ConfigError, match="GatedDeltaNet"):
-            fn(compose("model=gdn"), device="cpu")
+    cfg = compose("model=gdn")
+    for device in ("cpu", "cuda"):
+        p = predict(cfg, device=device)
+        gdn, attention = p["per_layer"]  # tiny: one GDN layer, then one attention layer
+        assert gdn["gdn"] > 0 and gdn["core_attn"] == 0 and attention["gdn"] == 0 and attention["core_attn"] > 0
+    done, refused = predict_options(compose("model=gdn", "size=h200"), "cuda")
+    assert sorted(option for option, _ in done) == sorted(OPTIONS["gdn"]) and not refused
+    norm_out = dict(done)["selective/gdn_norm_out"]["layer_terms"]
+    assert ("gdn", "out_proj input (gated norm output)", 0) in norm_out  # discarded by the checkpoint
+    for overrides, option in ((["parallel=tp2"], "parallel.tensor_model_parallel_size"),
+                              (["model.activation=gelu"], "model.activation"),
+                              (["model.normalization=LayerNorm"], "model.normalization"),
+                              (["attention=unfused", "train.precision=fp32"], "train.precision")):
+        with pytest.raises(ConfigError) as err:
+            predict(compose("model=gdn", *overrides), device="cuda")
+        assert err.value.option == option, overrides
+    predict(compose("model=gdn", "model.normalization=LayerNorm"), device="cpu")  # matched on the CPU
 
 
 @CPU_ONLY
@@ -188,18 +206,32 @@ def test_megatron_gdn_spec_still_needs_transformer_engine():
 
 def test_gdn_flops_count_gdn_layers_as_gdn():
     """MFU for model=gdn counts GDN mixers, not attention, in the GDN layers; selective labels
-    replay work only in the layers they reach."""
-    from recipes.flops import gdn_layer_forward_flops, layer_forward_flops, step_flops
+    replay work only in the layers they reach, full/block only in the layers it checkpoints; the
+    average layer gives --predict the model's replay fraction."""
+    from recipes.flops import (
+        attention_layer_forward_flops,
+        gdn_layer_forward_flops,
+        layer_forward_flops,
+        replayed_layer_flops,
+        step_flops,
+    )
 
     cfg = compose("model=gdn", "size=h200")
-    layer = layer_forward_flops(cfg)
+    layer = attention_layer_forward_flops(cfg)
     layers, attn = cfg["model"]["num_layers"], cfg["model"]["num_layers"] // cfg["model"]["linear_attention_freq"]
     logits = 2 * cfg["train"]["micro_batch_size"] * cfg["train"]["seq_length"] * 2048 * cfg["model"]["vocab_size"]
     attn_layer = layer["attn_proj"] + layer["core_attn"] + layer["mlp"]
-    expected = attn * attn_layer + (layers - attn) * (gdn_layer_forward_flops(cfg) + layer["mlp"]) + logits
-    assert step_flops(cfg, 1)["model"] == 3 * expected
+    gdn_layer = gdn_layer_forward_flops(cfg) + layer["mlp"]
+    expected = attn * attn_layer + (layers - attn) * gdn_layer + logits
+    assert step_flops(cfg, 1)["model"] == pytest.approx(3 * expected, rel=1e-12)
     core = step_flops(compose("model=gdn", "size=h200", "recompute=selective/core_attn"), 1)
-    assert core["hardware"] - core["model"] == attn * layer["core_attn"]
+    assert core["hardware"] - core["model"] == pytest.approx(attn * layer["core_attn"], rel=1e-9)
+    block = step_flops(compose("model=gdn", "size=h200", "recompute=full/block", "recompute.recompute_num_layers=4"), 1)
+    assert block["hardware"] - block["model"] == pytest.approx(3 * gdn_layer + attn_layer, rel=1e-9)  # layers 0-3
+    average = layer_forward_flops(cfg)
+    per_layer = sum(average[k] for k in ("attn_proj", "core_attn", "mlp"))
+    mlp = replayed_layer_flops(compose("model=gdn", "size=h200", "recompute=selective/mlp"), average, per_layer)
+    assert mlp / per_layer == pytest.approx(layers * layer["mlp"] / (expected - logits))
 
 
 @pytest.mark.gpu

@@ -21,8 +21,8 @@ from recipes.results import first_sentence
 
 H200 = REPO / "docs" / "h200"
 RESULTS = sorted(H200.rglob("result.json"))
-#: The estimator refuses model=gdn by name (tests/test_gdn.py); every other family is checked.
-MODELED = [p for p in RESULTS if json.loads(p.read_text())["config"]["model"]["family"] != "gdn"]
+#: Every family is checked, GatedDeltaNet hybrids (model=gdn) too.
+MODELED = RESULTS
 
 
 def test_the_h200_results_are_there():
@@ -41,6 +41,21 @@ def test_estimator_against_every_measured_h200_row(path):
 
 
 FUSED_ADAM = [p for p in MODELED if json.loads(p.read_text())["config"]["train"].get("fused_adam")]
+GDN = [p for p in RESULTS if json.loads(p.read_text())["config"]["model"]["family"] == "gdn"]
+
+
+@pytest.mark.parametrize("path", GDN, ids=lambda p: f"{p.parent.parent.name}/{p.parent.name[:60]}")
+def test_estimator_matches_the_gdn_h200_rows_byte_for_byte(path):
+    """GDN's terms on CUDA were derived from fla's and megatron's saved tensors: every module kind of
+    the ledger (the 6 GDN layers' `gdn` bytes among them) and its total are predicted to the byte."""
+    from recipes.estimate import predict
+
+    result = json.loads(path.read_text())
+    for rank in result["ranks"]:
+        predicted = predict(result["config"], "cuda", stage=rank["coords"]["pp"])
+        assert predicted["activation_bytes_by_kind"] == rank["ledger"]["bytes_by_kind"]
+        assert predicted["activation_bytes"] == rank["ledger"]["total_bytes"]
+        assert predicted["static"]["num_parameters"] == rank["num_parameters"]
 
 
 @pytest.mark.parametrize("path", FUSED_ADAM, ids=lambda p: f"{p.parent.parent.name}/{p.parent.name[:60]}")
