@@ -116,8 +116,6 @@ def check_modeled(cfg: dict, device: str) -> None:
              "GatedDeltaNet layers under tensor parallel are not modeled (never measured: in_proj, "
              "conv and out_proj split by head, sequence-parallel gathers)", "estimate model=gdn with "
              "tensor_model_parallel_size=1, or measure it: python train.py model=gdn parallel=tp2"),
-            (m["activation"] not in ("silu", "swish"), "model.activation", "megatron's GatedDeltaNet "
-             "asserts a SiLU activation (its causal conv and output gate)", "use model.activation=silu"),
             (device == "cuda" and m["normalization"] != "RMSNorm", "model.normalization",
              f"GDN's gated output norm as {m['normalization']} on CUDA (inside a torch.compile'd helper) "
              "is not modeled: measured with RMSNorm only", "use model.normalization=RMSNorm, or measure it"),

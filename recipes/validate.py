@@ -129,6 +129,10 @@ def _validate_model(cfg) -> None:
         _check(vh % kh == 0, "model.linear_num_value_heads",
                f"{vh} GDN value heads are not a multiple of {kh} key heads",
                "pick linear_num_value_heads as a multiple of linear_num_key_heads")
+        _check(m["activation"] in ("silu", "swish"), "model.activation",
+               f"megatron's GatedDeltaNet runs its causal conv with the model's activation, and fla's "
+               f"kernel asserts SiLU on a GPU: {m['activation']!r} would fail in the first forward",
+               "use model.activation=silu for model=gdn")
 
 
 def _validate_attention(cfg, te_available: bool) -> None:

@@ -115,7 +115,8 @@ def test_gdn_options_are_checked_before_launch():
     from recipes.validate import ConfigError, validate
 
     for overrides, option in ((["model.linear_attention_freq=1"], "model.linear_attention_freq"),
-                              (["model.linear_num_value_heads=3"], "model.linear_num_value_heads")):
+                              (["model.linear_num_value_heads=3"], "model.linear_num_value_heads"),
+                              (["model.activation=gelu", "model.gated_linear_unit=false"], "model.activation")):
         with pytest.raises(ConfigError) as err:
             validate(compose("model=gdn", *overrides), num_gpus=0, te_available=False)
         assert err.value.option == option
@@ -124,7 +125,7 @@ def test_gdn_options_are_checked_before_launch():
 def test_estimator_predicts_gdn_and_refuses_by_name_what_it_does_not_model():
     """The estimator models GDN layers on both devices (tests/test_estimate.py matches the CPU ledger
     byte for byte, tests/test_h200_results.py the H200 rows); what was never matched against a
-    ledger is refused by option: tensor parallel, a non-SiLU activation (megatron asserts SiLU),
+    ledger is refused by option: tensor parallel, a non-SiLU activation (recipes.validate: fla asserts SiLU),
     and on CUDA a LayerNorm output norm or a precision other than bf16."""
     from recipes.estimate import OPTIONS, predict, predict_options
     from recipes.validate import ConfigError
