@@ -532,11 +532,9 @@ def _fewest_block_layers(cfg: dict, rc: dict, budget_gib: float) -> tuple[dict, 
     of the control and uniform full recompute in every family), and so does its replay; when no count
     fits, every layer."""
     from recipes.estimate import predict
+    from recipes.validate import layers_per_chunk
 
-    per_stage = cfg["model"]["num_layers"] // cfg["parallel"]["pipeline_model_parallel_size"]
-    if cfg["parallel"].get("virtual_pipeline_model_parallel_size"):
-        per_stage //= cfg["parallel"]["virtual_pipeline_model_parallel_size"]
-    for k in range(1, per_stage + 1):
+    for k in range(1, layers_per_chunk(cfg) + 1):
         trial = {**rc, "recompute_num_layers": k}
         p = predict({**cfg, "recompute": trial}, "cuda")
         if _fits(p["peak_bytes"] / GIB, budget_gib):

@@ -164,6 +164,14 @@ def recompute_option(cfg) -> str:
     return "none"
 
 
+def layers_per_chunk(cfg) -> int:
+    """Layers in each model chunk (a pipeline stage, or a virtual stage under interleaving): the range
+    of full recompute's ``recompute_num_layers``, which megatron applies per chunk."""
+    par = cfg["parallel"]
+    n = cfg["model"]["num_layers"] // par["pipeline_model_parallel_size"]
+    return n // par["virtual_pipeline_model_parallel_size"] if par["virtual_pipeline_model_parallel_size"] else n
+
+
 def _validate_recompute(cfg) -> None:
     rc, m, par = cfg["recompute"], cfg["model"], cfg["parallel"]
     gran = rc["recompute_granularity"]
@@ -186,9 +194,7 @@ def _validate_recompute(cfg) -> None:
         _check(rc["recompute_method"] in ("uniform", "block"), "recompute.recompute_method",
                f"full recompute needs method uniform or block, got {rc['recompute_method']!r}",
                "use recompute=full (uniform) or recompute=full/block")
-        per_stage = m["num_layers"] // par["pipeline_model_parallel_size"]
-        if par["virtual_pipeline_model_parallel_size"]:
-            per_stage //= par["virtual_pipeline_model_parallel_size"]
+        per_stage = layers_per_chunk(cfg)
         n = rc["recompute_num_layers"]
         _check(n is not None and 1 <= n <= per_stage, "recompute.recompute_num_layers",
                f"{n} is outside 1..{per_stage} (layers per pipeline stage)",
