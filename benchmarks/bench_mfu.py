@@ -29,6 +29,7 @@ sys.path.insert(0, str(REPO))
 
 from recipes.labels import GUIDE_FIRST_LABEL  # noqa: E402  (after the repo is on sys.path)
 from recipes.report import find_results  # noqa: E402
+from recipes.results import recompute_of  # noqa: E402
 
 
 def first_option(family: str, size: str, extra: list[str]) -> str:
@@ -49,7 +50,7 @@ def first_option(family: str, size: str, extra: list[str]) -> str:
 
 def by_option(family: str, results: list[dict]) -> dict[str, dict]:
     """This family's results by recompute option (a later result for the same option wins)."""
-    return {r["choices"]["recompute"]: r for r in results if r["choices"]["model"] == family}
+    return {recompute_of(r): r for r in results if r["choices"]["model"] == family}
 
 
 def option_rows(family: str, options: list[str], results: list[dict]) -> list[dict]:
@@ -75,7 +76,7 @@ def first_measured(family: str, results: list[dict]) -> str:
     ok = [r for r in latest.values() if r.get("status") == "ok"]
     if latest.get("none", {}).get("status") == "ok" or not ok:
         return "none"
-    return max(ok, key=lambda r: r["ranks"][0]["memory"]["peak_allocated_gib"])["choices"]["recompute"]
+    return recompute_of(max(ok, key=lambda r: r["ranks"][0]["memory"]["peak_allocated_gib"]))
 
 
 def rows_from_results(dirs: list[Path]) -> list[dict]:
