@@ -216,10 +216,15 @@ def noise_floor_pct(candidates: list[dict]) -> float | None:
     return max(gaps) if gaps else None
 
 
+def _full(c: dict) -> bool:
+    """A full-recompute point (uniform or block)."""
+    return (c["recompute"] or "").startswith("full")
+
+
 def _pick(fitting: list[dict]) -> dict | None:
     """No recompute first, then selective labels, full last; least step time within the class."""
     for allowed in (lambda c: c["recompute"] in NO_RECOMPUTE,
-                    lambda c: not (c["recompute"] or "").startswith("full"),
+                    lambda c: not _full(c),
                     lambda c: True):
         pool = [c for c in fitting if allowed(c) and c.get("step_ms") is not None]
         if pool:
@@ -233,9 +238,9 @@ def _faster_full(choice: dict | None, fitting: list[dict], floor: float | None) 
     replays most, but a partial block can replay less than a wide label (H200, GDN: full/block over
     4 of 8 layers +12% against mlp's +27%, same memory). ``resolved`` when the lead exceeds the
     sweep's noise floor; then it becomes the choice."""
-    if not choice or choice["recompute"] in NO_RECOMPUTE or (choice["recompute"] or "").startswith("full"):
+    if not choice or choice["recompute"] in NO_RECOMPUTE or _full(choice):
         return None
-    rivals = [f for f in fitting if (f["recompute"] or "").startswith("full") and f.get("step_ms") is not None
+    rivals = [f for f in fitting if _full(f) and f.get("step_ms") is not None
               and f["key"] == choice["key"] and f["step_ms"] < choice["step_ms"]
               and f["memory_gib"] <= choice["memory_gib"] + SAME_MEMORY_GIB]
     best = min(rivals, key=lambda f: f["step_ms"], default=None)
@@ -252,7 +257,7 @@ def _attention_finding(measured: list[dict], gpu: bool) -> dict | None:
         others = [c for c in measured if c["family_key"] == base["family_key"] and c["attention"] != base["attention"]
                   and c["recompute"] == base["recompute"]]
         labels = [c for c in measured if c["key"] == base["key"] and c["recompute"] not in NO_RECOMPUTE
-                  and not (c["recompute"] or "").startswith("full")]  # selective labels
+                  and not _full(c)]  # selective labels
         for alt in others:
             saving = _memory(base, gpu) - _memory(alt, gpu)
             top = max(labels, key=lambda c: _memory(base, gpu) - _memory(c, gpu), default=None)
@@ -297,12 +302,12 @@ def advise(candidates: list[dict], budget_gib: float) -> dict:
                         if c["point"] in extra and choice and c.get("step_ms") is not None
                         and c["step_ms"] < choice["step_ms"]],
         "faster_not_fitting": [slim(c) for c in ok if choice and not c["fits"] and c["step_ms"] < choice["step_ms"]],
-        "full_fitting": [slim(c) for c in fitting if (c["recompute"] or "").startswith("full") and c is not choice],
+        "full_fitting": [slim(c) for c in fitting if _full(c) and c is not choice],
         "attention": _attention_finding(ok, gpu),
         "not_fitting": [slim(c) for c in measured if c["status"] == "oom"] + [slim(c) for c in ok if not c["fits"]],
         "not_measured": [slim(c) for c in measured if c["status"] not in ("ok", "oom")],
         "predicted": [slim(c) for c in candidates if c["source"] == "predicted"],
-        "full_measured": any((c["recompute"] or "").startswith("full") for c in ok),
+        "full_measured": any(_full(c) for c in ok),
         "fits_if_defragmented": [_public(c) for c in ok if gpu and not c["fits"]
                                  and (c.get("peak_allocated_gib") or budget_gib + 1) <= budget_gib],
     }
