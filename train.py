@@ -10,14 +10,14 @@ import hydra
 from omegaconf import DictConfig
 
 from recipes.config import register_configs
-from recipes.validate import ConfigError
+from recipes.errors import ConfigError
 
 register_configs()
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> None:
-    from recipes.controller import run
+    from recipes.run.controller import run
 
     try:
         run(cfg)

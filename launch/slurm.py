@@ -11,7 +11,7 @@ How the pieces fit (conf/launcher/slurm.yaml sets them up):
    ``launcher.nnodes``), before anything is submitted. With ``dry_run=true`` it writes the sbatch
    script that would be submitted and stops (no ``sbatch`` needed).
 2. In each job, srun starts one task per node (``hydra.launcher.tasks_per_node=1``); each task runs
-   the controller (``recipes.controller.run``), which starts *its node's* torchrun:
+   the controller (``recipes.run.controller.run``), which starts *its node's* torchrun:
    ``--nnodes=$SLURM_NNODES --node-rank=$SLURM_NODEID --master-addr=<first node>``
    (``slurm_rendezvous``). So there is no srun inside srun, and the nodes meet in torchrun's static
    rendezvous on the first node, at a port derived from the job id.
@@ -32,13 +32,14 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from hydra.experimental.callback import Callback
 
 from launch.torchrun import Rendezvous
-from recipes.validate import ConfigError
+from recipes.errors import ConfigError
 
 #: The submitit plugin's Slurm launcher class (hydra/launcher=submitit_slurm).
 SLURM_LAUNCHER = "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher"
@@ -191,7 +192,7 @@ def describe_torchrun(launcher: Mapping[str, Any]) -> str:
     return (f"{sys.executable} -m torch.distributed.run --nproc-per-node={launcher['nproc_per_node']} "
             f"--nnodes={launcher['nnodes']} --node-rank=$SLURM_NODEID "
             f"--master-addr=<first host of $SLURM_JOB_NODELIST> --master-port={port} "
-            "-m recipes.worker <run dir>")
+            "-m recipes.run.worker <run dir>")
 
 
 class LaunchCheck(Callback):

@@ -33,7 +33,7 @@ def free_port() -> int:
 def torchrun_command(launcher: dict, program: list[str], rendezvous: Rendezvous | None = None) -> list[str]:
     """``python -m torch.distributed.run ... <program>`` for this node.
 
-    ``program`` is what each worker runs (``["-m", "recipes.worker", RUN_DIR]``). Without a
+    ``program`` is what each worker runs (``["-m", "recipes.run.worker", RUN_DIR]``). Without a
     ``rendezvous`` the run must fit on this node (``launcher.nnodes == 1``).
     """
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={launcher['nproc_per_node']}"]

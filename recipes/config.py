@@ -1,7 +1,7 @@
 """The Hydra schema: slim dataclasses registered in Hydra's ConfigStore.
 
 Field names are megatron-core's own (``TransformerConfig``, ``MLATransformerConfig``,
-``ModelParallelConfig``) wherever a field is passed through, so ``recipes.model`` can splat them and
+``ModelParallelConfig``) wherever a field is passed through, so ``recipes.build.model`` can splat them and
 ``tests/test_config.py`` checks that every such field still exists after a megatron-core upgrade.
 Types are primitives only (OmegaConf rejects ``Callable``/``Literal``), so typos and wrong types fail
 at compose time. Cross-field rules live in ``recipes.validate``.
@@ -9,6 +9,7 @@ at compose time. Cross-field rules live in ``recipes.validate``.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from typing import Any, List, Optional
 
@@ -56,7 +57,7 @@ class ModelConfig:
     moe_router_load_balancing_type: str = "aux_loss"
     moe_token_dispatcher_type: str = "allgather"  # allgather works on CPU and GPU
     moe_grouped_gemm: bool = True  # megatron's flag; the experts module is chosen by ``experts``
-    experts: str = "grouped"  # grouped (recipes.experts, one grouped GEMM) | sequential (megatron)
+    experts: str = "grouped"  # grouped (recipes.build.experts, one grouped GEMM) | sequential (megatron)
     moe_shared_expert_overlap: bool = False
     # GatedDeltaNet hybrid (family=gdn): TransformerConfig's linear-attention fields
     linear_attention_freq: Optional[int] = None  # every N-th layer is standard attention, the rest GDN
@@ -185,9 +186,25 @@ class RecipeConfig:
     dry_run: bool = False  # validate and write the config, start no worker
 
 
+#: Longest directory name ``slug`` makes: far below the file-name limit of 255 bytes, short enough to read.
+MAX_DIRNAME = 64
+
+
 def slug(text: str) -> str:
-    """A directory-safe form of Hydra overrides (``recompute=selective/core_attn`` has a slash)."""
-    return str(text).replace("/", ".").replace(",", "__") or "defaults"
+    """A short, stable directory name for Hydra overrides (``recompute=selective/core_attn,size=h200``
+    becomes ``recompute=selective.core_attn__size=h200``).
+
+    A name longer than ``MAX_DIRNAME`` keeps a readable prefix of whole overrides plus 8 hex digits of
+    the full text's SHA-1, so any number of overrides fits the file-name limit and two command lines
+    never share a directory. The full overrides are in each point's ``result.json`` and the sweep's
+    ``manifest.json``."""
+    name = str(text).replace("/", ".").replace(",", "__") or "defaults"
+    if len(name) <= MAX_DIRNAME:
+        return name
+    digest = hashlib.sha1(name.encode()).hexdigest()[:8]
+    room = MAX_DIRNAME - len(digest) - 1
+    cut = name.rfind("__", 0, room + 2)  # an item boundary at most `room` characters in
+    return f"{name[:cut] if cut > 0 else name[:room]}-{digest}"
 
 
 def register_configs() -> None:

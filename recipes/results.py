@@ -7,40 +7,23 @@ A run whose workers died without writing anything is still recorded, as ``failed
 
 from __future__ import annotations
 
-import json
-import os
-import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
-from recipes.validate import recompute_option
+from recipes.files import MIB, read_json
+from recipes.recompute import option_of
 
 SCHEMA_VERSION = 1
-GIB = 1024**3
+#: Keys that do not change what a point measures: a stored result with other values still counts.
+NOT_MEASURED = ("rerun", "dry_run", "name", "output_dir", "logger")
 #: Status severity: the run's status is its worst rank's.
 _SEVERITY = {"ok": 0, "oom": 1, "failed": 2, "refused": 3}
-
-
-def write_json_atomic(path: Path, data: Any) -> None:
-    """Write JSON to a temp file in the same directory, fsync, then rename over ``path``."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=2, default=str)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def read_ranks(run_dir: Path) -> list[dict]:
     """Every rank file of a run, ordered by rank."""
     files = sorted((Path(run_dir) / "ranks").glob("rank*.json"), key=lambda p: int(p.stem[4:]))
-    return [json.loads(f.read_text()) for f in files]
+    return [read_json(f) for f in files]
 
 
 def worst_rank(ranks: list[dict]) -> int | None:
@@ -86,50 +69,109 @@ def load_result(path: Path) -> dict:
     path = Path(path)
     if path.is_dir():
         path = path / "result.json"
-    return json.loads(path.read_text())
+    return read_json(path)
 
 
 def recompute_of(result: dict) -> str | None:
-    """The recompute option a point ran, from its recorded config (recipes.validate.recompute_option),
+    """The recompute option a point ran, from its recorded config (recipes.recompute.option_of),
     so that a point composed as ``recompute=control recompute.recompute_modules=[...]`` is not read as
     a control; results without a config fall back to the Hydra choice."""
     config = result.get("config")
     if config and "recompute" in config:
-        return recompute_option(config)
+        return option_of(config)
     return (result.get("choices") or {}).get("recompute")
 
 
-def summary(result: dict) -> dict:
-    """The flat numbers of a run (its worst rank) for tables, W&B and the advisor."""
-    row = {
-        "name": result.get("name"),
-        "status": result.get("status"),
-        "recompute": recompute_of(result),
-        "attention": result.get("choices", {}).get("attention"),
-        "model": result.get("choices", {}).get("model"),
-    }
-    ranks = result.get("ranks") or []
-    if not ranks:
-        return row
-    r = ranks[[x.get("rank") for x in ranks].index(result.get("worst_rank", ranks[0].get("rank")))]
-    mem = r.get("memory") or {}
-    timing = r.get("timing") or {}
-    ledger = r.get("ledger") or {}
-    row.update(
-        worst_rank=r.get("rank"),
-        peak_allocated_gib=mem.get("peak_allocated_gib"),
-        peak_reserved_gib=mem.get("peak_reserved_gib"),
-        fragmentation_gib=mem.get("fragmentation_gib"),
-        activation_gib=mem.get("activation_gib"),
-        step_time_s=timing.get("step_time_s"),
-        tokens_per_s=timing.get("tokens_per_s"),
-        mfu=timing.get("mfu"),
-        ledger_gib=(ledger.get("total_bytes") or 0) / GIB if ledger else None,
-        ledger_bytes=ledger.get("total_bytes"),
+@dataclass
+class RankRow:
+    """The numbers of one rank of one point, read once from ``result.json``: what the console, the
+    report, the advisor, W&B and the benchmarks show. An ``oom`` rank reports the allocator at the
+    failure; a point with no rank result (refused, died at launch) has one row with ``rank=None``."""
+
+    point: str | None  # the run's name
+    run_dir: str | None
+    point_status: str | None  # the run's status (its worst rank's)
+    status: str | None  # this rank's
+    model: str | None
+    attention: str | None
+    recompute: str | None  # what the recorded config recomputes (``recompute_of``)
+    rank: int | None = None
+    worst: bool = False  # the rank that decides whether the point fits
+    coords: dict = field(default_factory=dict)
+    host: str | None = None
+    device: str | None = None
+    error: str | None = None
+    peak_allocated_gib: float | None = None
+    peak_reserved_gib: float | None = None
+    fragmentation_gib: float | None = None
+    activation_gib: float | None = None
+    ledger_bytes: int | None = None
+    profile_peak_bytes: int | None = None
+    step_time_s: float | None = None  # median of the timed steps (of the processes' medians when repeated)
+    step_time_min_s: float | None = None
+    step_time_spread: float | None = None  # slowest / fastest process median - 1 (measure.repeat)
+    repeats: int | None = None
+    tokens_per_s: float | None = None
+    mfu: float | None = None
+    model_tflops_per_gpu: float | None = None
+    hardware_tflops_per_gpu: float | None = None
+    recompute_flops_fraction: float | None = None  # forward work replayed by recompute, over the model's
+    pipeline: dict = field(default_factory=dict)
+    last_loss: float | None = None
+
+    @property
+    def ledger_mib(self) -> float | None:
+        return self.ledger_bytes / MIB if self.ledger_bytes is not None else None
+
+    @property
+    def step_ms(self) -> float | None:
+        return self.step_time_s * 1e3 if self.step_time_s is not None else None
+
+    @property
+    def step_noise(self) -> float | None:
+        """Median step / fastest step - 1: the spread inside one process."""
+        s, fast = self.step_time_s, self.step_time_min_s
+        return s / fast - 1.0 if s and fast else None
+
+
+def rank_row(result: dict, rank: dict) -> RankRow:
+    """One rank of a point as a ``RankRow``."""
+    choices = result.get("choices") or {}
+    mem = rank.get("memory") or rank.get("memory_at_failure") or {}
+    timing = rank.get("timing") or {}
+    alloc, reserved = mem.get("peak_allocated_gib"), mem.get("peak_reserved_gib")
+    frag = mem.get("fragmentation_gib")
+    if frag is None and alloc is not None and reserved is not None:
+        frag = reserved - alloc
+    losses = [x for x in rank.get("loss") or [] if x is not None]
+    status = rank.get("status") or result.get("status")
+    return RankRow(
+        point=result.get("name"), run_dir=result.get("run_dir"), point_status=result.get("status"), status=status,
+        model=choices.get("model"), attention=choices.get("attention"), recompute=recompute_of(result),
+        rank=rank.get("rank"), worst=rank.get("rank") is not None and rank.get("rank") == result.get("worst_rank"),
+        coords=rank.get("coords") or {}, host=rank.get("host"), device=rank.get("device"),
+        error=rank.get("error") or (result.get("error") if status != "ok" else None),
+        peak_allocated_gib=alloc, peak_reserved_gib=reserved, fragmentation_gib=frag,
+        activation_gib=mem.get("activation_gib"), ledger_bytes=(rank.get("ledger") or {}).get("total_bytes"),
+        profile_peak_bytes=(rank.get("profile") or {}).get("peak_bytes"),
+        step_time_s=timing.get("step_time_s"), step_time_min_s=timing.get("step_time_min_s"),
+        step_time_spread=timing.get("step_time_spread"), repeats=timing.get("repeats"),
+        tokens_per_s=timing.get("tokens_per_s"), mfu=timing.get("mfu"),
+        model_tflops_per_gpu=timing.get("model_tflops_per_gpu"), hardware_tflops_per_gpu=timing.get("hardware_tflops_per_gpu"),
+        recompute_flops_fraction=timing.get("recompute_flops_fraction"), pipeline=rank.get("pipeline") or {},
+        last_loss=losses[-1] if losses else None,
     )
-    if r.get("status") == "oom":
-        row["peak_allocated_gib"] = (r.get("memory_at_failure") or {}).get("peak_allocated_gib")
-    return row
+
+
+def result_rows(result: dict) -> list[RankRow]:
+    """Every rank of a point, in rank order (one row with ``rank=None`` when no rank wrote a result)."""
+    return [rank_row(result, r) for r in result.get("ranks") or [{}]]
+
+
+def worst_row(result: dict) -> RankRow:
+    """The rank that decides whether a point fits (its only row when it has one)."""
+    rows = result_rows(result)
+    return next((r for r in rows if r.worst), rows[0])
 
 
 def first_sentence(error: str | None) -> str:

@@ -1,4 +1,4 @@
-"""Cross-field checks, run by the controller before any worker starts.
+"""Cross-field rules, run by the controller before any worker starts (and by every tool that takes a config).
 
 Every refusal is a ``ConfigError`` that names the option and the fix, in this project's vocabulary
 (``recompute=selective/moe_act``, ``model=moe``, ``parallel.tensor_model_parallel_size=2``).
@@ -6,53 +6,15 @@ Every refusal is a ``ConfigError`` that names the option and the fix, in this pr
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any
 
-FAMILIES = ("standard_attn", "mla", "moe", "gdn")
-BACKENDS = ("unfused", "sdpa", "te")
-
-#: Selective labels: which families they apply to, and what to use instead where they do not.
-LABELS: dict[str, dict] = {
-    "core_attn": {"families": FAMILIES, "what": "core attention (scores, softmax, context)"},
-    "mlp": {
-        "families": ("standard_attn", "mla", "gdn"),
-        "what": "the dense MLP",
-        "instead": "on MoE layers use recompute=selective/moe_act (or selective/moe)",
-    },
-    "moe_act": {
-        "families": ("moe",),
-        "what": "the MoE expert activation between FC1 and FC2",
-        "instead": "use model=moe, or recompute=selective/mlp for a dense MLP",
-    },
-    "moe": {
-        "families": ("moe",),
-        "what": "the whole MoE layer (router, dispatch, experts)",
-        "instead": "use model=moe, or recompute=selective/mlp for a dense MLP",
-    },
-    "shared_experts": {
-        "families": ("moe",),
-        "what": "the shared experts",
-        "instead": "use model=moe with model.moe_shared_expert_intermediate_size=<size>",
-    },
-    "mla_up_proj": {
-        "families": ("mla",),
-        "what": "MLA's Q/KV up-projections",
-        "instead": "use model=mla, or recompute=selective/core_attn for standard attention",
-    },
-    "layernorm": {"families": FAMILIES, "what": "the input and pre-MLP norms"},
-    "gdn_norm_out": {
-        "families": ("gdn",),
-        "what": "the GatedDeltaNet gated output norm",
-        "instead": "use model=gdn (GatedDeltaNet layers), or recompute=selective/core_attn for "
-        "standard attention",
-    },
-}
+from recipes.errors import ConfigError
+from recipes.recompute import BACKENDS, FAMILIES, LABELS, labels_of
 
 
 def transformer_engine_importable() -> bool:
     """Whether Transformer Engine imports, checked without importing megatron (fast, quiet)."""
-    import importlib.util
-
     if importlib.util.find_spec("transformer_engine") is None:
         return False
     try:
@@ -60,14 +22,6 @@ def transformer_engine_importable() -> bool:
     except Exception:  # installed but broken (e.g. no CUDA): treat as absent
         return False
     return True
-
-
-class ConfigError(ValueError):
-    """A refused configuration: ``option`` is what to change, the message says how."""
-
-    def __init__(self, option: str, problem: str, fix: str):
-        self.option, self.problem, self.fix = option, problem, fix
-        super().__init__(f"{option}: {problem}\n  fix: {fix}")
 
 
 def _check(cond: bool, option: str, problem: str, fix: str) -> None:
@@ -144,26 +98,6 @@ def _validate_attention(cfg, te_available: bool) -> None:
                "import here)", "use attention=sdpa (flash/cuDNN through PyTorch) or attention=unfused")
 
 
-def recompute_labels(cfg) -> list[str]:
-    """The selective labels this run asks for ([] when recompute is off or full)."""
-    rc = cfg["recompute"]
-    return list(rc["recompute_modules"]) if rc["recompute_granularity"] == "selective" else []
-
-
-def recompute_option(cfg) -> str:
-    """What a config recomputes, named as the recompute group names it (``none``, ``control``,
-    ``selective/<label>-<label>``, ``full``, ``full/block``), read from the values rather than the
-    Hydra choice: ``recompute=control recompute.recompute_modules=[moe_act]`` is selective/moe_act."""
-    rc = cfg["recompute"]
-    gran = rc["recompute_granularity"]
-    if gran == "selective":
-        labels = recompute_labels(cfg)
-        return "selective/" + "-".join(labels) if labels else "control"
-    if gran == "full":
-        return "full/block" if rc["recompute_method"] == "block" else "full"
-    return "none"
-
-
 def layers_per_chunk(cfg) -> int:
     """Layers in each model chunk (a pipeline stage, or a virtual stage under interleaving): the range
     of full recompute's ``recompute_num_layers``, which megatron applies per chunk."""
@@ -203,16 +137,16 @@ def _validate_recompute(cfg) -> None:
             _check(not par["sequence_parallel"], "recompute.distribute_saved_activations",
                    "cannot distribute saved activations with sequence parallel",
                    "set parallel.sequence_parallel=false or distribute_saved_activations=false")
-    for label in recompute_labels(cfg):
+    for label in labels_of(cfg):
         _check(label in LABELS, "recompute.recompute_modules", f"unknown label {label!r}",
                f"use labels from: {', '.join(LABELS)}")
         info = LABELS[label]
-        _check(m["family"] in info["families"], f"recompute=selective/{label}",
-               f"{label} recomputes {info['what']}, but model={m['family']} has none "
-               "(megatron-core would accept it and recompute nothing)", info.get("instead", ""))
+        _check(m["family"] in info.families, f"recompute=selective/{label}",
+               f"{label} recomputes {info.what}, but model={m['family']} has none "
+               "(megatron-core would accept it and recompute nothing)", info.instead)
         if label == "shared_experts":
             _check(bool(m["moe_shared_expert_intermediate_size"]), "recompute=selective/shared_experts",
-                   "the model has no shared experts (a silent no-op)", info["instead"])
+                   "the model has no shared experts (a silent no-op)", info.instead)
             _check(not m["moe_shared_expert_overlap"], "recompute=selective/shared_experts",
                    "shared_experts recompute cannot work with shared-expert overlap",
                    "set model.moe_shared_expert_overlap=false")
@@ -224,7 +158,7 @@ def _validate_recompute(cfg) -> None:
             _check(cfg["attention"]["backend"] != "te", "recompute=selective/layernorm",
                    "with Transformer Engine the norms are fused into the following linear, so "
                    "layernorm recompute does nothing", "use attention=sdpa/unfused, or another label")
-    if (gran == "full" or "moe" in recompute_labels(cfg)) and par["overlap_moe_expert_parallel_comm"]:
+    if (gran == "full" or "moe" in labels_of(cfg)) and par["overlap_moe_expert_parallel_comm"]:
         raise ConfigError("parallel.overlap_moe_expert_parallel_comm",
                           "whole-moe and full recompute are incompatible with expert-parallel "
                           "communication overlap", "set parallel.overlap_moe_expert_parallel_comm=false")
@@ -359,6 +293,3 @@ def _validate_run(cfg) -> None:
            "use a fraction such as 0.5, or null")
     _check(data["name"] in ("mock", "indexed"), "data", f"unknown data {data['name']!r}",
            "use data=mock or data=indexed")
-    from recipes.indexed import validate_data  # files, .idx header, tokenizer sidecar (cheap)
-
-    validate_data(cfg)

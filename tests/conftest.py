@@ -37,7 +37,7 @@ def megatron_world():
     os.environ.setdefault("MASTER_PORT", str(free_port()))
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
-    from recipes.worker import init_distributed
+    from recipes.run.worker import init_distributed
 
     init_distributed(compose())
     yield
@@ -49,8 +49,8 @@ def megatron_world():
 
 def build_trainer(cfg: dict):
     """A fresh Trainer for ``cfg`` (reseeded, so equal seeds give equal weights)."""
-    from recipes.compat import seed_model_parallel_rng
-    from recipes.worker import Trainer
+    from recipes.build.compat import seed_model_parallel_rng
+    from recipes.run.worker import Trainer
 
     seed_model_parallel_rng(cfg["train"]["seed"])
     return Trainer(cfg)
@@ -58,8 +58,8 @@ def build_trainer(cfg: dict):
 
 def train_in_process(cfg: dict) -> dict:
     """Run the worker's measurement loop in this process; returns the rank result dict."""
-    from recipes.compat import seed_model_parallel_rng
-    from recipes.worker import train_and_measure
+    from recipes.build.compat import seed_model_parallel_rng
+    from recipes.run.worker import train_and_measure
 
     seed_model_parallel_rng(cfg["train"]["seed"])
     result: dict = {"rank": 0}

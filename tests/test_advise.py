@@ -1,7 +1,7 @@
 """The advisor and the report on recorded results: synthetic sweeps written through the real schema.
 
 Each point is written the way a sweep writes it: worker rank files (``ranks/rank<N>.json``) merged
-by ``recipes.results.merge_result`` into ``result.json``. The numbers are the FACTS.md H200 rows
+by ``recipes.results.merge_result`` into ``result.json``. The numbers are measured H200 rows (the h200 size: 8 layers, h 2048, s 4096, b 2)
 (dense, unfused vs SDPA), plus an ``oom`` point and a second rank where the tests need one.
 """
 
@@ -11,12 +11,15 @@ import json
 from pathlib import Path
 
 import pytest
-
 from conftest import compose
-from recipes import advise, report
-from recipes.results import merge_result, write_json_atomic
+
+from recipes.analyze import advise, report
 
 #: (attention, recompute): (peak allocated GiB, peak reserved GiB, step s); None = out of memory.
+from recipes.files import write_json_atomic
+from recipes.predict.fit import fits
+from recipes.results import merge_result
+
 H200_DENSE = {
     ("unfused", "none"): (38.9, 39.7, 0.196),
     ("unfused", "control"): (38.9, 39.8, 0.197),
@@ -199,7 +202,7 @@ def test_directory_without_results(tmp_path, capsys, tool):
 
 
 def test_predicted_before_any_run_picks_the_narrowest_fitting_option():
-    """--predict ranks the family's options by recipes.estimate (marked predicted) and picks the
+    """--predict ranks the family's options by recipes.predict.estimate (marked predicted) and picks the
     fitting option that replays the least work: moe_act at the h200 MoE shape for 24 GiB."""
     advice = advise.advise_before_running(["model=moe", "size=h200"], 26.0)
     assert advice["source"] == "predicted"
@@ -340,7 +343,8 @@ def test_predicted_full_block_takes_the_fewest_layers_that_fit():
     fit with the allocator's slack replays less than mlp (8 of 32 layers in full against 53% of every
     layer), so it is the one to try first; one layer fewer does not fit."""
     from recipes.config import compose_config
-    from recipes.estimate import predict, recompute_config
+    from recipes.predict.estimate import predict
+    from recipes.recompute import recompute_config
 
     advice = advise.advise_before_running(["model=standard_attn", "size=h200_long"], 137.0)
     block = next(r for r in advice["options"] if r["recompute"] == "full/block")
@@ -349,6 +353,6 @@ def test_predicted_full_block_takes_the_fewest_layers_that_fit():
     assert block["replay_fraction"] < next(r for r in advice["options"] if r["recompute"] == "selective/mlp")["replay_fraction"]
     cfg = compose_config(["model=standard_attn", "size=h200_long"])
     fewer = predict({**cfg, "recompute": {**recompute_config("full/block"), "recompute_num_layers": k - 1}}, "cuda")
-    assert not advise._fits(fewer["peak_bytes"] / 2**30, 137.0)
+    assert not fits(fewer["peak_bytes"] / 2**30, 137.0)
     text = advise.explain_prediction(advice)
     assert f"recompute=full/block recompute.recompute_num_layers={k}" in text and "runner-up (recompute=selective/mlp" in text

@@ -6,11 +6,13 @@ import dataclasses
 from pathlib import Path
 
 import pytest
+from conftest import CONF, compose
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ConfigKeyError, ValidationError
 
-from conftest import CONF, compose
-from recipes.validate import ConfigError, recompute_option, validate
+from recipes.errors import ConfigError
+from recipes.recompute import option_of
+from recipes.validate import validate
 
 RECOMPUTE = sorted(
     str(p.relative_to(Path(CONF) / "recompute").with_suffix(""))
@@ -36,15 +38,15 @@ def test_every_recompute_option_composes(option):
     assert cfg["recompute"]["recompute_granularity"] in (None, "selective", "full")
     # reports and the advisor name a point by what its values recompute; for every shipped option
     # that is the option's own name, so a new option file must follow the naming
-    assert recompute_option(cfg) == option
+    assert option_of(cfg) == option
 
 
 def test_schema_fields_exist_in_megatron():
     """Fields passed through to megatron-core must still exist after an upgrade."""
     from megatron.core.transformer.transformer_config import MLATransformerConfig
 
+    from recipes.build.model import NON_TRANSFORMER_FIELDS
     from recipes.config import ModelConfig, ParallelConfig, RecomputeConfig
-    from recipes.model import NON_TRANSFORMER_FIELDS
 
     megatron = {f.name for f in dataclasses.fields(MLATransformerConfig)}
     for cls in (ModelConfig, ParallelConfig, RecomputeConfig):
@@ -55,7 +57,7 @@ def test_schema_fields_exist_in_megatron():
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_transformer_config_builds(family):
-    from recipes.model import build_transformer_config
+    from recipes.build.model import build_transformer_config
 
     config = build_transformer_config(compose(f"model={family}", "size=h200"), on_gpu=False)
     assert config.num_layers == 8 and config.hidden_size == 2048

@@ -15,7 +15,6 @@ import types
 
 import numpy
 import pytest
-
 from conftest import compose, train_in_process
 
 STDLIB = ("bisect", "copy", "operator", "queue", "string")
@@ -25,7 +24,7 @@ RECORDS = [f"record {i}: " + "the quick brown fox jumps over the lazy dog. " * (
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     """(prefix, expected documents as token lists, cache dir) of a small preprocessed corpus."""
-    from recipes.preprocess import preprocess, stdlib_files
+    from recipes.data.preprocess import preprocess, stdlib_files
 
     root = tmp_path_factory.mktemp("corpus")
     texts = root / "texts"
@@ -66,7 +65,7 @@ def test_indexed_dataset_round_trip(corpus):
 
 def test_gpt_dataset_samples_are_the_written_tokens(corpus, megatron_world):
     """Every GPTDataset sample is a window of the documents in megatron's order, eod tokens intact."""
-    from recipes.indexed import build_indexed_datasets
+    from recipes.data.indexed import build_indexed_datasets
 
     prefix, expected, cache = corpus
     cfg = indexed_cfg(prefix, cache)
@@ -103,10 +102,14 @@ def test_training_on_text_lowers_train_and_validation_loss(corpus, megatron_worl
 
 
 def refusal(cfg: dict) -> str:
-    from recipes.validate import ConfigError, validate
+    """The controller's checks before launch: the rules, then the data files."""
+    from recipes.data.indexed import validate_data
+    from recipes.errors import ConfigError
+    from recipes.validate import validate
 
     with pytest.raises(ConfigError) as err:
         validate(cfg, num_gpus=0, te_available=False)
+        validate_data(cfg)
     return str(err.value)
 
 
@@ -131,9 +134,9 @@ def test_bad_datasets_are_refused_before_training(corpus, tmp_path):
     for suffix in (".bin", ".idx"):
         shutil.copy(prefix + suffix, f"{bare}{suffix}")
     assert "data.tokenizer=byte" in refusal(indexed_cfg(str(bare), cache))
-    from recipes.validate import validate
+    from recipes.data.indexed import validate_data
 
-    validate(indexed_cfg(str(bare), cache, "data.tokenizer=byte"), num_gpus=0, te_available=False)
+    validate_data(indexed_cfg(str(bare), cache, "data.tokenizer=byte"))
     tj = tmp_path / "tokenizer.json"  # its vocabulary is read from the JSON, no tokenizers library
     tj.write_text(json.dumps({"model": {"type": "BPE", "vocab": {f"t{i}": i for i in range(600)}},
                               "added_tokens": [{"id": 600, "content": "<|endoftext|>"}]}))
@@ -143,7 +146,7 @@ def test_bad_datasets_are_refused_before_training(corpus, tmp_path):
 
 
 def test_bad_preprocess_inputs_name_the_file(tmp_path, capsys):
-    from recipes.preprocess import main
+    from recipes.data.preprocess import main
 
     empty = tmp_path / "empty.txt"
     empty.write_text("")
@@ -166,7 +169,7 @@ def test_bad_preprocess_inputs_name_the_file(tmp_path, capsys):
 
 
 def test_progress_reports_rates(tmp_path, capsys):
-    from recipes.preprocess import preprocess
+    from recipes.data.preprocess import preprocess
 
     for i in range(3):
         (tmp_path / f"{i}.txt").write_text("some text " * 100)
@@ -178,7 +181,7 @@ def test_progress_reports_rates(tmp_path, capsys):
 
 def test_wandb_gets_validation_loss_in_step_order(monkeypatch):
     """val/loss is logged with train/loss, one call per step (W&B drops steps that go backwards)."""
-    from recipes.logger import log_run
+    from recipes.analyze.logger import log_run
 
     calls = []
     run = types.SimpleNamespace(log=lambda row, step: calls.append((step, row)), summary={},
@@ -198,7 +201,7 @@ def test_data_parallel_ranks_read_disjoint_samples(monkeypatch):
     import torch
     from megatron.core import parallel_state as ps
 
-    from recipes.data import batches
+    from recipes.data.datasets import batches
 
     dataset = [{k: torch.tensor([i]) for k in ("tokens", "labels", "loss_mask", "position_ids")}
                for i in range(16)]

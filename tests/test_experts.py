@@ -23,9 +23,9 @@ from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from recipes import upstream
-from recipes.compat import install_cpu_compat, seed_model_parallel_rng
-from recipes.experts import GroupedExperts, grouped_experts_builder
+from recipes.build import upstream
+from recipes.build.compat import install_cpu_compat, seed_model_parallel_rng
+from recipes.build.experts import GroupedExperts, grouped_experts_builder
 
 HIDDEN, FFN, EXPERTS = 16, 24, 4
 TOKENS_PER_EXPERT = [5, 0, 9, 3]  # uneven, expert 1 gets nothing

@@ -1,6 +1,6 @@
 """model=gdn: GatedDeltaNet layers mixed with attention layers, and the gdn_norm_out label, on a CPU.
 
-The CPU runs fla's pure-PyTorch references (``recipes.gdn.select_gdn_ops``), so these tests check the
+The CPU runs fla's pure-PyTorch references (``recipes.build.gdn.select_gdn_ops``), so these tests check the
 layer's structure, the label's checkpoint and its exactness, not fla's Triton kernels (GPU only).
 """
 
@@ -12,7 +12,6 @@ import sys
 
 import pytest
 import torch
-
 from conftest import REPO, build_trainer, compose, gradients, train_in_process
 
 CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU reference ops")
@@ -31,7 +30,7 @@ def _norm_out_bytes(cfg: dict) -> int:
 
 def test_layers_follow_megatrons_linear_attention_pattern(megatron_world):
     """linear_attention_freq=3 over 4 layers: GDN, GDN, attention, GDN (megatron's own pattern)."""
-    from recipes.gdn import linear_attention_pattern
+    from recipes.build.gdn import linear_attention_pattern
 
     trainer = build_trainer(compose("model=gdn", "model.num_layers=4", "model.linear_attention_freq=3"))
     try:
@@ -46,7 +45,7 @@ def test_layers_follow_megatrons_linear_attention_pattern(megatron_world):
 
 def test_gdn_model_trains_and_the_profile_points_at_gdn_norm_out(megatron_world):
     """A few steps with GDN and attention layers both present; loss finite and falling."""
-    from recipes.profile import first_label_to_try
+    from recipes.measure.profile import first_label_to_try
 
     cfg = compose("model=gdn", "attention=unfused", "recompute=selective/gdn_norm_out-core_attn",
                   "train.train_iters=6", "train.warmup_iters=2", "train.lr=3e-3")
@@ -94,8 +93,9 @@ def test_gdn_norm_out_is_bit_exact(megatron_world, dropout):
 
 
 def test_gdn_norm_out_is_refused_on_a_dense_model(megatron_world):
-    from recipes.labels import LabelError, check_resolved, resolve_labels
-    from recipes.validate import ConfigError, validate
+    from recipes.errors import ConfigError
+    from recipes.measure.labels import LabelError, check_resolved, resolve_labels
+    from recipes.validate import validate
 
     with pytest.raises(ConfigError) as err:  # before launch
         validate(compose("model=standard_attn", "recompute=selective/gdn_norm_out"), num_gpus=0,
@@ -112,7 +112,8 @@ def test_gdn_norm_out_is_refused_on_a_dense_model(megatron_world):
 
 
 def test_gdn_options_are_checked_before_launch():
-    from recipes.validate import ConfigError, validate
+    from recipes.errors import ConfigError
+    from recipes.validate import validate
 
     for overrides, option in ((["model.linear_attention_freq=1"], "model.linear_attention_freq"),
                               (["model.linear_num_value_heads=3"], "model.linear_num_value_heads"),
@@ -127,8 +128,9 @@ def test_estimator_predicts_gdn_and_refuses_by_name_what_it_does_not_model():
     byte for byte, tests/test_h200_results.py the H200 rows); what was never matched against a
     ledger is refused by option: tensor parallel, a non-SiLU activation (recipes.validate: fla asserts SiLU),
     and on CUDA a LayerNorm output norm or a precision other than bf16."""
-    from recipes.estimate import OPTIONS, predict, predict_options
-    from recipes.validate import ConfigError
+    from recipes.errors import ConfigError
+    from recipes.predict.estimate import predict, predict_options
+    from recipes.recompute import options_for
 
     cfg = compose("model=gdn")
     for device in ("cpu", "cuda"):
@@ -136,7 +138,7 @@ def test_estimator_predicts_gdn_and_refuses_by_name_what_it_does_not_model():
         gdn, attention = p["per_layer"]  # tiny: one GDN layer, then one attention layer
         assert gdn["gdn"] > 0 and gdn["core_attn"] == 0 and attention["gdn"] == 0 and attention["core_attn"] > 0
     done, refused = predict_options(compose("model=gdn", "size=h200"), "cuda")
-    assert sorted(option for option, _ in done) == sorted(OPTIONS["gdn"]) and not refused
+    assert sorted(option for option, _ in done) == sorted(options_for("gdn")) and not refused
     norm_out = dict(done)["selective/gdn_norm_out"]["layer_terms"]
     assert ("gdn", "out_proj input (gated norm output)", 0) in norm_out  # discarded by the checkpoint
     for overrides, option in ((["parallel=tp2"], "parallel.tensor_model_parallel_size"),
@@ -153,10 +155,10 @@ def test_estimator_predicts_gdn_and_refuses_by_name_what_it_does_not_model():
 def test_cpu_switch_selects_fla_naive_reference(monkeypatch):
     from fla.ops.gated_delta_rule import naive
 
-    from recipes import gdn
+    from recipes.build import gdn
 
     assert gdn.select_gdn_ops() is True
-    assert all(v.startswith("recipes.gdn.") for v in gdn.gdn_ops_in_use().values())
+    assert all(v.startswith("recipes.build.gdn.") for v in gdn.gdn_ops_in_use().values())
     calls = []
     reference = naive.naive_chunk_gated_delta_rule
     monkeypatch.setattr(naive, "naive_chunk_gated_delta_rule", lambda *a, **k: calls.append(1) or reference(*a, **k))
@@ -190,26 +192,26 @@ def test_cpu_switch_keeps_the_triton_kernels_when_cuda_is_present():
 
 
 def test_megatron_gdn_spec_still_needs_transformer_engine():
-    """recipes.gdn builds its own block spec because megatron's GDN spec fuses the input norm into
+    """recipes.build.gdn builds its own block spec because megatron's GDN spec fuses the input norm into
     in_proj, which the local backend lacks (in_proj=None). Fails once upstream has a local GDN spec."""
     from megatron.core.models.backends import LocalSpecProvider
     from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
         get_gated_delta_net_module_spec,
     )
 
-    from recipes.model import build_transformer_config
+    from recipes.build.model import build_transformer_config
 
     config = build_transformer_config(compose("model=gdn"), on_gpu=False)
     spec = get_gated_delta_net_module_spec(config, backend=LocalSpecProvider())
     assert spec.submodules.in_proj is None and spec.metainfo["fuse_input_layernorm"], (
-        "upstream builds GDN on the local backend now: use get_gated_delta_net_module_spec in recipes.gdn")
+        "upstream builds GDN on the local backend now: use get_gated_delta_net_module_spec in recipes.build.gdn")
 
 
 def test_gdn_flops_count_gdn_layers_as_gdn():
     """MFU for model=gdn counts GDN mixers, not attention, in the GDN layers; selective labels
     replay work only in the layers they reach, full/block only in the layers it checkpoints; the
     average layer gives --predict the model's replay fraction."""
-    from recipes.flops import (
+    from recipes.measure.flops import (
         attention_layer_forward_flops,
         gdn_layer_forward_flops,
         layer_forward_flops,
@@ -263,14 +265,14 @@ def test_fla_kernels_match_the_reference_on_the_gpu():
 
 
 def test_a_hopper_gpu_with_triton_before_3_7_1_is_refused_at_build_with_the_fix(monkeypatch):
-    """recipes.gdn.check_fla_kernels on a simulated H200 with the image's Triton 3.6: refused before any
+    """recipes.build.gdn.check_fla_kernels on a simulated H200 with the image's Triton 3.6: refused before any
     step, naming fla #640 and the offline fix; Triton 3.7.1 or tilelang passes; no CUDA passes."""
     import importlib.util
 
     from fla import utils
 
-    from recipes import gdn
-    from recipes.validate import ConfigError
+    from recipes.build import gdn
+    from recipes.errors import ConfigError
 
     gdn.check_fla_kernels()  # this machine as it is: no CUDA (CI), or a GPU with a fixed Triton
     monkeypatch.setattr(gdn, "cuda_available", lambda: True)

@@ -18,7 +18,6 @@ import textwrap
 from pathlib import Path
 
 import pytest
-
 from conftest import CONF, REPO, compose, train_in_process
 
 #: Short runs: 1 warm-up step (records the ledger) + 2 timed steps; no profiled step.
@@ -26,7 +25,8 @@ QUICK = ("train.train_iters=3", "train.warmup_iters=1", "measure.profile=none")
 
 
 def refusal(*overrides: str, num_gpus: int = 0, te: bool = False):
-    from recipes.validate import ConfigError, validate
+    from recipes.errors import ConfigError
+    from recipes.validate import validate
 
     with pytest.raises(ConfigError) as info:
         validate(compose(*overrides), num_gpus=num_gpus, te_available=te)
@@ -116,7 +116,7 @@ def test_pipeline_schedule_matches_megatron(monkeypatch, m, pp, vpp):
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import schedules
 
-    from recipes.parallel import in_flight_bytes, pipeline_schedule
+    from recipes.build.parallel import in_flight_bytes, pipeline_schedule
 
     monkeypatch.setattr(ps, "get_pipeline_model_parallel_world_size", lambda *a, **k: pp)
     monkeypatch.setattr(ps, "get_virtual_pipeline_model_parallel_world_size", lambda *a, **k: vpp)
@@ -136,11 +136,11 @@ def test_pipeline_schedule_matches_megatron(monkeypatch, m, pp, vpp):
 
 
 def test_torch_norm_still_refuses_sequence_parallel():
-    """recipes.upstream.allow_sequence_parallel_torch_norm: delete it when this fails."""
+    """recipes.build.upstream.allow_sequence_parallel_torch_norm: delete it when this fails."""
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from recipes import upstream
+    from recipes.build import upstream
 
     upstream.allow_sequence_parallel_torch_norm()
     config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2,
@@ -166,9 +166,9 @@ def two_stage_result() -> dict:
 
 
 def test_worst_rank_console_and_wandb_show_every_rank(capsys):
-    from recipes.controller import print_run
-    from recipes.logger import run_metrics
+    from recipes.analyze.logger import run_metrics
     from recipes.results import worst_rank
+    from recipes.run.console import print_run
 
     result = two_stage_result()
     result["worst_rank"] = worst_rank(result["ranks"])
@@ -199,7 +199,7 @@ def test_torchrun_commands():
 
 def test_slurm_rendezvous_from_the_job_environment():
     from launch.slurm import expand_nodelist, slurm_rendezvous
-    from recipes.validate import ConfigError
+    from recipes.errors import ConfigError
 
     assert expand_nodelist("gpu[01-03,07],login2") == ["gpu01", "gpu02", "gpu03", "gpu07", "login2"]
     launcher = {"name": "slurm", "nproc_per_node": 8, "nnodes": 2, "master_port": 0}
@@ -244,7 +244,7 @@ class FakeSinfo:
 ])
 def test_unreachable_slurm_submission_is_refused(overrides, which, sinfo, option, problem):
     from launch.slurm import check_submission
-    from recipes.validate import ConfigError
+    from recipes.errors import ConfigError
 
     cfg = compose_with_hydra("launcher=slurm", *overrides)
     with pytest.raises(ConfigError) as info:

@@ -1,4 +1,4 @@
-"""Peak attribution and memory timeline (recipes/profile.py, recipes/memtrace.py) on the tiny models.
+"""Peak attribution and memory timeline (recipes/measure/profile.py, recipes/measure/memtrace.py) on the tiny models.
 
 On a CPU the trace is the storages saved for backward, so at the end of a micro-batch's forward the
 attribution must equal the activation ledger exactly (same storages, same kinds): with one
@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import build_trainer, compose, train_in_process
-from recipes.ledger import KINDS
-from recipes.memtrace import BEFORE, TRANSIENT, Trace, allocator_trace
-from recipes.profile import (
+
+from recipes.measure.memtrace import BEFORE, TRANSIENT, Trace, allocator_trace
+from recipes.measure.profile import (
     first_label_to_try,
     plot_timelines,
     profile_step,
@@ -23,7 +22,7 @@ from recipes.profile import (
     top_contributors,
     write_timeline_pngs,
 )
-
+from recipes.recompute import KINDS
 
 #: The saved-tensor path (what CI runs). On a GPU the allocator path runs instead: it also counts
 #: transients and megatron's optimizer, so the CPU equalities below do not apply there.
@@ -109,7 +108,7 @@ def test_profile_switch(megatron_world):
     result = train_in_process(compose("train.train_iters=3"))  # through the worker's call site
     assert result["profile"]["status"] == "ok"
     assert result["profile"]["cost"]["step_time_s"] == result["timing"]["step_time_s"]
-    from recipes.validate import ConfigError
+    from recipes.errors import ConfigError
 
     with pytest.raises(ConfigError, match="measure.profile"):
         profile_step(None, {"measure": {"profile": "peek"}})

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import compose, gradients
 
 FAMILIES = ["standard_attn", "mla", "moe"]
@@ -121,7 +120,7 @@ def test_layernorm_recompute_reorders_one_gradient_sum():
     a few ULPs, and it is bit-identical again when the input has no second consumer."""
     from megatron.core.tensor_parallel.random import CheckpointWithoutOutput
 
-    from recipes import compat, upstream
+    from recipes.build import compat, upstream
 
     compat.install_cpu_compat()
     upstream.fix_checkpoint_without_output_fp8_default()

@@ -17,15 +17,21 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from conftest import REPO, compose
-from recipes.results import load_result, write_json_atomic
+
+from recipes.config import slug
+from recipes.files import write_json_atomic
+from recipes.results import load_result
 
 TINY = ["size=tiny", "train.train_iters=3", "train.warmup_iters=1"]
 SWEEP = ["-m", "sweep=standard_attn", "recompute=none,control,full", *TINY]
 #: Same command, same directory: multirun/<sweep file>/<the command line's overrides>.
-SWEEP_DIR = "multirun/standard_attn/recompute=none__control__full__size=tiny__train.train_iters=3__train.warmup_iters=1"
-POINT = "recompute={}__size=tiny__train.train_iters=3__train.warmup_iters=1"
+SWEEP_DIR = "multirun/standard_attn/" + slug("recompute=none,control,full,size=tiny,train.train_iters=3,train.warmup_iters=1")
+
+
+def point(recompute: str) -> str:
+    """A point's directory, named as Hydra's sweep subdir names it."""
+    return slug(f"recompute={recompute},size=tiny,train.train_iters=3,train.warmup_iters=1")
 
 
 def _env() -> dict:
@@ -61,14 +67,14 @@ def worker_pid(run_dir: Path) -> int | None:
                 cmdline = (proc / "cmdline").read_bytes().split(b"\0")
             except OSError:
                 continue
-            if b"recipes.worker" in cmdline and str(run_dir).encode() in cmdline:
+            if b"recipes.run.worker" in cmdline and str(run_dir).encode() in cmdline:
                 return int(proc.name)
     return None
 
 
 def test_sweep_survives_kill_and_crash_and_resumes(tmp_path):
     sweep = tmp_path / SWEEP_DIR
-    first = sweep / POINT.format("none") / "result.json"
+    first = sweep / point("none") / "result.json"
     # 1. Killed (the whole process group) right after the first point finished.
     proc = start(SWEEP, tmp_path)
     wait_for(first.exists, proc)
@@ -79,12 +85,12 @@ def test_sweep_survives_kill_and_crash_and_resumes(tmp_path):
     # 2. Same command: the finished point is skipped; the control's worker dies (SIGKILL, as the
     #    kernel's OOM killer would), which is recorded as failed, and the sweep goes on to full.
     proc = start(SWEEP, tmp_path)
-    os.kill(wait_for(lambda: worker_pid(sweep / POINT.format("control")), proc), signal.SIGKILL)
+    os.kill(wait_for(lambda: worker_pid(sweep / point("control")), proc), signal.SIGKILL)
     out, _ = proc.communicate(timeout=180)
     assert proc.returncode == 0, out
     assert first.stat().st_mtime_ns == stamp and out.count("[skip]") == 1
     assert "[point 1/3] standard_attn sdpa none" in out and "[point 3/3]" in out and "ETA" in out
-    results = {r: load_result(sweep / POINT.format(r)) for r in ("none", "control", "full")}
+    results = {r: load_result(sweep / point(r)) for r in ("none", "control", "full")}
     assert {r: x["status"] for r, x in results.items()} == {"none": "ok", "control": "failed", "full": "ok"}
     assert "exited with code -9" in results["control"]["error"]
     full = results["full"]["ranks"][0]
@@ -162,7 +168,7 @@ def test_make_sweep_runs_the_sweep_file():
 def test_gpu_oom_is_recorded_and_the_sweep_goes_on(tmp_path):
     """A memory cap far below the tiny model's needs: that point is ``oom`` with the allocator's
     numbers, the next point runs, and the advisor counts the oom point as not fitting."""
-    from recipes import advise
+    from recipes.analyze import advise
 
     done = subprocess.run([sys.executable, str(REPO / "train.py"), "-m", "measure.memory_fraction=0.00001,null",
                            *TINY, f"hydra.sweep.dir={tmp_path}"], cwd=REPO, env=_env(), capture_output=True,

@@ -7,15 +7,14 @@ import inspect
 
 import pytest
 import torch
-
 from conftest import compose, gradients
 
 
 def test_checkpoint_without_output_fp8_default_is_still_true():
-    """recipes.upstream.fix_checkpoint_without_output_fp8_default: ``fp8=False`` -> ``self.fp8=True``."""
+    """recipes.build.upstream.fix_checkpoint_without_output_fp8_default: ``fp8=False`` -> ``self.fp8=True``."""
     from megatron.core.tensor_parallel.random import CheckpointWithoutOutput
 
-    from recipes import upstream
+    from recipes.build import upstream
 
     upstream.fix_checkpoint_without_output_fp8_default()
     pristine = CheckpointWithoutOutput.__new__(CheckpointWithoutOutput)
@@ -25,7 +24,7 @@ def test_checkpoint_without_output_fp8_default_is_still_true():
 
 
 def test_dot_product_attention_still_rejects_k_channels():
-    """recipes.attention exists because megatron's DotProductAttention cannot build MLA (issue 1589)."""
+    """recipes.build.attention exists because megatron's DotProductAttention cannot build MLA (issue 1589)."""
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
     params = inspect.signature(DotProductAttention.__init__).parameters
@@ -33,7 +32,7 @@ def test_dot_product_attention_still_rejects_k_channels():
 
 
 def test_sequential_mlp_still_ignores_moe_act(megatron_world):
-    """recipes.experts exists because SequentialMLP accepts moe_act and recomputes nothing."""
+    """recipes.build.experts exists because SequentialMLP accepts moe_act and recomputes nothing."""
     cfg = compose("model=moe", "model.experts=sequential", "recompute=control",
                   "recompute.recompute_modules=[moe_act]")
     _, _, _, counts = gradients(cfg)
@@ -41,7 +40,7 @@ def test_sequential_mlp_still_ignores_moe_act(megatron_world):
 
 
 def test_schedules_still_allocate_on_cuda():
-    """recipes.compat redirects the schedules' token counter (device="cuda") on a CPU."""
+    """recipes.build.compat redirects the schedules' token counter (device="cuda") on a CPU."""
     from megatron.core.pipeline_parallel import schedules
 
     source = inspect.getsource(schedules.forward_backward_no_pipelining)
@@ -49,7 +48,7 @@ def test_schedules_still_allocate_on_cuda():
 
 
 def test_default_causal_mask_still_cuda_only():
-    """recipes.attention builds its causal masks on the query's device because megatron's don't."""
+    """recipes.build.attention builds its causal masks on the query's device because megatron's don't."""
     from megatron.core.transformer import utils
 
     assert 'device="cuda"' in inspect.getsource(utils.get_default_causal_mask)
@@ -58,7 +57,7 @@ def test_default_causal_mask_still_cuda_only():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU compatibility layer is CPU-only")
 def test_cpu_compat_is_needed_and_scoped(monkeypatch):
     """The layer patches only without CUDA: pretending CUDA exists makes it a no-op."""
-    from recipes import compat
+    from recipes.build import compat
 
     monkeypatch.setattr(compat, "_INSTALLED", False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -78,11 +77,11 @@ def _graph_held_by_dispatchers(trainer) -> list:
 
 
 def test_allgather_dispatcher_still_keeps_local_probs_after_combine():
-    """recipes.upstream.release_allgather_dispatcher_probs: pristine ``combine_postprocess`` leaves
+    """recipes.build.upstream.release_allgather_dispatcher_probs: pristine ``combine_postprocess`` leaves
     ``self.local_probs`` (and the router graph behind it) on the dispatcher."""
     from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
 
-    from recipes import upstream
+    from recipes.build import upstream
 
     upstream.release_allgather_dispatcher_probs()
     pristine = MoEAllGatherTokenDispatcher.__new__(MoEAllGatherTokenDispatcher)

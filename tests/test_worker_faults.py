@@ -6,11 +6,11 @@ from __future__ import annotations
 import json
 
 import torch
+from conftest import compose
 from omegaconf import OmegaConf
 
-from conftest import compose
-from recipes import worker
 from recipes.results import merge_result
+from recipes.run import worker
 
 
 def _run(tmp_path, monkeypatch, error: BaseException) -> tuple[int, dict]:
@@ -63,7 +63,8 @@ def test_an_oom_in_the_in_run_control_ledger_keeps_the_measurements(megatron_wor
     """The control pass (labels switched off) runs after the timed steps; when it does not fit
     (the reason the user recomputes), the run is still ok, with its timing and a warning."""
     from conftest import train_in_process
-    from recipes.worker import Trainer
+
+    from recipes.run.worker import Trainer
 
     def ledger_pass(self, disabled_labels=()):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1024.00 MiB.")
@@ -80,7 +81,8 @@ def test_the_control_ledger_runs_after_the_timed_steps(megatron_world, monkeypat
     """Order matters for the reserved peak: a control pass before the timed steps would leave its
     larger blocks cached in the allocator and the option's fragmentation would read the control's."""
     from conftest import train_in_process
-    from recipes.worker import Trainer
+
+    from recipes.run.worker import Trainer
 
     seen = []
     step, ledger_pass = Trainer.step, Trainer.ledger_pass
@@ -124,7 +126,7 @@ def test_the_step_leaves_the_loss_on_the_device(megatron_world):
 
 def test_the_time_breakdown_splits_the_distributed_init():
     """The H200 spent 8-14 s of each point in "init": the breakdown names its parts, in order."""
-    from recipes.controller import time_breakdown
+    from recipes.run.console import time_breakdown
 
     marks = {"main_start": 11.0, "megatron_imported": 13.0, "device_ready": 14.0, "process_group_ready": 17.0,
              "distributed_ready": 18.0, "built": 19.0, "warmed_up": 21.0, "steady_done": 22.0}

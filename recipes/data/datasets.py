@@ -7,41 +7,13 @@ device; attention masks are not materialized (the core-attention modules apply t
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 
-
-class ByteTokenizer:
-    """Bytes as tokens (0-255) plus an end-of-document token (256): needs no download."""
-
-    vocab_size = 257
-    eod = 256
-    pad = 256
-    unique_identifiers = {"class": "ByteTokenizer"}  # megatron hashes it into the dataset cache key
-
-    def tokenize(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
-
-    def detokenize(self, ids: list[int]) -> str:
-        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
-
-
-def gpt_dataset_config(cfg: Any, tokenizer, blend=None, split=None):
-    """megatron's GPTDatasetConfig for this run's sequence length and seed (mock when no blend)."""
-    from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
-
-    return GPTDatasetConfig(
-        random_seed=cfg["train"]["seed"],
-        sequence_length=cfg["train"]["seq_length"],
-        blend=blend,
-        split=split,
-        tokenizer=tokenizer,
-        reset_position_ids=False,
-        reset_attention_mask=False,
-        eod_mask_loss=False,
-        create_attention_mask=False,
-    )
+from recipes.data.gpt import ByteTokenizer, gpt_dataset_config
+from recipes.data.indexed import build_indexed_datasets
 
 
 def build_datasets(cfg: Any, num_samples: list[int]):
@@ -57,8 +29,6 @@ def build_datasets(cfg: Any, num_samples: list[int]):
         builder = BlendedMegatronDatasetBuilder(MockGPTDataset, num_samples, lambda: True, config)
         return builder.build()
     if name == "indexed":
-        from recipes.indexed import build_indexed_datasets
-
         return build_indexed_datasets(cfg, num_samples)
     raise ValueError(f"data.name={name!r} is not known; use data=mock or data=indexed")
 

@@ -5,7 +5,7 @@ The guide's first decision depends on "the tensor that actually drives the per-r
 ``profile=none`` turns it off) and records, for this rank, the bytes alive at the peak by module
 kind (the ledger's kinds), ``parameters``, ``gradients``, ``optimizer_state`` and
 ``other/transient``, and the phase the peak falls in (forward of layer i, backward of layer j,
-optimizer step). ``recipes.memtrace`` records the step's ``Trace``; ``replay`` here walks it:
+optimizer step). ``recipes.measure.memtrace`` records the step's ``Trace``; ``replay`` here walks it:
 
 - GPU: the caching allocator's events for this one step. The peak is the sum of the blocks alive at
   the peak event, so the attribution adds up to the allocator's peak by construction (the check
@@ -25,9 +25,11 @@ from pathlib import Path
 
 import torch
 
-from recipes import compat
-from recipes.ledger import KINDS
-from recipes.memtrace import BEFORE, BUCKETS, STATIC, TRANSIENT, Trace, record_cpu, record_gpu
+from recipes.build import compat
+from recipes.errors import ConfigError
+from recipes.measure.memtrace import BEFORE, BUCKETS, STATIC, TRANSIENT, Trace, record_cpu, record_gpu
+from recipes.recompute import KINDS
+from recipes.results import load_result
 
 MODES = ("none", "peak")
 
@@ -129,8 +131,6 @@ def profile_step(trainer, cfg: dict, run_dir: Path | None = None, step_time_s: f
     """
     mode = cfg["measure"]["profile"]
     if mode not in MODES:
-        from recipes.validate import ConfigError
-
         raise ConfigError("measure.profile", f"unknown profile {mode!r}", "use profile=peak or profile=none")
     if mode == "none":
         return {}
@@ -280,8 +280,6 @@ def plot_timelines(runs: list, path: Path | str) -> Path | None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    from recipes.results import load_result
 
     items = []
     for run in runs:

@@ -1,11 +1,11 @@
 """Predict before you run: activation, parameter, gradient and optimizer bytes per rank.
 
-    python -m recipes.estimate model=moe recompute=selective/moe_act size=h200 [--budget-gib 80] [--all]
+    python -m recipes estimate model=moe recompute=selective/moe_act size=h200 [--budget-gib 80] [--all]
     make estimate ARGS="model=moe size=h200 --all --budget-gib 80"
 
 Composed with the same Hydra groups as training. Per pipeline rank it adds up one micro-batch's
-saved-for-backward bytes by module kind (``recipes.activations``: derived term by term from the code
-that runs and checked against ``recipes.ledger`` by ``tests/test_estimate.py``), the micro-batches
+saved-for-backward bytes by module kind (``recipes.predict.activations``: derived term by term from the code
+that runs and checked against ``recipes.measure.ledger`` by ``tests/test_estimate.py``), the micro-batches
 1F1B keeps in flight on that stage, parameters, gradients and optimizer state, and a transient
 allowance, into a predicted peak. ``predict(cfg)`` is the API for other code; ``rank_options``
 ranks every recompute option of the family, before any run (predicted, never measured).
@@ -19,24 +19,15 @@ import argparse
 import sys
 from dataclasses import dataclass, replace
 
-from recipes.activations import Dims, Term, dims, embedding_terms, head_terms, is_gdn_layer, layer_terms
+from recipes.build.model import resolve_precision
+from recipes.build.parallel import pipeline_schedule
 from recipes.config import compose_config
-from recipes.ledger import KINDS
-from recipes.results import GIB
-from recipes.validate import ConfigError
-
-#: Recompute options per family, as Hydra overrides of the ``recompute`` group.
-OPTIONS = {
-    "standard_attn": ["none", "control", "selective/core_attn", "selective/mlp", "selective/layernorm",
-                      "full", "full/block"],
-    "mla": ["none", "control", "selective/mla_up_proj", "selective/mla_up_proj-core_attn",
-            "selective/core_attn", "selective/mlp", "selective/layernorm", "full", "full/block"],
-    "moe": ["none", "control", "selective/moe_act", "selective/moe_act-layernorm", "selective/moe",
-            "selective/moe-layernorm", "selective/core_attn", "selective/layernorm",
-            "selective/shared_experts", "full", "full/block"],
-    "gdn": ["none", "control", "selective/gdn_norm_out", "selective/gdn_norm_out-core_attn",
-            "selective/core_attn", "selective/mlp", "selective/layernorm", "full", "full/block"],
-}
+from recipes.errors import ConfigError
+from recipes.files import GIB
+from recipes.predict.activations import Dims, Term, dims, embedding_terms, head_terms, is_gdn_layer, layer_terms
+from recipes.predict.fit import ALLOCATOR_SLACK, FITS, OVER, TIGHT, verdict, with_slack
+from recipes.recompute import FAMILIES, KINDS, options_for, recompute_config
+from recipes.results import result_rows
 
 
 @dataclass
@@ -111,7 +102,7 @@ def num_parameters(cfg: dict, stage: int) -> tuple[int, int]:
     layers = m["num_layers"] // pp
     chunks = [v * pp + stage for v in range(vpp)]
     num_gdn, gdn = 0, 0
-    if m["family"] == "gdn":  # GatedDeltaNet mixers in place of attention (recipes.activations.is_gdn_layer)
+    if m["family"] == "gdn":  # GatedDeltaNet mixers in place of attention (recipes.predict.activations.is_gdn_layer)
         n, freq = layers // vpp, m["linear_attention_freq"]
         num_gdn = sum((c * n + i + 1) % freq != 0 for c in chunks for i in range(n))
         nk, nv, dk, dv = (m[k] for k in ("linear_num_key_heads", "linear_num_value_heads",
@@ -144,8 +135,6 @@ def static_bytes(cfg: dict, device: str, stage: int = 0) -> dict[str, int]:
     dp, edp = max(1, world // (tp * pp * cp)), max(1, world // (ep * etp * pp))
     dense, experts = num_parameters(cfg, stage)
     params = dense + experts
-    from recipes.model import resolve_precision
-
     p = 2 if resolve_precision(cfg["train"]["precision"], device == "cuda") == "bf16" else 4
     if device == "cuda" and cfg["train"]["optimizer"] == "auto":
         main = 4 * (dense // dp + experts // edp) if p == 2 else 0
@@ -161,10 +150,8 @@ def in_flight_chunks(pp: int, vpp: int | None, stage: int, num_microbatches: int
     1F1B: min(pp - stage, microbatches) forwards. Interleaved 1F1B (megatron's schedule, micro-batch
     group = pp): 2 (pp - stage - 1) + (vpp - 1) pp warm-up forwards plus one, each through one chunk;
     for stage 0 that is p (1 + (p - 1)/(p v)) micro-batches' worth, the paper's interleaving factor.
-    The same bookkeeping the worker records (``recipes.parallel.pipeline_schedule``).
+    The same bookkeeping the worker records (``recipes.build.parallel.pipeline_schedule``).
     """
-    from recipes.parallel import pipeline_schedule
-
     return pipeline_schedule(num_microbatches, pp, stage, vpp or 1)["chunk_order"]
 
 
@@ -213,7 +200,7 @@ def predict(cfg: dict, device: str = "auto", stage: int | None = None) -> dict:
     ``device``: "cuda" (a GPU run: bf16, fused kernels), "cpu" (the CPU run: fp32) or "auto" (this
     machine, as the run itself resolves ``precision=auto``). ``stage``: the pipeline rank to report
     (default: the one with the highest predicted peak). Activation figures are one micro-batch through
-    every model chunk of that rank, exactly what ``recipes.ledger`` measures; the peak multiplies by
+    every model chunk of that rank, exactly what ``recipes.measure.ledger`` measures; the peak multiplies by
     the micro-batches in flight and adds static and transient memory.
     """
     d = dims(cfg, device)
@@ -258,26 +245,12 @@ def predict(cfg: dict, device: str = "auto", stage: int | None = None) -> dict:
             "num_microbatches": m_count, "stages": stages}
 
 
-def recompute_config(option: str) -> dict:
-    """The ``recompute`` group's values for ``option`` (``conf/recompute/<option>.yaml``)."""
-    from pathlib import Path
-
-    from omegaconf import OmegaConf
-
-    path = Path(__file__).resolve().parent.parent / "conf" / "recompute" / f"{option}.yaml"
-    if not path.exists():
-        raise ConfigError("recompute", f"no recompute option {option!r}", "see conf/recompute/")
-    base = {"recompute_granularity": None, "recompute_modules": [], "recompute_method": None,
-            "recompute_num_layers": None, "distribute_saved_activations": False}
-    return {**base, **OmegaConf.to_container(OmegaConf.load(path))}
-
-
 def predict_options(cfg: dict, device: str = "cuda") -> tuple[list[tuple[str, dict]], list[tuple[str, str]]]:
     """Every recompute option of the family: (predictions sorted by peak, refused with the reason)."""
     done, refused = [], []
-    if cfg["model"]["family"] not in OPTIONS:
+    if cfg["model"]["family"] not in FAMILIES:
         dims(cfg, device)  # refuses the family by name
-    for option in OPTIONS[cfg["model"]["family"]]:
+    for option in options_for(cfg["model"]["family"]):
         trial = {**cfg, "recompute": recompute_config(option)}
         try:
             done.append((option, predict(trial, device)))
@@ -299,16 +272,14 @@ def rank_options(cfg_or_overrides: dict | list[str], device: str = "cuda") -> li
 def compare_result(result: dict, name: str | None = None) -> list[dict]:
     """Predicted next to measured for every rank of one run (its merged ``result.json``)."""
     rows = []
-    for rank in result.get("ranks", []):
-        if rank.get("status") != "ok" or "ledger" not in rank:
+    for r in result_rows(result):
+        if r.status != "ok" or r.ledger_bytes is None:
             continue
-        device = "cpu" if rank.get("device", "cpu") == "cpu" else "cuda"
-        p = predict(result["config"], device, stage=rank["coords"]["pp"])
-        rows.append({"name": name or result.get("name"), "rank": rank["rank"], "device": device,
-                     "predicted_ledger_bytes": p["activation_bytes"],
-                     "measured_ledger_bytes": rank["ledger"]["total_bytes"],
-                     "predicted_peak_gib": p["peak_bytes"] / GIB,
-                     "measured_peak_gib": rank.get("memory", {}).get("peak_allocated_gib")})
+        device = "cpu" if (r.device or "cpu") == "cpu" else "cuda"
+        p = predict(result["config"], device, stage=r.coords["pp"])
+        rows.append({"name": name or result.get("name"), "rank": r.rank, "device": device,
+                     "predicted_ledger_bytes": p["activation_bytes"], "measured_ledger_bytes": r.ledger_bytes,
+                     "predicted_peak_gib": p["peak_bytes"] / GIB, "measured_peak_gib": r.peak_allocated_gib})
     return rows
 
 
@@ -361,10 +332,17 @@ def format_prediction(p: dict, title: str, budget_gib: float | None = None, term
               f"{'transient (approximate)':34s}{p['transient_bytes'] / GIB:8.2f}",
               f"{'predicted peak':34s}{p['peak_bytes'] / GIB:8.2f}"]
     if budget_gib is not None:
-        spare = budget_gib - p["peak_bytes"] / GIB
-        lines.append(f"budget {budget_gib:g} GiB: " + (f"fits ({spare:.1f} GiB to spare)" if spare >= 0
-                                                      else f"does NOT fit ({-spare:.1f} GiB over)"))
+        lines.append(budget_line(p["peak_bytes"] / GIB, budget_gib))
     return "\n".join(lines)
+
+
+def budget_line(peak_gib: float, budget_gib: float) -> str:
+    """The fit verdict for a budget, with the allocator's slack (recipes.predict.fit)."""
+    need = with_slack(peak_gib)
+    head = f"budget {budget_gib:g} GiB (what PyTorch may reserve), needs {need:.1f} GiB with {ALLOCATOR_SLACK:.1%} allocator slack: "
+    return head + {FITS: f"fits ({budget_gib - need:.1f} GiB to spare)",
+                   TIGHT: f"TIGHT: fits only without the slack ({need - budget_gib:.1f} GiB short): expect an OOM",
+                   OVER: f"does NOT fit ({peak_gib - budget_gib:.1f} GiB over)"}[verdict(peak_gib, budget_gib)]
 
 
 def format_options(done: list[tuple[str, dict]], refused: list[tuple[str, str]], title: str,
@@ -372,12 +350,12 @@ def format_options(done: list[tuple[str, dict]], refused: list[tuple[str, str]],
     """Every recompute option, sorted by predicted peak."""
     head = f"{'recompute':32s}{'act/mb GiB':>11s}{'in flight':>11s}{'static':>9s}{'peak GiB':>10s}"
     lines = [f"PREDICTED (not measured) peak per rank, every recompute option: {title}",
-             head + (f"{'fits %g?' % budget_gib:>10s}" if budget_gib is not None else "")]
+             head + (f"{f'fits {budget_gib:g}?':>10s}" if budget_gib is not None else "")]
     for option, p in done:
         row = (f"{option:32s}{p['activation_bytes'] / GIB:11.2f}{p['in_flight_activation_bytes'] / GIB:11.2f}"
                f"{p['static_bytes'] / GIB:9.2f}{p['peak_bytes'] / GIB:10.2f}")
         if budget_gib is not None:
-            row += f"{'yes' if p['peak_bytes'] / GIB <= budget_gib else 'no':>10s}"
+            row += f"{verdict(p['peak_bytes'] / GIB, budget_gib):>10s}"
         lines.append(row)
     lines += [f"not applicable: {option} ({why})" for option, why in refused]
     return "\n".join(lines)
@@ -385,10 +363,12 @@ def format_options(done: list[tuple[str, dict]], refused: list[tuple[str, str]],
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m recipes.estimate", description="Predict per-rank memory before a run. "
+        prog="python -m recipes estimate", description="Predict per-rank memory before a run. "
         "Positional arguments are the Hydra overrides training takes (model=moe recompute=full ...).")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, as for train.py")
-    parser.add_argument("--budget-gib", type=float, default=None, help="say whether the peak fits")
+    parser.add_argument("--budget-gib", type=float, default=None,
+                        help="memory per GPU PyTorch may reserve (137 on an H200): fits, tight or over, with "
+                        "the allocator's slack")
     parser.add_argument("--all", action="store_true", help="every recompute option, sorted by peak")
     parser.add_argument("--device", default="cuda", help="cuda (GPU run, bf16; default), cpu or auto")
     parser.add_argument("--terms", action="store_true", help="list the named terms of one layer")

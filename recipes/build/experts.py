@@ -1,6 +1,6 @@
 """Grouped MoE experts for megatron-core's local (no Transformer Engine) spec, with ``moe_act``.
 
-Why this exists (see ``recipes.upstream`` and ../shared/FACTS.md): megatron-core 0.19.2
+Why this exists (see ``recipes.build.upstream`` and docs/upstream.md): megatron-core 0.19.2
 implements ``moe_act`` recompute only in ``TEGroupedMLP``. The local spec always builds
 ``SequentialMLP``, where ``moe_act`` is accepted and silently does nothing. ``GroupedExperts`` is a
 drop-in replacement for ``SequentialMLP`` (same constructor, same forward call and return) that
@@ -87,7 +87,7 @@ class GroupedExperts(MegatronModule):
         if config.add_bias_linear:
             raise ValueError(
                 "GroupedExperts supports only add_bias_linear=False (expert biases are not "
-                "implemented; megatron's local MoE path with biases is broken too, FACTS.md #4)"
+                "implemented; megatron-core 0.19.2's local MoE path with biases fails in place too)"
             )
         if config.fp8 or config.fp4 or config.use_te_activation_func:
             raise ValueError(

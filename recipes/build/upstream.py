@@ -5,15 +5,15 @@ megatron-core and fails once upstream fixes it, so the workaround can be deleted
 
 Bugs handled elsewhere (by design, not by patching):
 - MLA cannot be built with the local spec (``DotProductAttention`` rejects ``k_channels``,
-  Megatron-LM issue 1589): ``recipes.attention`` provides core-attention modules that accept
+  Megatron-LM issue 1589): ``recipes.build.attention`` provides core-attention modules that accept
   ``k_channels``/``v_channels``.
 - ``moe_act`` is implemented only in ``TEGroupedMLP``; the local spec builds ``SequentialMLP`` where
-  it is a silent no-op: ``recipes.experts.GroupedExperts`` implements it without TE.
+  it is a silent no-op: ``recipes.build.experts.GroupedExperts`` implements it without TE.
 - ``selective mlp`` with ``add_bias_linear=True`` recurses in backward and MoE with biases fails in
   place (mlp.py:354): ``recipes.validate`` refuses ``add_bias_linear=True``.
 - GatedDeltaNet cannot be built without Transformer Engine: the hybrid block spec asserts
   ``transformer_impl == "transformer_engine"`` and ``get_gated_delta_net_module_spec`` on the local
-  backend gives ``in_proj=None`` (it fuses the input norm into TE's norm+linear): ``recipes.gdn``
+  backend gives ``in_proj=None`` (it fuses the input norm into TE's norm+linear): ``recipes.build.gdn``
   builds the same layers from local modules (test: ``tests/test_gdn.py``).
 """
 
@@ -64,7 +64,7 @@ def allow_sequence_parallel_torch_norm() -> bool:
     parallel cannot be built at all here, on a GPU or a CPU. Nothing in a torch norm depends on it:
     under sequence parallel each tensor-parallel rank normalizes its sequence shard with a
     replicated weight whose gradient must be summed over TP, which megatron's
-    ``finalize_model_grads`` (and ``recipes.parallel.reduce_gradients_cpu``) do for parameters
+    ``finalize_model_grads`` (and ``recipes.build.parallel.reduce_gradients_cpu``) do for parameters
     marked ``sequence_parallel=True``, as Apex's FusedLayerNorm and TENorm mark theirs. The fix
     builds the norm from a copy of the config with the flag off and marks the weights.
     Returns True when the fix was applied.

@@ -11,7 +11,7 @@ fuses the layer's input norm into ``in_proj`` (``column_parallel_layer_norm_line
 ``LocalSpecProvider`` does not have (it returns None). ``build_gdn_block_spec`` builds the same
 per-layer list from local pieces: the GDN layers keep the layer's own ``input_layernorm`` and a plain
 ``ColumnParallelLinear`` ``in_proj`` (the same arithmetic, unfused); the attention layers are the
-local attention layer spec with our core attention (``recipes.attention``), exactly as model=standard_attn.
+local attention layer spec with our core attention (``recipes.build.attention``), exactly as model=standard_attn.
 
 The kernels come from fla-core (flash-linear-attention, Triton), which megatron imports in
 ``megatron/core/ssm/gated_delta_net/common.py``: ``chunk_gated_delta_rule``, ``causal_conv1d`` and
@@ -39,7 +39,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from recipes.compat import cuda_available
+from recipes.build.compat import cuda_available
+from recipes.errors import ConfigError
 
 #: megatron's GDN module globals that hold fla's Triton kernels -> their CPU references (below).
 _SWAPPED: dict[str, Any] = {}
@@ -84,7 +85,7 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6, output_dtype: torch.dtype | None 
 def select_gdn_ops() -> bool:
     """Without CUDA, swap megatron's fla Triton kernels for the references above; True if swapped.
 
-    Scoped like ``recipes.compat.install_cpu_compat``: with CUDA it does nothing, so a GPU always
+    Scoped like ``recipes.build.compat.install_cpu_compat``: with CUDA it does nothing, so a GPU always
     runs fla's kernels. Call it before building GDN layers (``GatedDeltaNet.__init__`` binds
     ``chunk_gated_delta_rule`` to the instance). Idempotent.
     """
@@ -118,8 +119,6 @@ def check_fla_kernels() -> None:
 
     import triton
     from fla import utils
-
-    from recipes.validate import ConfigError
 
     if (utils.IS_NVIDIA_HOPPER and utils.TRITON_ABOVE_3_4_0 and not utils.TRITON_ABOVE_3_7_1
             and importlib.util.find_spec("tilelang") is None):

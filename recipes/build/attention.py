@@ -2,7 +2,7 @@
 
 Both take megatron's core-attention call (``query, key, value`` as ``[s, b, heads, dim]``, the
 attention mask, ``attn_mask_type``) and accept MLA's ``k_channels``/``v_channels``, which megatron's
-own ``DotProductAttention`` rejects (Megatron-LM issue 1589, see ``recipes.upstream``).
+own ``DotProductAttention`` rejects (Megatron-LM issue 1589, see ``recipes.build.upstream``).
 
 - ``UnfusedAttention`` materializes the ``[b, heads, s, s]`` scores and probabilities exactly as
   megatron's ``DotProductAttention`` does (scale, causal mask, softmax in fp32 when

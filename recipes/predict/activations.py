@@ -1,7 +1,7 @@
 """What one transformer layer keeps for backward, term by term, in megatron-core's local spec.
 
 Each term is a tensor autograd keeps for backward in megatron-core 0.19.2 with our core attention
-(``recipes.attention``) and experts (``recipes.experts``), counted the way ``recipes.ledger`` counts:
+(``recipes.build.attention``) and experts (``recipes.build.experts``), counted the way ``recipes.measure.ledger`` counts:
 unique storages (a saved view counts its whole storage), parameters excluded, outputs discarded by
 output-discarding checkpoints (``layernorm``, ``mla_up_proj``, ``moe_act``) counted as 0, tensors
 freed before the forward ends (the aux loss's unused top-k values) not counted. The terms were read
@@ -19,10 +19,10 @@ Device-dependent terms (``Dims.device``): RMSNorm is torch's fused kernel on CUD
 rstd) and a composite on CPU (also the normalized tensor); dropout masks are bool on CUDA and
 input-dtype noise on CPU; SDPA is cuDNN/flash on CUDA (q, k, v, output, fp32 logsumexp, RNG seed and
 offset) and on CPU flash, or the math path (scaled q/k copies, probabilities) with dropout or with
-q/v head dims that differ (MLA). Where all this departs from Korthikanti et al. 2022: ``recipes.paper``.
+q/v head dims that differ (MLA). Where all this departs from Korthikanti et al. 2022: ``recipes.predict.paper``.
 
 GatedDeltaNet layers (``model=gdn``, ``gdn_terms``) run other code on each device: fla-core 0.6.0's
-Triton kernels and megatron's ``torch.compile``d helpers on CUDA, ``recipes.gdn``'s references on
+Triton kernels and megatron's ``torch.compile``d helpers on CUDA, ``recipes.build.gdn``'s references on
 the CPU (fla's naive chunked delta rule, autograd through plain ops); their terms are written per
 device from that code, and the layer pattern (``is_gdn_layer``) says which layers they apply to.
 """
@@ -31,10 +31,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from recipes.validate import ConfigError, recompute_labels, validate
+from recipes.build.model import resolve_precision
+from recipes.errors import ConfigError
+from recipes.recompute import FAMILIES, labels_of
+from recipes.validate import validate
 
-#: The families whose terms are modeled.
-FAMILIES = ("standard_attn", "mla", "moe", "gdn")
 #: fla's chunk size: the delta rule works on chunks of this many tokens (``chunk_size=64``).
 GDN_CHUNK = 64
 
@@ -123,8 +124,6 @@ def check_modeled(cfg: dict, device: str) -> None:
     for bad, option, problem, fix in refuse:
         if bad:
             raise ConfigError(option, problem, fix)
-    from recipes.model import resolve_precision
-
     precision = resolve_precision(cfg["train"]["precision"], device == "cuda")
     if device == "cpu" and precision != "fp32":
         raise ConfigError("train.precision", "CPU runs are modeled in fp32 only", "use precision=auto")
@@ -158,7 +157,7 @@ def dims(cfg: dict, device: str = "auto") -> Dims:
     return Dims(m["family"], cfg["attention"]["backend"], device, e, 1 if device == "cuda" else e,
                 s, s // tp if par["sequence_parallel"] else s, t["micro_batch_size"], h, tp,
                 par["expert_model_parallel_size"], heads // tp, groups // tp, dq, dv, rope, m,
-                frozenset(recompute_labels(cfg)), cfg["recompute"]["recompute_granularity"] == "full")
+                frozenset(labels_of(cfg)), cfg["recompute"]["recompute_granularity"] == "full")
 
 
 # --- terms: (kind, what, bytes) for one layer, one micro-batch -------------------------------------
@@ -366,7 +365,7 @@ def is_gdn_layer(d: Dims, layer: int) -> bool:
 
 
 def gdn_terms(d: Dims) -> list[Term]:
-    """Input norm and GatedDeltaNet mixer of one GDN layer (``recipes.gdn``'s local spec, TP 1).
+    """Input norm and GatedDeltaNet mixer of one GDN layer (``recipes.build.gdn``'s local spec, TP 1).
 
     Shapes, from megatron's ``GatedDeltaNet`` (``ssm/gated_delta_net/``): ``in_proj`` makes q, k
     (nk key heads x dk), v, the gate z (nv value heads x dv) and beta, alpha (nv each); the causal
@@ -435,10 +434,10 @@ def _padded(s: int) -> int:
 
 
 def reference_terms(d: Dims) -> list[Term]:
-    """The same on the CPU (fp32): ``recipes.gdn``'s references, megatron's helpers run eagerly.
+    """The same on the CPU (fp32): ``recipes.build.gdn``'s references, megatron's helpers run eagerly.
 
-    ``recipes.gdn.causal_conv1d``: SiLU keeps ``F.conv1d``'s output before the causal slice (s + W - 1
-    long); ``recipes.gdn.l2norm``: pow and mul keep its input (a contiguous copy of q, k), mul the
+    ``recipes.build.gdn.causal_conv1d``: SiLU keeps ``F.conv1d``'s output before the causal slice (s + W - 1
+    long); ``recipes.build.gdn.l2norm``: pow and mul keep its input (a contiguous copy of q, k), mul the
     rsqrt; ``_compute_g_and_beta``: exp and mul keep exp(A_log) and -exp(A_log) ([nv] each, per layer),
     softplus and mul the softplus input (alpha + dt_bias) and output, sigmoid its output beta.
     fla's ``naive_chunk_gated_delta_rule`` (ops/gated_delta_rule/naive.py) transposes q, k, v, beta, g to [b, nv, l, .] with l the sequence padded to whole

@@ -1,10 +1,10 @@
 """The memory trace of one training step: who allocates what, in which phase, and when it is freed.
 
-Recording only; ``recipes.profile`` replays a ``Trace`` to find the peak and attribute it.
+Recording only; ``recipes.measure.profile`` replays a ``Trace`` to find the peak and attribute it.
 
 - ``PhaseTracker`` labels the code running now, per thread, as "phase|kind": forward/backward of
   layer i (a TransformerLayer's ``layer_number``), embedding, logits/loss, gradient finalization,
-  optimizer step; the kind is the ledger's module kind (``recipes.ledger.module_kinds``).
+  optimizer step; the kind is the ledger's module kind (``recipes.measure.ledger.module_kinds``).
 - GPU (``record_gpu``): the caching allocator's event trace for this one step
   (``torch.cuda.memory._record_memory_history``); each event carries the label of the thread that
   made it (``_set_memory_metadata`` is thread-local, and backward hooks run on autograd's thread,
@@ -24,12 +24,13 @@ import itertools
 import threading
 import time
 import weakref
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
 
 import torch
 
-from recipes.ledger import KINDS, module_kinds
+from recipes.measure.ledger import module_kinds
+from recipes.recompute import KINDS
 
 STATIC = ("parameters", "gradients", "optimizer_state")
 TRANSIENT = "other/transient"
@@ -150,7 +151,7 @@ class PhaseTracker:
                 return
 
     @contextlib.contextmanager
-    def installed(self, trainer) -> Iterator["PhaseTracker"]:
+    def installed(self, trainer) -> Iterator[PhaseTracker]:
         """Hooks on for one ``trainer.step()``: also labels gradient finalization and the optimizer."""
         forward_backward, optimizer = trainer.forward_backward, trainer.optimizer
         had_step = "step" in vars(optimizer)

@@ -1,6 +1,6 @@
 """Compare the points of a sweep: a table per point and rank, deltas against the control, a plot.
 
-    python -m recipes.report multirun/moe/defaults        # or: make report [DIR=...]
+    python -m recipes report multirun/moe/defaults        # or: make report [DIR=...]
 
 Also runs at the end of every ``-m`` sweep (``ReportCallback``, registered in conf/config.yaml).
 Writes ``report.md``, ``report.csv`` and ``report.png`` (peak memory against step time, Pareto
@@ -23,8 +23,17 @@ from pathlib import Path
 
 from hydra.experimental.callback import Callback
 
-from recipes.controller import NOT_MEASURED  # config sections that do not change a measurement
-from recipes.results import first_sentence, load_result, recompute_of
+from recipes.analyze.logger import sweep_group
+from recipes.files import MIB, UnreadableFile, write_json_atomic
+from recipes.measure.profile import plot_timelines
+from recipes.recompute import recompute_order
+from recipes.results import (
+    NOT_MEASURED,  # config sections that do not change a measurement
+    RankRow,
+    first_sentence,
+    load_result,
+    result_rows,
+)
 
 #: The guide's controls, in order of preference for the deltas (the control itself is compared
 #: with ``none``: their difference is the noise floor of the measurement).
@@ -57,11 +66,44 @@ NOISY_STEPS = 0.25
 
 
 def find_results(sweep_dir: Path) -> list[dict]:
-    """Every result.json under a sweep directory (one per point); a run directory also works."""
+    """Every result.json under a sweep directory (one per point); a run directory also works.
+
+    Ordered by each point's overrides, not its directory name: a short name ends in a hash, which
+    would order points at random. Results without recorded overrides (before they were recorded)
+    order by the name of the directory they ran in, which spelled the overrides out."""
     files = sorted(Path(sweep_dir).glob("*/result.json"))
     if not files and (Path(sweep_dir) / "result.json").exists():
         files = [Path(sweep_dir) / "result.json"]
-    return [load_result(f) for f in files]
+    results = []
+    for f in files:
+        try:
+            results.append(load_result(f))
+        except UnreadableFile as err:  # a kill mid-write elsewhere, a hand edit: name it, keep the rest
+            print(f"warning: skipped {err}", file=sys.stderr)
+    return sorted(results, key=_order)
+
+
+def _order(result: dict) -> str:
+    overrides = result.get("overrides")
+    if overrides:
+        return "__".join(str(o).replace("/", ".") for o in overrides)
+    return Path(result.get("run_dir") or "").name
+
+
+def write_manifest(sweep_dir: Path) -> Path:
+    """``manifest.json``: each point directory's full overrides, name and status (the directory names
+    are short; this says what each one ran)."""
+    manifest = {}
+    for f in sorted(Path(sweep_dir).glob("*/result.json")):
+        try:
+            r = load_result(f)
+        except UnreadableFile as err:
+            manifest[f.parent.name] = {"status": "unreadable", "error": str(err)}
+            continue
+        manifest[f.parent.name] = {"overrides": r.get("overrides"), "name": r.get("name"), "status": r.get("status")}
+    path = Path(sweep_dir) / "manifest.json"
+    write_json_atomic(path, manifest)
+    return path
 
 
 def _without_repeat(config: dict) -> dict:
@@ -123,35 +165,17 @@ def merge_repeats(results: list[dict]) -> list[dict]:
     return out
 
 
-def recompute_order(label: str | None) -> tuple:
-    """none, control, selective labels (narrow first), full: the guide's order of preference."""
-    label = label or ""
-    kind = {"none": 0, "control": 1}.get(label, 3 if label.startswith("full") else 2)
-    return (kind, label.count("-"), label)
-
-
-def _rank_numbers(rank: dict) -> dict:
-    """The flat numbers of one rank; an ``oom`` rank reports the allocator at the failure."""
-    mem = rank.get("memory") or rank.get("memory_at_failure") or {}
-    timing = rank.get("timing") or {}
-    ledger = rank.get("ledger") or {}
-    alloc, reserved = mem.get("peak_allocated_gib"), mem.get("peak_reserved_gib")
-    step, fast = timing.get("step_time_s"), timing.get("step_time_min_s")
-    profile_peak = (rank.get("profile") or {}).get("peak_bytes")
-    frag = mem.get("fragmentation_gib")
-    if frag is None and alloc is not None and reserved is not None:
-        frag = reserved - alloc
+def _row(r: RankRow, name: str) -> dict:
+    """A report row: the rank's ``RankRow`` numbers under the report's keys (deltas are added later)."""
     return {
-        "rank": rank.get("rank"), "status": rank.get("status"), "error": rank.get("error"),
-        "peak_allocated_gib": alloc, "peak_reserved_gib": reserved, "fragmentation_gib": frag,
-        "activation_gib": mem.get("activation_gib"),
-        "ledger_bytes": ledger.get("total_bytes"),
-        "ledger_mib": ledger["total_bytes"] / 2**20 if ledger.get("total_bytes") is not None else None,
-        "profile_peak_mib": profile_peak / 2**20 if profile_peak is not None else None,
-        "step_ms": step * 1e3 if step is not None else None,
-        "step_noise": step / fast - 1.0 if step and fast else None,
-        "repeats": timing.get("repeats"), "step_spread": timing.get("step_time_spread"),
-        "tokens_per_s": timing.get("tokens_per_s"), "mfu": timing.get("mfu"),
+        "point": name, "model": r.model, "attention": r.attention, "recompute": r.recompute, "run_dir": r.run_dir,
+        "point_status": r.point_status, "rank": r.rank, "worst": r.worst, "status": r.status, "error": r.error,
+        "peak_allocated_gib": r.peak_allocated_gib, "peak_reserved_gib": r.peak_reserved_gib,
+        "fragmentation_gib": r.fragmentation_gib, "activation_gib": r.activation_gib,
+        "ledger_bytes": r.ledger_bytes, "ledger_mib": r.ledger_mib,
+        "profile_peak_mib": r.profile_peak_bytes / MIB if r.profile_peak_bytes is not None else None,
+        "step_ms": r.step_ms, "step_noise": r.step_noise, "repeats": r.repeats, "step_spread": r.step_time_spread,
+        "tokens_per_s": r.tokens_per_s, "mfu": r.mfu,
     }
 
 
@@ -208,19 +232,12 @@ def rank_rows(results: list[dict]) -> list[dict]:
     rows: list[dict] = []
     results = merge_repeats(results)
     for result, name in zip(results, point_names(results)):
-        choices = result.get("choices", {})
-        base = {"point": name, "model": choices.get("model"),
-                "attention": choices.get("attention"), "recompute": recompute_of(result),
-                "run_dir": result.get("run_dir"), "point_status": result.get("status"), "_key": match_key(result),
-                "_family_key": match_key(result, ("recompute", "attention"))}
-        ranks = result.get("ranks") or [{}]
-        for rank in ranks:
-            row = {**base, **_rank_numbers(rank)}
-            row["worst"] = rank.get("rank") is not None and rank.get("rank") == result.get("worst_rank")
-            row["status"] = row["status"] or result.get("status")
-            row["error"] = row["error"] or (result.get("error") if row["status"] != "ok" else None)
-            mark = "*" if row["worst"] and len(ranks) > 1 else ""
-            row["rank_label"] = f"{row['rank']}{mark}" if row["rank"] is not None else ""
+        keys = {"_key": match_key(result), "_family_key": match_key(result, ("recompute", "attention"))}
+        ranks = result_rows(result)
+        for r in ranks:
+            row = {**_row(r, name), **keys}
+            mark = "*" if r.worst and len(ranks) > 1 else ""
+            row["rank_label"] = f"{r.rank}{mark}" if r.rank is not None else ""
             rows.append(row)
     keys = list(dict.fromkeys(r["_key"] for r in rows))
     rows.sort(key=lambda r: (keys.index(r["_key"]), recompute_order(r["recompute"]), r["point"] or "",
@@ -382,13 +399,9 @@ def write_report(sweep_dir: Path, wandb_logger: dict | None = None) -> str:
         raise FileNotFoundError(f"no result.json under {sweep_dir}: run a sweep first "
                                 "(python train.py -m sweep=moe) or point at its multirun/ directory")
     rows = rank_rows(results)
-    from recipes.logger import sweep_group
-
     png = plot_pareto(rows, sweep_dir / "report.png", f"{sweep_group(str(sweep_dir))}: memory vs step time")
     md = format_markdown(rows)
     notes = "\n".join(f"- {n}" for n in _notes(rows, results))
-    from recipes.profile import plot_timelines  # the control's and each label's memory timelines
-
     timelines = plot_timelines(results, sweep_dir / "timelines.png")
     side_by_side = f"\n\n![memory over one step]({timelines.name})" if timelines else ""
     (sweep_dir / "report.md").write_text(
@@ -405,8 +418,6 @@ def write_report(sweep_dir: Path, wandb_logger: dict | None = None) -> str:
 def log_report_to_wandb(sweep_dir: Path, rows: list[dict], png: Path, log: dict) -> None:
     """The table (wandb.Table) and plot (wandb.Image) as one ``report`` run in the sweep's group."""
     import os
-
-    from recipes.logger import sweep_group
 
     os.environ.setdefault("WANDB_SILENT", "true")
     import wandb
@@ -434,13 +445,15 @@ class ReportCallback(Callback):
         from omegaconf import OmegaConf
 
         sweep_dir = Path(config.hydra.sweep.dir)
+        if sweep_dir.is_dir():
+            write_manifest(sweep_dir)
         try:
             md = write_report(sweep_dir, OmegaConf.to_container(config.logger, resolve=True))
         except FileNotFoundError:
             return
         except Exception as err:  # the results are safe on disk; a report bug must not fail the sweep
             print(f"warning: no report for {sweep_dir}: {type(err).__name__}: {err} "
-                  f"(python -m recipes.report {sweep_dir} to retry)")
+                  f"(python -m recipes report {sweep_dir} to retry)")
             return
         print(f"\n{md}\n\nreport: {sweep_dir / 'report.md'} (plot: report.png, csv: report.csv)")
 

@@ -6,10 +6,10 @@ train/valid/test by ``data.split`` (by document) and blends them; samples are ``
 
 Two halves, so that bad input is refused before any worker starts:
 - ``validate_data(cfg)`` runs in the controller and stays cheap (file existence, the 34-byte ``.idx``
-  header, the small ``PREFIX.meta.json`` sidecar written by ``recipes.preprocess``; no megatron import):
+  header, the small ``PREFIX.meta.json`` sidecar written by ``recipes.data.preprocess``; no megatron import):
   missing prefix, ``.bin`` without ``.idx``, empty dataset, a split part with no documents (megatron
   would loop forever on it), and a tokenizer vocabulary larger than ``model.vocab_size``.
-- ``build_indexed_datasets(cfg, num_samples)`` runs in the worker (``recipes.data.build_datasets``).
+- ``build_indexed_datasets(cfg, num_samples)`` runs in the worker (``recipes.data.datasets.build_datasets``).
 
 Relative prefixes are resolved against the repository root (the worker's working directory), so the
 controller checks the same files the worker reads. Megatron's sample/shuffle index cache goes to
@@ -25,11 +25,12 @@ import struct
 from pathlib import Path
 from typing import Any
 
-from recipes.validate import ConfigError
+from recipes.data.gpt import gpt_dataset_config
+from recipes.errors import ConfigError
+from recipes.files import REPO_ROOT, write_json_atomic
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 META_SUFFIX = ".meta.json"
-#: What the byte-level tokenizer declares (``recipes.data.ByteTokenizer``, kept import-free here).
+#: What the byte-level tokenizer declares (``recipes.data.gpt.ByteTokenizer``, kept import-free here).
 BYTE_TOKENIZER = {"name": "byte", "path": None, "sha256": None, "vocab_size": 257, "eod": 256}
 _INDEX_HEADER = b"MMIDIDX\x00\x00"  # megatron.core.datasets.indexed_dataset._INDEX_HEADER
 
@@ -40,8 +41,6 @@ def meta_path(prefix: str) -> str:
 
 
 def write_meta(prefix: str, meta: dict) -> None:
-    from recipes.results import write_json_atomic
-
     write_json_atomic(Path(meta_path(prefix)), meta)
     os.chmod(meta_path(prefix), 0o644)  # readable like the .bin/.idx next to it (mkstemp makes 0600)
 
@@ -107,7 +106,7 @@ def read_index_header(idx_path: str) -> tuple[int, int]:
         head = f.read(34)
     if len(head) < 34 or head[:9] != _INDEX_HEADER:
         raise ConfigError("data.paths", f"{idx_path} is not a megatron index (bad header)",
-                          "rebuild it: python -m recipes.preprocess INPUT... --output-prefix PREFIX")
+                          "rebuild it: python -m recipes preprocess INPUT... --output-prefix PREFIX")
     sequences, documents = struct.unpack("<QQ", head[18:34])
     return sequences, max(documents - 1, 0)
 
@@ -151,16 +150,16 @@ def inspect_data(cfg: Any) -> dict:
         bin_path, idx_path = f"{prefix}.bin", f"{prefix}.idx"
         if not os.path.exists(bin_path) and not os.path.exists(idx_path):
             raise ConfigError("data.paths", f"missing prefix {raw}: neither {bin_path} nor {idx_path} "
-                              "exists", "build it with python -m recipes.preprocess (make data for "
+                              "exists", "build it with python -m recipes preprocess (make data for "
                               "data/stdlib_text_document), or fix the path (relative to the repository root)")
         for have, lacks in ((bin_path, idx_path), (idx_path, bin_path)):
             if not os.path.exists(lacks):
                 raise ConfigError("data.paths", f"{have} has no {Path(lacks).suffix} file: {lacks} "
-                                  "is missing", "copy both files of the dataset, or re-run recipes.preprocess")
+                                  "is missing", "copy both files of the dataset, or re-run recipes.data.preprocess")
         sequences, documents = read_index_header(idx_path)
         if sequences == 0 or os.path.getsize(bin_path) == 0:
             raise ConfigError("data.paths", f"{bin_path} is empty (0 documents, 0 tokens)",
-                              "re-run recipes.preprocess on non-empty inputs, or drop the prefix")
+                              "re-run recipes.data.preprocess on non-empty inputs, or drop the prefix")
         per_split = split_documents(sequences, fractions)
         for name, fraction, count in zip(("train", "validation", "test"), fractions, per_split):
             if fraction > 0 and count == 0:
@@ -184,7 +183,7 @@ def inspect_data(cfg: Any) -> dict:
                 tokenizer, source = found, where
         elif declared is None:
             raise ConfigError("data.tokenizer", f"{raw} has no {Path(meta_path(prefix)).name} "
-                              "(written by recipes.preprocess), so its tokenizer is unknown",
+                              "(written by recipes.data.preprocess), so its tokenizer is unknown",
                               "set data.tokenizer=byte or data.tokenizer=/path/to/tokenizer.json: "
                               "the tokenizer the data was made with")
         prefixes.append(prefix)
@@ -233,8 +232,6 @@ def build_indexed_datasets(cfg: Any, num_samples: list[int]):
     """(train, valid, test) ``GPTDataset``/``BlendedDataset`` splits of ``data.paths`` (None where empty)."""
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset
-
-    from recipes.data import gpt_dataset_config
 
     found = inspect_data(cfg)
     config = gpt_dataset_config(cfg, DatasetTokenizer(found["tokenizer"]),

@@ -11,35 +11,11 @@ measured inside the run, not inferred.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 
-#: label -> module attributes that megatron (or recipes.experts) sets when the label applies.
-LABEL_FLAGS: dict[str, tuple[str, ...]] = {
-    "core_attn": ("checkpoint_core_attention",),
-    "mlp": ("recompute_mlp",),
-    "layernorm": ("recompute_input_layernorm", "recompute_pre_mlp_layernorm"),
-    "moe_act": ("activation_recompute",),
-    "moe": ("moe_layer_recompute",),
-    "shared_experts": ("shared_experts_recompute",),
-    "mla_up_proj": ("recompute_up_proj",),
-    "gdn_norm_out": ("recompute_norm_out",),  # GatedDeltaNet (megatron/core/ssm/gated_delta_net)
-}
-#: The guide's first selective label per model family (its decision guide, step 3).
-GUIDE_FIRST_LABEL = {"standard_attn": "selective/core_attn", "mla": "selective/mla_up_proj",
-                     "moe": "selective/moe_act", "gdn": "selective/gdn_norm_out"}
-#: What a label that wraps nothing should be replaced with.
-ADVICE = {
-    "core_attn": "this model has no attention modules that megatron checkpoints",
-    "mlp": "every MLP here is an MoE layer: use selective/moe_act or selective/moe",
-    "layernorm": "the norms are fused into the next linear (or absent): use another label",
-    "moe_act": "no experts module here implements moe_act: use model=moe with model.experts=grouped",
-    "moe": "no MoE layer here: use selective/mlp for dense MLPs",
-    "shared_experts": "no shared experts here: set model.moe_shared_expert_intermediate_size",
-    "mla_up_proj": "no MLA attention here: use model=mla, or selective/core_attn",
-    "gdn_norm_out": "no GatedDeltaNet layers here: use model=gdn with model.linear_attention_freq>=2",
-}
+from recipes.recompute import LABELS
 
 
 class LabelError(ValueError):
@@ -53,7 +29,7 @@ def _flag_owners(chunks: list[torch.nn.Module], label: str) -> list[tuple[str, t
         for name, module in chunk.named_modules():
             if type(module).__name__ == "TransformerBlock":
                 continue  # its checkpoint_core_attention only forwards a hint to TE attention
-            for attr in LABEL_FLAGS[label]:
+            for attr in LABELS[label].flags:
                 value = module.__dict__.get(attr)
                 if isinstance(value, bool):
                     if label == "shared_experts" and getattr(module, "shared_experts", None) is None:
@@ -66,7 +42,7 @@ def resolve_labels(chunks: list[torch.nn.Module], labels: list[str]) -> dict[str
     """For each requested selective label: how many modules it wraps here, and which."""
     resolved = {}
     for label in labels:
-        if label not in LABEL_FLAGS:
+        if label not in LABELS:
             raise LabelError(f"recompute label {label!r} is not supported here")
         on = [(n, a) for n, m, a in _flag_owners(chunks, label) if getattr(m, a)]
         resolved[label] = {"wraps": len(on), "modules": [f"{n}.{a}" for n, a in on[:6]]}
@@ -77,7 +53,7 @@ def check_resolved(resolved: dict[str, dict]) -> None:
     """Refuse labels that wrap nothing (megatron would accept them and recompute nothing)."""
     empty = [label for label, info in resolved.items() if info["wraps"] == 0]
     if empty:
-        reasons = "; ".join(f"{label}: {ADVICE.get(label, 'no module applies')}" for label in empty)
+        reasons = "; ".join(f"{label}: {LABELS[label].wraps_nothing}" for label in empty)
         raise LabelError(f"recompute label(s) {', '.join(empty)} wrap no module in this model "
                          f"(a silent no-op): {reasons}")
 

@@ -7,7 +7,7 @@ records the activation ledger) -> timed steady-state steps -> the profiled step 
 measurements, written atomically to ``RUN_DIR/ranks/rank<N>.json``. An OOM or crash writes a rank file with status
 ``oom``/``failed`` and the error, so the controller can always record the point.
 
-    python -m torch.distributed.run --standalone --nproc_per_node 1 -m recipes.worker RUN_DIR
+    python -m torch.distributed.run --standalone --nproc_per_node 1 -m recipes.run.worker RUN_DIR
 """
 
 from __future__ import annotations
@@ -23,10 +23,16 @@ from typing import Any
 
 import torch
 
-from recipes import compat, upstream
-from recipes.labels import LabelError, check_resolved, label_findings, resolve_labels
-from recipes.validate import recompute_labels
-from recipes.results import GIB, write_json_atomic
+from recipes.build import compat, upstream
+from recipes.build.model import build_model, build_transformer_config, num_parameters
+from recipes.build.parallel import pipeline_report, reduce_gradients_cpu
+from recipes.data.datasets import batches, build_datasets
+from recipes.files import GIB, write_json_atomic
+from recipes.measure.flops import step_flops
+from recipes.measure.labels import LabelError, check_resolved, label_findings, labels_disabled, resolve_labels
+from recipes.measure.ledger import ActivationLedger, CheckpointCounter
+from recipes.measure.profile import profile_step
+from recipes.recompute import labels_of
 
 
 def init_distributed(cfg: dict, marks: dict | None = None) -> None:
@@ -83,9 +89,6 @@ class Trainer:
         from megatron.core import parallel_state as ps
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        from recipes.data import batches, build_datasets
-        from recipes.ledger import ActivationLedger, CheckpointCounter
-        from recipes.model import build_model, build_transformer_config
 
         self.cfg = cfg
         self.on_gpu = compat.cuda_available()
@@ -181,8 +184,6 @@ class Trainer:
 
     def ledger_pass(self, disabled_labels: list[str] = ()) -> dict[str, int]:
         """Ledger bytes by kind of one micro-batch with some labels switched off (no update)."""
-        from recipes.labels import labels_disabled
-
         with labels_disabled(self.chunks, list(disabled_labels)):
             self.compute_gradients(record_ledger=True)
         return dict(self.ledger.bytes_by_kind)
@@ -242,14 +243,12 @@ class Trainer:
 
     def _finalize_grads(self) -> None:
         """Gradient reduction: megatron's on a GPU; on a CPU the same reductions and global-norm
-        clipping over the same process groups (``recipes.parallel.reduce_gradients_cpu``)."""
+        clipping over the same process groups (``recipes.build.parallel.reduce_gradients_cpu``)."""
         if self.optimizer_kind.startswith("megatron"):
             from megatron.core.distributed import finalize_model_grads
 
             finalize_model_grads(self.chunks)
             return
-        from recipes.parallel import reduce_gradients_cpu
-
         self._grad_norm = reduce_gradients_cpu(self.chunks, self.config, self.cfg["train"]["clip_grad"])
 
 
@@ -290,11 +289,8 @@ def memory_now() -> dict:
     }
 
 
-def train_and_measure(cfg: dict, result: dict, run_dir: Path | None = None) -> "Trainer":
+def train_and_measure(cfg: dict, result: dict, run_dir: Path | None = None) -> Trainer:
     """Warm up, record the ledger, time steady-state steps; fill ``result`` as it goes."""
-    from recipes.flops import step_flops
-    from recipes.model import num_parameters
-
     train = cfg["train"]
     if compat.cuda_available() and cfg["measure"]["memory_fraction"]:
         torch.cuda.set_per_process_memory_fraction(cfg["measure"]["memory_fraction"])
@@ -306,7 +302,7 @@ def train_and_measure(cfg: dict, result: dict, run_dir: Path | None = None) -> "
     result["optimizer"] = trainer.optimizer_kind
     result["precision"] = "bf16" if trainer.config.bf16 else "fp32"
     result["memory_after_init"] = memory_now()
-    labels = recompute_labels(cfg)
+    labels = labels_of(cfg)
     result["labels"] = resolve_labels(trainer.chunks, labels)
     check_resolved(result["labels"])  # a label that wraps nothing is refused before training
     result["phase"] = "warmup"
@@ -329,8 +325,6 @@ def train_and_measure(cfg: dict, result: dict, run_dir: Path | None = None) -> "
         "bytes_by_kind": trainer.ledger.bytes_by_kind,
         "total_bytes": trainer.ledger.total_bytes,
     }
-    from recipes.parallel import pipeline_report  # micro-batches and ledger bytes in flight here
-
     chunk_bytes = [l.total_bytes for l in trainer.chunk_ledgers] if cfg["measure"]["ledger"] else []
     result["pipeline"] = pipeline_report(trainer.chunks, trainer.num_microbatches, trainer.config,
                                          chunk_bytes)
@@ -384,8 +378,6 @@ def train_and_measure(cfg: dict, result: dict, run_dir: Path | None = None) -> "
             "total_gib": torch.cuda.get_device_properties(0).total_memory / GIB,
         }
     if cfg["measure"]["profile"] != "none":
-        from recipes.profile import profile_step  # one extra, profiled step (not timed)
-
         result["profile"] = profile_step(trainer, cfg, run_dir, step_time_s=median)
     marks["profile_done"] = time.time()
     ledger_warnings = control_ledgers(trainer, labels, result) if labels and cfg["measure"]["ledger"] else []
@@ -396,7 +388,7 @@ def train_and_measure(cfg: dict, result: dict, run_dir: Path | None = None) -> "
     return trainer
 
 
-def control_ledgers(trainer: "Trainer", labels: list[str], result: dict) -> list[str]:
+def control_ledgers(trainer: Trainer, labels: list[str], result: dict) -> list[str]:
     """The matched control inside this run: the same micro-batch with the labels switched off (and,
     for several labels, each one alone off), recorded into ``result["ledger"]``.
 
@@ -417,7 +409,7 @@ def control_ledgers(trainer: "Trainer", labels: list[str], result: dict) -> list
     except torch.OutOfMemoryError as err:
         result["ledger"]["control_error"] = f"oom: {str(err).splitlines()[0]}"
         return ["the in-run control ledger (these labels switched off) ran out of memory: this option's "
-                "measurements stand; compare against the sweep's control point or `python -m recipes.estimate`"]
+                "measurements stand; compare against the sweep's control point or `python -m recipes estimate`"]
     finally:
         trainer.optimizer.zero_grad()
         if compat.cuda_available():

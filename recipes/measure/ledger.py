@@ -16,12 +16,11 @@ import os
 import sys
 import weakref
 from collections import Counter
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 
-#: Module kinds, in report order.
-KINDS = ("embedding", "norm", "attn_proj", "core_attn", "gdn", "mlp", "moe", "other", "logits")
+from recipes.recompute import KINDS
 
 #: (file name, function) of the megatron code that opens a checkpoint -> recompute label.
 _SITES = {
@@ -62,7 +61,7 @@ class CheckpointCounter:
         self.recompute: Counter = Counter()
         self._undo: list = []
 
-    def install(self) -> "CheckpointCounter":
+    def install(self) -> CheckpointCounter:
         from megatron.core.tensor_parallel import random as r
 
         counter = self
@@ -169,7 +168,7 @@ class ActivationLedger:
         self._stack: list[str] = []
 
     @contextlib.contextmanager
-    def record(self, chunks: list[torch.nn.Module]) -> Iterator["ActivationLedger"]:
+    def record(self, chunks: list[torch.nn.Module]) -> Iterator[ActivationLedger]:
         kinds: dict[int, str] = {}
         for chunk in chunks:
             kinds.update(module_kinds(chunk))

@@ -1,8 +1,8 @@
 """The guide's procedure applied to a measured sweep: which recompute choice to use for a budget.
 
-    python -m recipes.advise multirun/moe/defaults --budget-gib 80          # text for a person
-    python -m recipes.advise multirun/moe/defaults --budget-gib 80 --json   # JSON for a script
-    python -m recipes.advise --budget-gib 40 --predict model=moe size=h200  # before any run (predicted)
+    python -m recipes advise multirun/moe/defaults --budget-gib 80          # text for a person
+    python -m recipes advise multirun/moe/defaults --budget-gib 80 --json   # JSON for a script
+    python -m recipes advise --budget-gib 40 --predict model=moe size=h200  # before any run (predicted)
 
 In the guide's order: (1) is the pressure real allocation or allocator fragmentation (reserved well
 above allocated on some rank)? (2) among points whose every rank fits the budget, the one with the
@@ -24,23 +24,26 @@ import json
 import sys
 from pathlib import Path
 
-from recipes.report import NOISY_STEPS, control_gap_pct, find_results, rank_rows, recompute_order
-from recipes.results import GIB, first_sentence, recompute_of
+from recipes.analyze.report import NOISY_STEPS, control_gap_pct, find_results, rank_rows
+from recipes.config import compose_config
+from recipes.errors import ConfigError
+from recipes.files import GIB
+from recipes.measure.flops import layer_forward_flops, replayed_layer_flops
+from recipes.measure.profile import first_label_to_try, top_contributors
+from recipes.predict.estimate import predict, predict_options
+from recipes.predict.fit import ALLOCATOR_SLACK, FITS, TIGHT, fits, verdict, with_slack
+from recipes.recompute import NO_RECOMPUTE, is_full, recompute_config, recompute_order, selective_labels
+from recipes.results import first_sentence, recompute_of, worst_row
+from recipes.validate import layers_per_chunk
 
 MIB = 2**20
 #: Fragmentation is flagged when reserved - allocated is at least this fraction of reserved ...
 FRAG_FRACTION = 0.10
 #: ... and at least this many GiB (small gaps are the allocator's normal rounding).
 FRAG_MIN_GIB = 0.5
-NO_RECOMPUTE = ("none", "control")
 #: Peaks closer than this are the same memory (the allocator rounds blocks; a label that saves only
 #: this much saves nothing).
 SAME_MEMORY_GIB = 0.05
-#: What the allocator reserves above a predicted (allocated) peak, as a fraction of it. The
-#: estimator predicts max_memory_allocated; what must fit is what the allocator reserves. Over the
-#: 59 fused-Adam H200 points in docs/h200 (2026-11-29) reserved exceeded allocated by 2.3% (median),
-#: 7.3% (90th percentile), 8.2% (max); tests/test_h200_results.py keeps every row within this.
-ALLOCATOR_SLACK = 0.085
 
 
 def measured_candidates(sweep_dir: Path) -> list[dict]:
@@ -60,12 +63,9 @@ def measured_candidates(sweep_dir: Path) -> list[dict]:
                                             "d_ledger_pct", "d_time_pct", "worst_rank") if r.get(k) is not None})
             c["worst_rank"] = r["rank"]
     for c in points.values():
-        def worst(key: str) -> float | None:
+        for key in ("peak_allocated_gib", "peak_reserved_gib", "ledger_bytes"):  # the worst over ranks
             values = [x[key] for x in c["ranks"] if x.get(key) is not None]
-            return max(values) if values else None
-
-        c["peak_allocated_gib"], c["peak_reserved_gib"] = worst("peak_allocated_gib"), worst("peak_reserved_gib")
-        c["ledger_bytes"] = worst("ledger_bytes")
+            c[key] = max(values) if values else None
     return list(points.values())
 
 
@@ -84,14 +84,12 @@ def _on_gpu(result: dict) -> bool:
 
 
 def predicted_candidates(sweep_dir: Path, budget_gib: float | None = None) -> list[dict]:
-    """recipes.estimate's rows for options of the sweep's families that it did not measure.
+    """recipes.predict.estimate's rows for options of the sweep's families that it did not measure.
 
     ``source: "predicted"``: listed as worth measuring, never chosen. Memory is the predicted peak
     per rank with the allocator's slack (GPU sweeps, judged like the measured reserved peaks) or the
     predicted activation bytes (CPU sweeps, to match the ledger). With a budget, an unmeasured
     ``full/block`` on a GPU sweep is priced at the fewest layers that fit it."""
-    from recipes.estimate import predict_options, recompute_config
-    from recipes.validate import ConfigError
 
     results = find_results(sweep_dir)
     measured = {((r.get("choices") or {}).get("model"), (r.get("choices") or {}).get("attention"),
@@ -111,7 +109,7 @@ def predicted_candidates(sweep_dir: Path, budget_gib: float | None = None) -> li
                 rc, p = _fewest_block_layers(r["config"], recompute_config(option), budget_gib)
                 extra = {"recompute_num_layers": rc["recompute_num_layers"]}
             # on a GPU sweep the measured points are judged on reserved: so are the predictions
-            nbytes = p["peak_bytes"] * (1 + ALLOCATOR_SLACK) if gpu else p["activation_bytes"]
+            nbytes = with_slack(p["peak_bytes"]) if gpu else p["activation_bytes"]
             rows.append({"point": f"{model} {attention} {option}", "model": model, "attention": attention,
                          "recompute": option, "status": "predicted", "source": "predicted",
                          "memory_gib": nbytes / GIB, **extra})
@@ -120,8 +118,6 @@ def predicted_candidates(sweep_dir: Path, budget_gib: float | None = None) -> li
 
 def predicted_next_to_measured(sweep_dir: Path) -> list[dict]:
     """For each measured point: the estimator's prediction for its config beside the measurement."""
-    from recipes.estimate import predict
-    from recipes.validate import ConfigError
 
     rows = []
     for r in find_results(sweep_dir):
@@ -132,19 +128,18 @@ def predicted_next_to_measured(sweep_dir: Path) -> list[dict]:
             p = predict(r["config"], "cuda" if gpu else "cpu")
         except ConfigError:
             continue
-        worst = next((x for x in r["ranks"] if x.get("rank") == r.get("worst_rank")), r["ranks"][0])
+        worst = worst_row(r)
         row = {"point": r.get("name"), "predicted_ledger_bytes": p["activation_bytes"],
-               "measured_ledger_bytes": (worst.get("ledger") or {}).get("total_bytes")}
+               "measured_ledger_bytes": worst.ledger_bytes}
         if gpu:
             row["predicted_peak_gib"] = p["peak_bytes"] / GIB
-            row["measured_peak_gib"] = (worst.get("memory") or {}).get("peak_allocated_gib")
+            row["measured_peak_gib"] = worst.peak_allocated_gib
         rows.append(row)
     return rows
 
 
 def what_drives_the_peak(sweep_dir: Path) -> dict | None:
-    """The guide's first label from the control's peak attribution (recipes.profile), if profiled."""
-    from recipes.profile import first_label_to_try, top_contributors
+    """The guide's first label from the control's peak attribution (recipes.measure.profile), if profiled."""
 
     for r in sorted(find_results(sweep_dir), key=lambda r: recompute_order(recompute_of(r))):
         if recompute_of(r) in NO_RECOMPUTE and r.get("status") == "ok":
@@ -178,15 +173,6 @@ def _memory(c: dict, gpu: bool) -> float | None:
     return c["ledger_bytes"] / GIB if c.get("ledger_bytes") is not None else None
 
 
-def selective_labels(recompute: str | None) -> frozenset | None:
-    """The labels a choice recomputes, as a set (none and control: empty); None for full recompute."""
-    if recompute in NO_RECOMPUTE:
-        return frozenset()
-    if recompute and recompute.startswith("selective/"):
-        return frozenset(recompute.split("/", 1)[1].split("-"))
-    return None
-
-
 def superfluous(fitting: list[dict]) -> dict[str, dict]:
     """Points that recompute a strict superset of another fitting point's labels, in the same config,
     for no less memory (point -> that narrower point). Their extra replay cannot make a step faster,
@@ -216,15 +202,10 @@ def noise_floor_pct(candidates: list[dict]) -> float | None:
     return max(gaps) if gaps else None
 
 
-def _full(c: dict) -> bool:
-    """A full-recompute point (uniform or block)."""
-    return (c["recompute"] or "").startswith("full")
-
-
 def _pick(fitting: list[dict]) -> dict | None:
     """No recompute first, then selective labels, full last; least step time within the class."""
     for allowed in (lambda c: c["recompute"] in NO_RECOMPUTE,
-                    lambda c: not _full(c),
+                    lambda c: not is_full(c["recompute"]),
                     lambda c: True):
         pool = [c for c in fitting if allowed(c) and c.get("step_ms") is not None]
         if pool:
@@ -238,9 +219,9 @@ def _faster_full(choice: dict | None, fitting: list[dict], floor: float | None) 
     replays most, but a partial block can replay less than a wide label (H200, GDN: full/block over
     4 of 8 layers +12% against mlp's +27%, same memory). ``resolved`` when the lead exceeds the
     sweep's noise floor; then it becomes the choice."""
-    if not choice or choice["recompute"] in NO_RECOMPUTE or _full(choice):
+    if not choice or choice["recompute"] in NO_RECOMPUTE or is_full(choice["recompute"]):
         return None
-    rivals = [f for f in fitting if _full(f) and f.get("step_ms") is not None
+    rivals = [f for f in fitting if is_full(f["recompute"]) and f.get("step_ms") is not None
               and f["key"] == choice["key"] and f["step_ms"] < choice["step_ms"]
               and f["memory_gib"] <= choice["memory_gib"] + SAME_MEMORY_GIB]
     best = min(rivals, key=lambda f: f["step_ms"], default=None)
@@ -257,7 +238,7 @@ def _attention_finding(measured: list[dict], gpu: bool) -> dict | None:
         others = [c for c in measured if c["family_key"] == base["family_key"] and c["attention"] != base["attention"]
                   and c["recompute"] == base["recompute"]]
         labels = [c for c in measured if c["key"] == base["key"] and c["recompute"] not in NO_RECOMPUTE
-                  and not _full(c)]  # selective labels
+                  and not is_full(c["recompute"])]  # selective labels
         for alt in others:
             saving = _memory(base, gpu) - _memory(alt, gpu)
             top = max(labels, key=lambda c: _memory(base, gpu) - _memory(c, gpu), default=None)
@@ -302,12 +283,12 @@ def advise(candidates: list[dict], budget_gib: float) -> dict:
                         if c["point"] in extra and choice and c.get("step_ms") is not None
                         and c["step_ms"] < choice["step_ms"]],
         "faster_not_fitting": [slim(c) for c in ok if choice and not c["fits"] and c["step_ms"] < choice["step_ms"]],
-        "full_fitting": [slim(c) for c in fitting if _full(c) and c is not choice],
+        "full_fitting": [slim(c) for c in fitting if is_full(c["recompute"]) and c is not choice],
         "attention": _attention_finding(ok, gpu),
         "not_fitting": [slim(c) for c in measured if c["status"] == "oom"] + [slim(c) for c in ok if not c["fits"]],
         "not_measured": [slim(c) for c in measured if c["status"] not in ("ok", "oom")],
         "predicted": [slim(c) for c in candidates if c["source"] == "predicted"],
-        "full_measured": any(_full(c) for c in ok),
+        "full_measured": any(is_full(c["recompute"]) for c in ok),
         "fits_if_defragmented": [_public(c) for c in ok if gpu and not c["fits"]
                                  and (c.get("peak_allocated_gib") or budget_gib + 1) <= budget_gib],
     }
@@ -448,7 +429,7 @@ def explain(advice: dict, sweep_dir: str = "") -> str:
                      f"{drives['why']}")
     pairs = advice.get("predicted_vs_measured") or []
     if pairs:
-        lines.append("Predicted (recipes.estimate) next to measured, worst rank:")
+        lines.append("Predicted (recipes.predict.estimate) next to measured, worst rank:")
         for row in pairs:
             ledger = (f"ledger {row['predicted_ledger_bytes'] / MIB:.1f} predicted / "
                       f"{(row['measured_ledger_bytes'] or 0) / MIB:.1f} measured MiB")
@@ -488,19 +469,17 @@ def positive_budget(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--budget-gib must be a number of GiB, got {text!r} (e.g. --budget-gib 80)")
+        raise argparse.ArgumentTypeError(
+            f"--budget-gib must be a number of GiB, got {text!r} (e.g. --budget-gib 80)") from None
     if not value > 0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"--budget-gib must be a positive number of GiB, got {text!r}")
     return value
 
 
 def advise_before_running(overrides: list[str], budget_gib: float) -> dict:
-    """PREDICTED advice, before any run: every option of the family by recipes.estimate's peak per
-    rank; the choice is the fitting option that replays the least forward work (recipes.flops),
+    """PREDICTED advice, before any run: every option of the family by recipes.predict.estimate's peak per
+    rank; the choice is the fitting option that replays the least forward work (recipes.measure.flops),
     no recompute first: the guide's "narrowest boundary that fits", to be confirmed by a sweep."""
-    from recipes.config import compose_config
-    from recipes.estimate import predict_options, recompute_config
-    from recipes.flops import layer_forward_flops, replayed_layer_flops
 
     cfg = compose_config(overrides)
     done, refused = predict_options(cfg, "cuda")
@@ -513,8 +492,8 @@ def advise_before_running(overrides: list[str], budget_gib: float) -> dict:
             rc, p = _fewest_block_layers(cfg, rc, budget_gib)
         replay = replayed_layer_flops({**cfg, "recompute": rc}, layer, per_layer)
         peak = p["peak_bytes"] / GIB
-        rows.append({"recompute": option, "predicted_peak_gib": peak, "fits": _fits(peak, budget_gib),
-                     "tight": peak <= budget_gib and not _fits(peak, budget_gib),
+        rows.append({"recompute": option, "predicted_peak_gib": peak, "fits": verdict(peak, budget_gib) == FITS,
+                     "tight": verdict(peak, budget_gib) == TIGHT,
                      "replay_fraction": replay / per_layer,
                      **({"recompute_num_layers": rc["recompute_num_layers"]} if option == "full/block" else {})})
     rows.sort(key=lambda r: r["predicted_peak_gib"])
@@ -524,25 +503,16 @@ def advise_before_running(overrides: list[str], budget_gib: float) -> dict:
             "choice": choice, "refused": [{"recompute": o, "why": w} for o, w in refused]}
 
 
-def _fits(predicted_peak_gib: float, budget_gib: float) -> bool:
-    """A predicted allocated peak fits when it does with the allocator's slack on top. On the H200,
-    full/block over 5 of 32 layers at size=h200_long was predicted at 136.02 GiB for a 139 GiB
-    budget and ran out of memory asking for 4 GiB at 131.96 GiB allocated and 133.45 reserved."""
-    return predicted_peak_gib * (1 + ALLOCATOR_SLACK) <= budget_gib
-
-
 def _fewest_block_layers(cfg: dict, rc: dict, budget_gib: float) -> tuple[dict, dict]:
     """full/block with the fewest layers per stage (recompute_num_layers) whose predicted peak fits.
     Its peak falls linearly in the layers recomputed (H200, Run E: 4 of 8 layers land on the midpoint
     of the control and uniform full recompute in every family), and so does its replay; when no count
     fits, every layer."""
-    from recipes.estimate import predict
-    from recipes.validate import layers_per_chunk
 
     for k in range(1, layers_per_chunk(cfg) + 1):
         trial = {**rc, "recompute_num_layers": k}
         p = predict({**cfg, "recompute": trial}, "cuda")
-        if _fits(p["peak_bytes"] / GIB, budget_gib):
+        if fits(p["peak_bytes"] / GIB, budget_gib):
             break
     return trial, p
 
@@ -554,7 +524,7 @@ def _option_overrides(row: dict) -> str:
 
 
 def explain_prediction(advice: dict) -> str:
-    lines = [f"PREDICTED (recipes.estimate, nothing measured) for {' '.join(advice['overrides']) or 'the defaults'}, "
+    lines = [f"PREDICTED (recipes.predict.estimate, nothing measured) for {' '.join(advice['overrides']) or 'the defaults'}, "
              f"budget {advice['budget_gib']:.2f} GiB per GPU for PyTorch's allocator (a GPU's capacity less what CUDA "
              f"and its libraries hold: 2.4 GiB on the H200). Peak allocated; fits = with {ALLOCATOR_SLACK:.1%} "
              "allocator slack on top, tight = only without it:"]
@@ -575,7 +545,7 @@ def explain_prediction(advice: dict) -> str:
                          f"{runner['replay_fraction']:.0%}) in one sweep directory, then advise on it:\n"
                          f"  python train.py -m {base} {_option_overrides(c)} hydra.sweep.dir=multirun/confirm\n"
                          f"  python train.py -m {base} {_option_overrides(runner)} hydra.sweep.dir=multirun/confirm\n"
-                         "  python -m recipes.advise multirun/confirm --budget-gib "
+                         "  python -m recipes advise multirun/confirm --budget-gib "
                          f"{advice['budget_gib']:g}")
         else:
             lines.append(f"Confirm it with a run: python train.py {base} {_option_overrides(c)}.")
@@ -600,7 +570,6 @@ def main(argv: list[str] | None = None) -> int:
                         "overrides (e.g. --predict model=moe size=h200)")
     args = parser.parse_args(argv)
     if args.predict:
-        from recipes.validate import ConfigError
 
         try:
             advice = advise_before_running(args.predict, args.budget_gib)

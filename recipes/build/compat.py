@@ -1,16 +1,16 @@
 """Running megatron-core without CUDA: the small, explicit compatibility layer.
 
-megatron-core 0.19.2 assumes a GPU in a handful of places (verified in ../shared/FACTS.md):
+megatron-core 0.19.2 assumes a GPU in a handful of places (each reproduced with megatron-core 0.19.2 on a CPU):
 
 1. ``GlobalMemoryBuffer`` allocates on ``torch.cuda.current_device()`` (megatron/core/utils.py).
 2. Checkpointing captures the CUDA RNG state through ``random._get_cuda_rng_state`` (random.py).
 3. ``model_parallel_cuda_manual_seed`` reads ``torch.cuda.get_rng_state()`` unless the inference
    RNG tracker is used (random.py).
 4. The default causal mask is built on "cuda" (transformer/utils.py); our own core-attention
-   modules (``recipes.attention``) build their masks on the query's device, so nothing is patched.
+   modules (``recipes.build.attention``) build their masks on the query's device, so nothing is patched.
 5. The alltoall token dispatcher uses CUDA streams: ``recipes.validate`` refuses it on a CPU.
 6. The pipeline schedules allocate their token counter with ``device="cuda"`` (schedules.py);
-   batched p2p calls ``torch.cuda.synchronize`` (``recipes.model`` turns ``batch_p2p_comm`` off on
+   batched p2p calls ``torch.cuda.synchronize`` (``recipes.build.model`` turns ``batch_p2p_comm`` off on
    a CPU, so gloo's plain isend/irecv are used).
 
 ``install_cpu_compat()`` patches 1, 2 and 6 and is a no-op when CUDA is available, so the same package

@@ -10,22 +10,22 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from recipes.results import summary
+from recipes.results import result_rows, worst_row
 
 
 def run_metrics(result: dict) -> dict[str, Any]:
     """The flat ``/``-keyed summary of a run (worst rank) for W&B."""
-    row = summary(result)
+    row = worst_row(result)
     metrics = {
-        "status": row["status"],
-        "mem/peak_allocated_gib": row.get("peak_allocated_gib"),
-        "mem/peak_reserved_gib": row.get("peak_reserved_gib"),
-        "mem/fragmentation_gib": row.get("fragmentation_gib"),
-        "mem/activation_gib": row.get("activation_gib"),
-        "perf/step_time_s": row.get("step_time_s"),
-        "perf/tokens_per_s": row.get("tokens_per_s"),
-        "perf/mfu": row.get("mfu"),
-        "ledger/total_bytes": row.get("ledger_bytes"),
+        "status": row.point_status,
+        "mem/peak_allocated_gib": row.peak_allocated_gib,
+        "mem/peak_reserved_gib": row.peak_reserved_gib,
+        "mem/fragmentation_gib": row.fragmentation_gib,
+        "mem/activation_gib": row.activation_gib,
+        "perf/step_time_s": row.step_time_s,
+        "perf/tokens_per_s": row.tokens_per_s,
+        "perf/mfu": row.mfu,
+        "ledger/total_bytes": row.ledger_bytes,
     }
     ranks = result.get("ranks") or []
     worst = next((r for r in ranks if r.get("rank") == result.get("worst_rank")), None)
@@ -37,19 +37,16 @@ def run_metrics(result: dict) -> dict[str, Any]:
             metrics[f"ckpt/{label}_recompute"] = counts["recompute"]
     if len(ranks) > 1:
         metrics["worst_rank"] = result.get("worst_rank")
-    for r in ranks:  # every rank: rank<N>/... (coordinates under rank<N>/coords/tp, pp, cp, ep, dp)
-        mem = r.get("memory") or {}
-        if mem:
-            metrics[f"rank{r['rank']}/mem/peak_allocated_gib"] = mem.get("peak_allocated_gib")
-            metrics[f"rank{r['rank']}/mem/peak_reserved_gib"] = mem.get("peak_reserved_gib")
+    for r in result_rows(result) if ranks else []:  # every rank: rank<N>/... (coordinates under rank<N>/coords/)
+        metrics[f"rank{r.rank}/mem/peak_allocated_gib"] = r.peak_allocated_gib
+        metrics[f"rank{r.rank}/mem/peak_reserved_gib"] = r.peak_reserved_gib
         if len(ranks) > 1:
-            metrics[f"rank{r['rank']}/ledger/total_bytes"] = (r.get("ledger") or {}).get("total_bytes")
-            metrics[f"rank{r['rank']}/ledger/in_flight_bytes"] = (r.get("pipeline") or {}).get(
-                "in_flight_ledger_bytes")
-            metrics[f"rank{r['rank']}/perf/step_time_s"] = (r.get("timing") or {}).get("step_time_s")
-            for axis, index in (r.get("coords") or {}).items():
+            metrics[f"rank{r.rank}/ledger/total_bytes"] = r.ledger_bytes
+            metrics[f"rank{r.rank}/ledger/in_flight_bytes"] = r.pipeline.get("in_flight_ledger_bytes")
+            metrics[f"rank{r.rank}/perf/step_time_s"] = r.step_time_s
+            for axis, index in r.coords.items():
                 if axis != "rank":
-                    metrics[f"rank{r['rank']}/coords/{axis}"] = index
+                    metrics[f"rank{r.rank}/coords/{axis}"] = index
     return {k: v for k, v in metrics.items() if v is not None}
 
 

@@ -10,7 +10,7 @@ b micro-batch, h hidden, a heads, t tensor-parallel size):
     tensor + seq. + selective s b h 34 / t
     full recompute            2 s b h
 
-``recipes.estimate`` reproduces each line exactly under the paper's assumptions (``paper_config``:
+``recipes.predict.estimate`` reproduces each line exactly under the paper's assumptions (``paper_config``:
 LayerNorm, GELU MLP of 4h, multi-head attention, dropout on attention probabilities and both
 residuals, softmax in 16 bits, no RoPE, unfused attention), apart from three tensors the paper does
 not count and the estimator does: the LayerNorms' fp32 mean and rstd (8 bytes per token each, 16 s b
@@ -19,7 +19,7 @@ for the two), the causal mask (s^2 bools, one per layer here) and the 4-byte mas
 with sequence parallelism keeps only the layer input's sequence shard, 2 s b h / t (the table's
 2 s b h is the tensor-parallel-only value). ``tests/test_estimate.py`` checks all of it.
 
-Where modern models depart (each a term in ``recipes.estimate``; bytes per token of one layer in bf16
+Where modern models depart (each a term in ``recipes.predict.estimate``; bytes per token of one layer in bf16
 unless noted, f the FFN width, with the paper's 34 h for comparison):
 
 - SwiGLU instead of GELU: FC1 writes 2f; SiLU output, the fresh ``x_linear + 0`` and the product

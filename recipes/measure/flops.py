@@ -18,7 +18,7 @@ def layer_forward_flops(cfg: Any) -> dict[str, float]:
     by the share of attention layers, the GatedDeltaNet mixers' work (``gdn_layer_forward_flops``)
     counted in ``attn_proj`` (no selective label replays it), the MLP in every layer. Summed over
     the layers it is the model's layer work, and a label's replay over it the model's replay
-    fraction (what ``recipes.advise --predict`` ranks by)."""
+    fraction (what ``recipes.analyze.advise --predict`` ranks by)."""
     layer = attention_layer_forward_flops(cfg)
     m = cfg["model"]
     if m["family"] != "gdn":

@@ -7,10 +7,10 @@ Inputs are text files (one document each), directories of them (recursively; emp
 are skipped and counted), or JSONL files (``*.jsonl``: one document per line, text under ``--json-key``).
 The output prefix follows Megatron-LM's ``tools/preprocess_data.py``: ``{output_prefix}_{json_key}_document``.
 ``PREFIX.meta.json`` records the tokenizer (kind, vocabulary size, eod id, file hash) so training can
-refuse a model whose vocabulary is too small before any worker starts (``recipes.indexed.validate_data``).
+refuse a model whose vocabulary is too small before any worker starts (``recipes.data.indexed.validate_data``).
 
-    python -m recipes.preprocess notes/ more.txt --output-prefix data/notes --append-eod
-    python -m recipes.preprocess --stdlib --output-prefix data/stdlib --append-eod     # `make data`
+    python -m recipes preprocess notes/ more.txt --output-prefix data/notes --append-eod
+    python -m recipes preprocess --stdlib --output-prefix data/stdlib --append-eod     # `make data`
 """
 
 from __future__ import annotations
@@ -24,12 +24,13 @@ import sys
 import sysconfig
 import time
 import warnings
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Iterator, Sequence
 
 import numpy
 
-from recipes.indexed import META_SUFFIX, write_meta
+from recipes.data.gpt import ByteTokenizer
+from recipes.data.indexed import META_SUFFIX, write_meta
 
 #: The small real corpus (``--stdlib``): standard-library modules present as single files in Python
 #: 3.12 and later (about 1.7 MB, 40 documents), text already on every machine that runs this repository.
@@ -57,11 +58,9 @@ def stdlib_files() -> list[Path]:
 
 
 class ByteLevel:
-    """UTF-8 bytes as token ids (``recipes.data.ByteTokenizer``), vectorized with numpy."""
+    """UTF-8 bytes as token ids (``recipes.data.gpt.ByteTokenizer``), vectorized with numpy."""
 
     def __init__(self) -> None:
-        from recipes.data import ByteTokenizer
-
         self.vocab_size, self.eod = ByteTokenizer.vocab_size, ByteTokenizer.eod
         self.info = {"name": "byte", "path": None, "sha256": None, "vocab_size": self.vocab_size,
                      "eod": self.eod}
@@ -225,7 +224,7 @@ def preprocess(inputs: Sequence[str | Path], output_prefix: str, tokenizer: str 
     os.replace(idx_tmp, f"{prefix}.idx")
     progress.report(done=True)
     meta = {
-        "format": "megatron-core indexed dataset, written by recipes.preprocess",
+        "format": "megatron-core indexed dataset, written by recipes.data.preprocess",
         "prefix": Path(prefix).name,
         "tokenizer": tok.info,
         "dtype": numpy.dtype(dtype).name,
@@ -243,7 +242,7 @@ def preprocess(inputs: Sequence[str | Path], output_prefix: str, tokenizer: str 
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m recipes.preprocess", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m recipes preprocess", description=__doc__.split("\n\n")[0])
     parser.add_argument("inputs", nargs="*", help="text files, directories of text files, *.jsonl files")
     parser.add_argument("--output-prefix", required=True,
                         help="writes OUTPUT_PREFIX_{json_key}_document.bin/.idx and .meta.json")

@@ -14,6 +14,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from recipes.build.compat import device
+from recipes.build.gdn import build_gdn_block_spec
+
 #: Model fields that are ours or GPTModel arguments, not TransformerConfig fields.
 NON_TRANSFORMER_FIELDS = {
     "family",
@@ -109,7 +112,7 @@ def build_layer_spec(cfg: Any, config, vp_stage: int | None = None):
     """megatron's local layer spec with our core attention and (for MoE) our experts module.
 
     For family=gdn: the hybrid block of this (virtual) pipeline stage, GatedDeltaNet layers mixed
-    with that attention layer (``recipes.gdn``).
+    with that attention layer (``recipes.build.gdn``).
     """
     backend = cfg["attention"]["backend"]
     model = cfg["model"]
@@ -133,7 +136,7 @@ def build_layer_spec(cfg: Any, config, vp_stage: int | None = None):
         )
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    from recipes.attention import CORE_ATTENTION
+    from recipes.build.attention import CORE_ATTENTION  # imports megatron: only when a model is built
 
     spec = get_gpt_layer_local_spec(
         num_experts=num_experts,
@@ -145,15 +148,13 @@ def build_layer_spec(cfg: Any, config, vp_stage: int | None = None):
     attn = spec.submodules.self_attention
     attn.submodules = dataclasses.replace(attn.submodules, core_attention=CORE_ATTENTION[backend])
     if num_experts and model["experts"] == "grouped":
-        from recipes.experts import grouped_experts_builder
+        from recipes.build.experts import grouped_experts_builder  # imports megatron, as above
 
         moe = spec.submodules.mlp  # functools.partial(MoELayer, submodules=MoESubmodules(...))
         moe.keywords["submodules"] = dataclasses.replace(
             moe.keywords["submodules"], experts=grouped_experts_builder()
         )
     if model["family"] == "gdn":
-        from recipes.gdn import build_gdn_block_spec
-
         return build_gdn_block_spec(config, spec, vp_stage)
     return spec
 
@@ -162,8 +163,6 @@ def build_model(cfg: Any, config) -> list[torch.nn.Module]:
     """GPTModel chunk(s) for this pipeline rank (one per virtual stage), on this process's device."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
-
-    from recipes.compat import device
 
     model_cfg = cfg["model"]
     vpp = cfg["parallel"]["virtual_pipeline_model_parallel_size"]

@@ -1,0 +1,37 @@
+"""What every GPT dataset here shares: megatron's dataset config for a run, and the byte tokenizer."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class ByteTokenizer:
+    """Bytes as tokens (0-255) plus an end-of-document token (256): needs no download."""
+
+    vocab_size = 257
+    eod = 256
+    pad = 256
+    unique_identifiers = {"class": "ByteTokenizer"}  # megatron hashes it into the dataset cache key
+
+    def tokenize(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def detokenize(self, ids: list[int]) -> str:
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+
+def gpt_dataset_config(cfg: Any, tokenizer, blend=None, split=None):
+    """megatron's GPTDatasetConfig for this run's sequence length and seed (mock when no blend)."""
+    from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
+
+    return GPTDatasetConfig(
+        random_seed=cfg["train"]["seed"],
+        sequence_length=cfg["train"]["seq_length"],
+        blend=blend,
+        split=split,
+        tokenizer=tokenizer,
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+        create_attention_mask=False,
+    )

@@ -1,0 +1,36 @@
+"""The one rule for "does it fit": a predicted peak against a per-GPU budget, allocator slack included.
+
+The estimator predicts ``max_memory_allocated``; what must fit is what PyTorch's caching allocator
+*reserves*, which runs above it. Over the 59 fused-Adam H200 points in docs/h200 (2026-11-29)
+reserved exceeded allocated by 2.3% (median), 7.3% (90th percentile), 8.2% (max). On the H200,
+``full/block`` over 5 of 32 layers at ``size=h200_long`` was predicted at 136.02 GiB for a 139 GiB
+budget and ran out of memory asking for 4 GiB at 131.96 GiB allocated and 133.45 reserved: a peak
+that fits only without the slack is "tight", never "fits". The estimator, the advisor and the report
+all judge predictions with ``verdict``.
+
+The budget is what PyTorch's allocator may hold: the GPU's capacity less what CUDA and its libraries
+keep outside it (2.4 GiB on the H200, so 137 GiB there).
+"""
+
+from __future__ import annotations
+
+#: What the allocator reserves above a predicted (allocated) peak, as a fraction of it.
+ALLOCATOR_SLACK = 0.085
+FITS, TIGHT, OVER = "fits", "tight", "over"
+
+
+def with_slack(predicted_peak_gib: float) -> float:
+    """The memory a predicted allocated peak needs reserved: the peak plus the allocator's slack."""
+    return predicted_peak_gib * (1 + ALLOCATOR_SLACK)
+
+
+def fits(predicted_peak_gib: float, budget_gib: float) -> bool:
+    """A predicted allocated peak fits when it does with the allocator's slack on top."""
+    return with_slack(predicted_peak_gib) <= budget_gib
+
+
+def verdict(predicted_peak_gib: float, budget_gib: float) -> str:
+    """``fits`` (with slack), ``tight`` (only without it: expect an OOM), or ``over``."""
+    if fits(predicted_peak_gib, budget_gib):
+        return FITS
+    return TIGHT if predicted_peak_gib <= budget_gib else OVER
