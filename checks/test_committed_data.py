@@ -1,0 +1,142 @@
+"""Checks of the committed H200 data (docs/h200/, 2026-11-29): what it holds, not what the code does.
+
+    make check-data          # = .venv/bin/python -m pytest -q checks
+
+These re-read the measurements and hold the docs' claims and the project's constants to them: every
+(family, option) pair has a GPU row, full/block is linear in the layers it recomputes, layernorm
+frees one hidden state per norm, the GDN table, the allocator slack covers every point. They also
+keep the data itself in order: each sweep's points have short names (at most 64 characters,
+``recipes.config.slug``) listed in the sweep's ``manifest.json`` with their overrides
+(``checks/rename_points.py`` writes it), and every committed report regenerates byte for byte from
+the committed results. The tests of the code that reads this data (estimator, advisor, MFU table)
+are in tests/test_h200_results.py.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+import rename_points  # noqa: E402  (checks/, after the repo is on sys.path)
+
+from recipes.analyze.advise import measured_candidates  # noqa: E402
+from recipes.analyze.report import write_report  # noqa: E402
+from recipes.config import MAX_DIRNAME  # noqa: E402
+from recipes.predict.fit import ALLOCATOR_SLACK  # noqa: E402
+from recipes.recompute import FAMILIES, LABELS, conf_options, selective_labels  # noqa: E402
+
+H200 = REPO / "docs" / "h200"
+RESULTS = sorted(H200.rglob("result.json"))
+SWEEPS = rename_points.sweep_dirs(H200)
+REPORTS = [s for s in SWEEPS if (s / "report.md").exists()]
+FUSED_ADAM = [p for p in RESULTS if json.loads(p.read_text())["config"]["train"].get("fused_adam")]
+
+
+def _measured_pairs() -> dict[tuple[str, str], list[dict]]:
+    """(model, recompute option) -> results at the h200 size (size=h200: 8 layers, h 2048, s 4096, b 2)."""
+    pairs: dict[tuple[str, str], list[dict]] = {}
+    for path in RESULTS:
+        result = json.loads(path.read_text())
+        choices = result["choices"]
+        if choices["size"] == "h200":
+            pairs.setdefault((choices["model"], choices["recompute"]), []).append(result)
+    return pairs
+
+
+def test_the_h200_results_are_there():
+    assert len(RESULTS) >= 40 and all(json.loads(p.read_text())["ranks"] for p in RESULTS)
+
+
+@pytest.mark.parametrize("sweep", SWEEPS, ids=lambda p: p.name)
+def test_every_sweep_has_a_manifest_of_its_short_point_names(sweep):
+    """Every point directory is at most MAX_DIRNAME characters, is the slug of the overrides its
+    manifest entry lists, and agrees with its result.json on name and status; no entry is stale."""
+    assert not rename_points.manifest_problems(sweep)
+    assert all(len(p.name) <= MAX_DIRNAME == 64 for p in rename_points.point_dirs(sweep))
+
+
+def test_no_console_logs_in_the_committed_data():
+    """The committed data is results and reports; console logs stay out of the tree."""
+    assert not sorted(H200.rglob("*.log"))
+
+
+@pytest.mark.parametrize("sweep", REPORTS, ids=lambda p: p.name)
+def test_every_committed_report_regenerates_identically(sweep, tmp_path, monkeypatch):
+    """``python -m recipes report docs/h200/<sweep>`` on a copy, from a directory where the copy has
+    the same relative path (report.md's title holds it), writes the committed report.md and report.csv."""
+    relative = sweep.relative_to(REPO)
+    shutil.copytree(sweep, tmp_path / relative)
+    monkeypatch.chdir(tmp_path)
+    write_report(relative)
+    for name in ("report.md", "report.csv"):
+        made, committed = (tmp_path / relative / name).read_text(), (sweep / name).read_text()
+        how = "the same rows in another order" if sorted(made.splitlines()) == sorted(committed.splitlines()) else ""
+        assert made == committed, f"{relative}/{name} differs: {how or 'other rows or numbers'}"
+
+
+def test_every_family_option_pair_that_applies_has_an_h200_row():
+    """Issue 3's GPU table: every recompute option in conf/ whose labels all apply to a family
+    (recipes.recompute's LABELS) ran on the H200 at size=h200 and finished; an option added
+    without a GPU row fails."""
+    measured = _measured_pairs()
+    missing = [(family, option) for family in FAMILIES for option in conf_options()
+               if all(family in LABELS[label].families for label in selective_labels(option) or ())
+               and not any(r["status"] == "ok" for r in measured.get((family, option), []))]
+    assert not missing, f"no H200 row for {missing}: run benchmarks/gpu_suite.sh labels:<family>"
+
+
+def test_full_block_peak_is_linear_in_the_layers_recomputed():
+    """Run E: 4 of 8 layers under full/block land on the midpoint of the control and full recompute."""
+    measured = _measured_pairs()
+    for family in FAMILIES:
+        peak = {o: min(r["ranks"][0]["memory"]["peak_allocated_gib"] for r in measured[(family, o)]
+                       if r["config"]["train"].get("fused_adam"))
+                for o in ("control", "full", "full/block")}
+        block = measured[(family, "full/block")][0]["config"]["recompute"]
+        assert block["recompute_method"] == "block" and block["recompute_num_layers"] == 4
+        midpoint = (peak["control"] + peak["full"]) / 2
+        assert abs(peak["full/block"] - midpoint) < 0.06, (family, peak)
+
+
+def test_layernorm_frees_one_hidden_state_per_norm_on_every_family():
+    """Run E: selective/layernorm's ledger saving is 2 norms x L layers x one [s, b, h] bf16 tensor,
+    against the control of the same sweep (the norms' fp32 statistics add well under 1%)."""
+    for family in FAMILIES:
+        sweep = next(p.parent.parent for p in RESULTS if p.parent.parent.name.startswith(("sweep_", "labels_"))
+                     and json.loads(p.read_text())["choices"]["recompute"] == "selective/layernorm"
+                     and json.loads(p.read_text())["choices"]["model"] == family)
+        ledger, cfg = {}, None
+        for path in sweep.glob("*/result.json"):
+            result = json.loads(path.read_text())
+            ledger[result["choices"]["recompute"]] = result["ranks"][0]["ledger"]["total_bytes"]
+            cfg = result["config"]
+        m, t = cfg["model"], cfg["train"]
+        norms = 2 * m["num_layers"] * t["seq_length"] * t["micro_batch_size"] * m["hidden_size"] * 2
+        saved = ledger["control"] - ledger["selective/layernorm"]
+        assert norms <= saved < norms * 1.01, (family, saved, norms)
+
+
+def test_gdn_table_gdn_norm_out_saves_what_core_attn_does_not():
+    """Issue 11's GPU table (fla kernels, Triton 3.7.1): gdn_norm_out lowers the ledger and the peak;
+    core_attn under SDPA saves nothing."""
+    rows = {c["recompute"]: c for c in measured_candidates(H200 / "sweep_gdn")}
+    assert all(c["status"] == "ok" for c in rows.values()) and len(rows) == 6
+    assert rows["selective/gdn_norm_out"]["d_peak_gib"] < -0.3 and rows["selective/gdn_norm_out"]["d_ledger_pct"] < -3
+    assert abs(rows["selective/core_attn"]["d_peak_gib"]) < 0.01
+
+
+def test_allocator_slack_covers_every_measured_row():
+    """recipes.predict.fit.ALLOCATOR_SLACK (what a predicted peak needs on top to fit) covers reserved
+    over allocated on every fused-Adam H200 point."""
+    for path in FUSED_ADAM:
+        for rank in json.loads(path.read_text())["ranks"]:
+            if rank.get("status") == "ok":
+                m = rank["memory"]
+                assert m["peak_reserved_gib"] <= m["peak_allocated_gib"] * (1 + ALLOCATOR_SLACK), path.parent.name
