@@ -12,10 +12,10 @@ ARGS ?=
 PYTHON ?= $(shell for p in python3.12 python3 $$(for v in $$(pyenv versions --bare 2>/dev/null | grep -E '^3\.(1[2-9]|[2-9][0-9])(\.|$$)' | sort -V); do echo "$$(pyenv prefix $$v)/bin/python3"; done); do \
 	$$p -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null && { command -v $$p; exit; }; done)
 
-.PHONY: help install run test sweep report advise estimate bench data clean
+.PHONY: help install run test lint check-data docs sweep report advise estimate bench data clean
 
 help: ## Show this menu
-	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  \033[36m%-10s\033[0m %s\n", $$1, $$2}'
+	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  \033[36m%-11s\033[0m %s\n", $$1, $$2}'
 
 $(VENV)/.installed: pyproject.toml
 	@test -n "$(PYTHON)" || { echo "error: no Python >= 3.12 found; set PYTHON=/path/to/python3.12"; exit 1; }
@@ -33,20 +33,31 @@ run: install ## Main job: a small recompute comparison (CPU without a GPU); prin
 test: install ## Run the test suite (GPU tests skip on a CPU)
 	$(PY) -m pytest -q $(ARGS)
 
+lint: install ## ruff check (settings in pyproject.toml)
+	$(PY) -m ruff check .
+
+check-data: install ## Re-check the committed H200 data (checks/), the generated docs and every doc reference
+	$(PY) -m pytest -q checks
+	$(PY) tools/compat_table.py --check
+	$(PY) tools/check_links.py
+
+docs: install ## Regenerate the generated doc sections (docs/compatibility.md's table)
+	$(PY) tools/compat_table.py
+
 sweep: install ## A versioned sweep: make sweep SWEEP=moe [SIZE=h200] [ARGS=...]
 	$(PY) train.py -m sweep=$(SWEEP) size=$(SIZE) $(ARGS)
 
 report: install ## Table, CSV and plot of a sweep: make report [DIR=multirun/...]
-	$(PY) -m recipes.report $(DIR)
+	$(PY) -m recipes report $(DIR)
 
 advise: install ## The guide's choice for a budget: make advise [DIR=...] BUDGET=80
-	$(PY) -m recipes.advise $(DIR) --budget-gib $(BUDGET)
+	$(PY) -m recipes advise $(DIR) --budget-gib $(BUDGET)
 
 estimate: install ## Predicted memory per rank, no run: make estimate ARGS="model=moe size=h200 --all --budget-gib 80"
-	$(PY) -m recipes.estimate $(ARGS)
+	$(PY) -m recipes estimate $(ARGS)
 
 data: install ## Real text without a download: Python stdlib sources -> data/stdlib_text_document (.bin/.idx)
-	$(PY) -m recipes.preprocess --stdlib --output-prefix data/stdlib --append-eod
+	$(PY) -m recipes preprocess --stdlib --output-prefix data/stdlib --append-eod
 
 bench: install ## Step speed per family (tokens/s, MFU, recompute overhead vs ideal): make bench SIZE=h200
 	$(PY) benchmarks/bench_mfu.py --size $(SIZE) $(ARGS)

@@ -50,8 +50,8 @@ def bare_loop(cfg: dict, steps: int, warmup: int, kernels: bool = False,
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     from megatron.core import parallel_state
 
-    from recipes import compat, upstream
-    from recipes.model import build_model, build_transformer_config
+    from recipes.build import compat, upstream
+    from recipes.build.model import build_model, build_transformer_config
 
     on_gpu = torch.cuda.is_available()
     compat.install_cpu_compat()
@@ -75,7 +75,7 @@ def bare_loop(cfg: dict, steps: int, warmup: int, kernels: bool = False,
         model = chunks[0]
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     if cfg["train"]["fused_adam"]:  # the same optimizer kernel as the entrypoint's
-        from recipes.worker import use_fused_adam
+        from recipes.run.worker import use_fused_adam
 
         use_fused_adam(opt)
     t = cfg["train"]

@@ -1,8 +1,8 @@
-"""Time megatron's SequentialMLP against recipes.experts.GroupedExperts (forward + backward).
+"""Time megatron's SequentialMLP against recipes.build.experts.GroupedExperts (forward + backward).
 
     python benchmarks/bench_experts.py [--moe-act] [--iters N]
 
-On CUDA it runs the FACTS.md MoE shape (hidden 2048, moe_ffn_hidden_size 2048, 8 experts, top-2,
+On CUDA it runs the h200 size's MoE shape (hidden 2048, moe_ffn_hidden_size 2048, 8 experts, top-2,
 4096 x 2 tokens, bf16, SwiGLU); on a CPU a tiny shape, as a smoke run whose times mean nothing.
 Both modules hold the same weights; the script checks their outputs agree (relative error), then
 prints a markdown table: median fwd+bwd time over N iterations (CUDA events after warm-up), the
@@ -36,10 +36,9 @@ def init_single_process() -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from recipes import upstream
-    from recipes.compat import install_cpu_compat, seed_model_parallel_rng
-
     from launch.torchrun import free_port
+    from recipes.build import upstream
+    from recipes.build.compat import install_cpu_compat, seed_model_parallel_rng
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(free_port()))
@@ -153,7 +152,7 @@ def main() -> None:
     from megatron.core.transformer.mlp import MLPSubmodules
     from megatron.core.transformer.moe.experts import SequentialMLP
 
-    from recipes.experts import GroupedExperts, use_grouped_mm
+    from recipes.build.experts import GroupedExperts, use_grouped_mm
 
     device = torch.device("cuda") if cuda else torch.device("cpu")
     pgs = ProcessGroupCollection.use_mpu_process_groups()

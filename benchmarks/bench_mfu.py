@@ -2,7 +2,7 @@
 
 For each family it runs three points, each a fresh worker process (``python train.py -m``):
 no recompute, or, when that is predicted not to fit this GPU, the narrowest option predicted to
-fit (``recipes.advise --predict``); the guide's label for the family; and full recompute. Then it
+fit (``recipes.analyze.advise --predict``); the guide's label for the family; and full recompute. Then it
 prints, per point: step time, tokens/s, model TFLOP/s and MFU against ``measure.peak_tflops``
 (989, H200 bf16 dense), hardware TFLOP/s including the replayed forward work, the replay as a
 fraction of the step's model FLOPs (the ideal overhead: full recompute replays one forward, about
@@ -27,9 +27,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from recipes.labels import GUIDE_FIRST_LABEL  # noqa: E402  (after the repo is on sys.path)
-from recipes.report import find_results  # noqa: E402
-from recipes.results import recompute_of  # noqa: E402
+from recipes.analyze.report import find_results  # noqa: E402
+from recipes.recompute import GUIDE_FIRST_LABEL  # noqa: E402  (after the repo is on sys.path)
+from recipes.results import recompute_of, worst_row  # noqa: E402
 
 
 def first_option(family: str, size: str, extra: list[str]) -> str:
@@ -38,7 +38,7 @@ def first_option(family: str, size: str, extra: list[str]) -> str:
 
     if not torch.cuda.is_available():
         return "none"
-    from recipes.advise import advise_before_running
+    from recipes.analyze.advise import advise_before_running
 
     budget = torch.cuda.get_device_properties(0).total_memory / 2**30 - 2.0  # context, NCCL
     advice = advise_before_running([f"model={family}", f"size={size}", *extra], budget)
@@ -76,7 +76,7 @@ def first_measured(family: str, results: list[dict]) -> str:
     ok = [r for r in latest.values() if r.get("status") == "ok"]
     if latest.get("none", {}).get("status") == "ok" or not ok:
         return "none"
-    return recompute_of(max(ok, key=lambda r: r["ranks"][0]["memory"]["peak_allocated_gib"]))
+    return recompute_of(max(ok, key=lambda r: worst_row(r).peak_allocated_gib))
 
 
 def rows_from_results(dirs: list[Path]) -> list[dict]:
@@ -106,13 +106,13 @@ def table(rows: list[dict]) -> str:
             lines.append(f"| {row['family']} | {row['recompute']} | {r.get('status') if r else 'missing'} |"
                          + " |" * 7)
             continue
-        t = r["ranks"][0]["timing"]
-        base.setdefault(row["family"], t["step_time_s"])
-        mfu = f"{t['mfu']:.1%}" if t.get("mfu") is not None else "-"
+        t = worst_row(r)
+        base.setdefault(row["family"], t.step_time_s)
+        mfu = f"{t.mfu:.1%}" if t.mfu is not None else "-"
         lines.append(
-            f"| {row['family']} | {row['recompute']} | ok | {t['step_time_s'] * 1e3:.1f} | {t['tokens_per_s']:.0f} "
-            f"| {t['model_tflops_per_gpu']:.1f} | {mfu} | {t['hardware_tflops_per_gpu']:.1f} "
-            f"| +{t['recompute_flops_fraction']:.1%} | {t['step_time_s'] / base[row['family']] - 1:+.1%} |")
+            f"| {row['family']} | {row['recompute']} | ok | {t.step_ms:.1f} | {t.tokens_per_s:.0f} "
+            f"| {t.model_tflops_per_gpu:.1f} | {mfu} | {t.hardware_tflops_per_gpu:.1f} "
+            f"| +{t.recompute_flops_fraction:.1%} | {t.step_time_s / base[row['family']] - 1:+.1%} |")
     return "\n".join(lines)
 
 

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Packs Triton 3.7.1 for the H200 machine, which has Triton 3.6 and no network: fla-core refuses the GDN
-# backward on Hopper with Triton 3.4-3.7.0 (fla #640, wrong gradients). The wheel is 198 MB and a device
-# call carries 64 MiB, so this keeps what compiles and launches CUDA kernels (debug info stripped; no
-# CUPTI, proton profiler or Blackwell ptxas): about 45 MB as .triton/*.tar.xz.
-# gpu_suite.sh's gdn step unpacks it into /tmp/triton-site, for the gdn step alone.
+# Packs Triton 3.7.1 for a GPU machine without network access whose Triton is older: fla-core refuses the
+# GDN backward on Hopper with Triton 3.4-3.7.0 (fla issue 640, wrong gradients). Run it on a machine with
+# network, then copy .triton/ along with the repository. The 198 MB wheel is cut to what compiles and
+# launches CUDA kernels (debug info stripped; no CUPTI, proton profiler or Blackwell ptxas): about 45 MB
+# as .triton/triton-3.7.1-stripped.tar.xz. benchmarks/gpu_suite.sh's gdn and labels:gdn steps unpack it
+# into a temporary folder and put it first on PYTHONPATH for those steps only.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 work=$(mktemp -d); trap 'rm -rf "$work"' EXIT

@@ -1,4 +1,4 @@
-"""GPU self-test of the peak attribution (recipes/profile.py): one GPU, a few minutes at most.
+"""GPU self-test of the peak attribution (recipes/measure/profile.py): one GPU, a few minutes at most.
 
     python benchmarks/profile_selftest.py [--out DIR] [--size small|h200] [--runs checks|families]
 
@@ -14,7 +14,7 @@ control's peak (the docs' runs: ``--size h200 --runs families``). Checks, per ru
   does not change the peak it measures);
 - switching to core_attn removes (almost all) core-attention bytes from the peak.
 
-Writes each run's ``memory_timeline.png`` and ``result.json`` under ``--out`` (default ``$OUT`` or
+Writes each run's ``memory_timeline.png`` and ``result.json`` under ``--out`` (default
 ``results/profile``) and ``timelines.png`` (all runs side by side). Exits non-zero on a failed check.
 On a CPU it runs the tiny shape and checks only what a CPU can (the ledger equality).
 """
@@ -59,14 +59,14 @@ def init_world(cfg: dict) -> None:
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
                       LOCAL_RANK="0")
-    from recipes.worker import init_distributed
+    from recipes.run.worker import init_distributed
 
     init_distributed(cfg)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=os.environ.get("OUT") or "results/profile")
+    parser.add_argument("--out", default="results/profile")
     parser.add_argument("--size", default="small", choices=["small", "h200"])
     parser.add_argument("--runs", default="checks", choices=["checks", "families"])
     parser.add_argument("--only", default="", help="run only the runs whose name contains this")
@@ -77,10 +77,10 @@ def main() -> int:
     shape = (SMALL if args.size == "small" else ["size=h200"]) if on_gpu else []
     common = shape + ["profile=peak", "train.train_iters=5", "train.warmup_iters=2"] + extra
     init_world(compose_config(common))
-    from recipes.compat import seed_model_parallel_rng
-    from recipes.labels import GUIDE_FIRST_LABEL
-    from recipes.profile import first_label_to_try, plot_timelines, top_contributors, write_timeline_pngs
-    from recipes.worker import train_and_measure
+    from recipes.build.compat import seed_model_parallel_rng
+    from recipes.measure.profile import first_label_to_try, plot_timelines, top_contributors, write_timeline_pngs
+    from recipes.recompute import GUIDE_FIRST_LABEL
+    from recipes.run.worker import train_and_measure
 
     failures, results = [], []
     queue = list(CHECKS) if args.runs == "checks" else [

@@ -1,0 +1,202 @@
+"""The compatibility table in docs/compatibility.md, generated from the validation rules.
+
+Each row composes a real config from concrete overrides (``recipes.config.compose_config``) and runs
+``recipes.validate.validate`` on it; the table's "refused option", "why" and "fix" columns are the
+``ConfigError`` it raises, word for word, so the doc cannot drift from the rules. A row whose
+overrides are no longer refused, or are refused for another option, stops the script: the rule
+changed, so edit its row here.
+
+    python tools/compat_table.py          # rewrite the section between the markers
+    python tools/compat_table.py --check  # exit 1 if docs/compatibility.md differs (make check-data)
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # run as a script from anywhere: import the repository's recipes
+
+from recipes.config import compose_config  # noqa: E402
+from recipes.errors import ConfigError  # noqa: E402
+from recipes.validate import validate  # noqa: E402
+
+DOC = ROOT / "docs" / "compatibility.md"
+BEGIN = "<!-- BEGIN GENERATED: compatibility -->"
+END = "<!-- END GENERATED -->"
+
+
+@dataclass(frozen=True)
+class Row:
+    """One refused combination: what it is, overrides that trigger it, and the option it must name."""
+
+    combination: str
+    overrides: tuple[str, ...]
+    option: str
+    num_gpus: int = 1  # the machine validate assumes: 1 = one GPU, 0 = a CPU
+    te_available: bool = False  # whether Transformer Engine imports there
+
+
+ROWS = (
+    Row(
+        "`moe_act` (or `moe`, `shared_experts`) on a dense model",
+        ("model=standard_attn", "recompute=selective/moe_act"),
+        "recompute=selective/moe_act",
+    ),
+    Row("`mlp` on an all-MoE model", ("model=moe", "recompute=selective/mlp"), "recompute=selective/mlp"),
+    Row(
+        "`mla_up_proj` without MLA",
+        ("model=standard_attn", "recompute=selective/mla_up_proj"),
+        "recompute=selective/mla_up_proj",
+    ),
+    Row(
+        "`gdn_norm_out` without GatedDeltaNet layers",
+        ("model=standard_attn", "recompute=selective/gdn_norm_out"),
+        "recompute=selective/gdn_norm_out",
+    ),
+    Row(
+        "`shared_experts` without shared experts",
+        ("model=moe", "recompute=selective/shared_experts"),
+        "recompute=selective/shared_experts",
+    ),
+    Row(
+        "`shared_experts` with shared-expert overlap",
+        (
+            "model=moe",
+            "model.moe_shared_expert_intermediate_size=2048",
+            "model.moe_shared_expert_overlap=true",
+            "recompute=selective/shared_experts",
+        ),
+        "recompute=selective/shared_experts",
+    ),
+    Row(
+        "`moe_act` on megatron's `SequentialMLP`",
+        ("model=moe", "model.experts=sequential", "recompute=selective/moe_act"),
+        "recompute=selective/moe_act",
+    ),
+    Row(
+        "`layernorm` with Transformer Engine layers",
+        ("attention=te", "recompute=selective/layernorm"),
+        "recompute=selective/layernorm",
+        te_available=True,
+    ),
+    Row("GatedDeltaNet with an activation other than SiLU", ("model=gdn", "model.activation=gelu"), "model.activation"),
+    Row(
+        "full recompute without a method",
+        ("recompute=full", "recompute.recompute_method=null"),
+        "recompute.recompute_method",
+    ),
+    Row(
+        "full recompute over more layers than a stage holds",
+        ("recompute=full", "recompute.recompute_num_layers=3"),
+        "recompute.recompute_num_layers",
+    ),
+    Row(
+        "`recompute_method`/`recompute_num_layers` outside full recompute",
+        ("recompute=selective/mlp", "recompute.recompute_num_layers=1"),
+        "recompute.recompute_method",
+    ),
+    Row(
+        "`distribute_saved_activations` outside full recompute",
+        ("recompute=selective/mlp", "recompute.distribute_saved_activations=true"),
+        "recompute.distribute_saved_activations",
+    ),
+    Row(
+        "`distribute_saved_activations` with sequence parallel",
+        ("parallel=tp2", "recompute=full", "recompute.distribute_saved_activations=true"),
+        "recompute.distribute_saved_activations",
+        num_gpus=2,
+    ),
+    Row(
+        "whole-`moe` or full recompute with expert-parallel overlap",
+        ("model=moe", "recompute=selective/moe", "parallel.overlap_moe_expert_parallel_comm=true"),
+        "parallel.overlap_moe_expert_parallel_comm",
+    ),
+    Row("biases in the linear layers", ("model.add_bias_linear=true",), "model.add_bias_linear"),
+    Row("`attention=te` without Transformer Engine", ("attention=te",), "attention=te"),
+    Row(
+        "the alltoall token dispatcher on a CPU",
+        ("model=moe", "model.moe_token_dispatcher_type=alltoall"),
+        "model.moe_token_dispatcher_type",
+        num_gpus=0,
+    ),
+    Row(
+        "context parallel (`parallel=cp2`)",
+        ("parallel=cp2", "attention=te"),
+        "parallel.context_parallel_size",
+        num_gpus=2,
+        te_available=True,
+    ),
+)
+
+
+def refusal(row: Row) -> ConfigError:
+    """The ConfigError that validate raises for the row's config (SystemExit if it raises none, or
+    names another option)."""
+    cfg = compose_config(list(row.overrides))
+    try:
+        validate(cfg, num_gpus=row.num_gpus, te_available=row.te_available)
+    except ConfigError as err:
+        if err.option != row.option:
+            raise SystemExit(
+                f"{' '.join(row.overrides)}: refused for {err.option!r}, not {row.option!r}: "
+                f"{err.problem}\nedit this row in {Path(__file__).name}"
+            ) from err
+        return err
+    raise SystemExit(f"{' '.join(row.overrides)}: no longer refused; drop or edit this row in {Path(__file__).name}")
+
+
+def _cell(text: str) -> str:
+    """Message text as one markdown table cell (``<size>`` would otherwise read as an HTML tag)."""
+    return text.replace("|", "\\|").replace("<", "&lt;").replace(">", "&gt;").replace("\n", " ")
+
+
+def machine(row: Row) -> str:
+    """The machine a row assumes, in words."""
+    where = "a CPU" if row.num_gpus == 0 else f"{row.num_gpus} GPU" + ("s" if row.num_gpus > 1 else "")
+    return where + (", TE installed" if row.te_available else "")
+
+
+def table() -> str:
+    """The generated section: the markdown table, one line per row."""
+    lines = ["| combination | example | machine | refused option | why | fix |", "|---|---|---|---|---|---|"]
+    for row in ROWS:
+        err = refusal(row)
+        lines.append(
+            f"| {_cell(row.combination)} | `{' '.join(row.overrides)}` | {machine(row)} | "
+            f"`{_cell(err.option)}` | {_cell(err.problem)} | {_cell(err.fix)} |"
+        )
+    return "\n".join(lines)
+
+
+def render(doc: str) -> str:
+    """The doc with the section between the markers replaced by the current table."""
+    head, sep, rest = doc.partition(BEGIN)
+    _, sep2, tail = rest.partition(END)
+    if not (sep and sep2):
+        raise SystemExit(f"{DOC.relative_to(ROOT)} lacks the markers {BEGIN} ... {END}")
+    return f"{head}{BEGIN}\n{table()}\n{END}{tail}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="exit 1 if the doc is not up to date")
+    args = parser.parse_args(argv)
+    old = DOC.read_text()
+    new = render(old)
+    if args.check:
+        if new != old:
+            print(f"{DOC.relative_to(ROOT)} is out of date with recipes/validate.py: run `make docs`", file=sys.stderr)
+            return 1
+        print(f"{DOC.relative_to(ROOT)}: the compatibility table matches the rules ({len(ROWS)} rows)")
+        return 0
+    DOC.write_text(new)
+    print(f"wrote {DOC.relative_to(ROOT)} ({len(ROWS)} rows)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
