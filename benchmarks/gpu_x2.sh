@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# The two-H200 runs behind docs/h200x2-results.md: every layout of docs/parallel.md that fits on two
+# GPUs, per family, with recompute none / the guide's label / full, each rank measured. Run on one
+# machine with two H200s and the project installed; name the steps to run (default: all, in order):
+#   bash benchmarks/gpu_x2.sh env dense moe long_moe moe_repeat mla long_dense
+# Everything lands under results/: one sweep directory per step (results/x2_<step>/) and its console
+# output next to it (results/x2_<step>.log). The estimator comparison, the report and the advisor
+# read those directories afterwards (no GPU needed): the `analyse` step runs them.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1 WANDB_MODE=offline
+PY=${PY:-python3}
+# What the single-GPU tables ran with (docs/h200-results.md): 2 warm-up + 4 timed steps, profiling off.
+ARGS="profile=none train.train_iters=6 train.warmup_iters=2"
+LONG_ARGS="profile=none train.train_iters=4 train.warmup_iters=1"
+mkdir -p results
+stamp() { echo "== $(date -u +%FT%TZ) $*"; }
+sweep() {  # sweep NAME OVERRIDES...: one Hydra sweep into results/x2_NAME, console into results/x2_NAME.log
+  local name=$1; shift; stamp "sweep x2_$name: $*"
+  $PY train.py -m "$@" hydra.sweep.dir=results/x2_$name 2>&1 | grep -v "Warning\|warn(" | tee results/x2_$name.log | tail -40; }
+
+step_env() { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  $PY -c "import sys, torch, megatron.core as m; print('python', sys.version.split()[0], 'torch', torch.__version__,
+'megatron-core', m.__version__, 'gpus', torch.cuda.device_count())"
+  $PY -c "import transformer_engine" 2>/dev/null && echo "transformer_engine present" || echo "no transformer_engine"; }
+step_dense() { sweep standard_attn model=standard_attn size=h200 parallel=dp2,tp2,pp2,pp2_vpp2,tp2_nosp \
+  recompute=none,selective/core_attn,full $ARGS; }
+step_moe() { sweep moe model=moe size=h200 parallel=ep2,tp2 recompute=none,selective/moe_act,full $ARGS; }
+step_moe_repeat() {  # MoE step times vary between processes: every point once more, in new processes
+  sweep moe_repeat model=moe size=h200 parallel=ep2,tp2 recompute=none,selective/moe_act,full $ARGS measure.repeat=1; }
+step_mla() { sweep mla model=mla size=h200 parallel=dp2,tp2,pp2 recompute=none,selective/mla_up_proj,full $ARGS; }
+# The advisor's pick for the realistic size on two GPUs, next to its runner-up
+# (python -m recipes.advise --budget-gib 137 --predict model=<family> size=h200_long parallel=<layout>).
+step_long_moe() { sweep long_moe model=moe size=h200_long parallel=ep2 \
+  recompute=selective/layernorm,selective/moe_act $LONG_ARGS; }
+step_long_dense() { sweep long_dense model=standard_attn size=h200_long parallel=tp2 recompute=none,control $LONG_ARGS; }
+
+step_analyse() {  # no GPU: predicted next to measured per rank, the reports, the advisor's choices
+  local q="Warning\|warn(\|absl"
+  for d in results/x2_*/; do d=${d%/}; [ -f "$d/multirun.yaml" ] || continue
+    $PY -m recipes.estimate --compare "$d" 2>&1 | grep -v "$q" > "$d/compare.log"
+    $PY -m recipes.report "$d" --no-wandb > /dev/null 2>&1; done
+  # budgets that force a choice: dense 9 GiB (no layout fits without recompute; core_attn saves nothing
+  # under SDPA), 12 GiB (dp2 and the pipelines do not fit without it); MoE 15 GiB (between tp2's none and moe_act)
+  for b in 9 12; do [ -d results/x2_standard_attn ] && $PY -m recipes.advise results/x2_standard_attn \
+    --budget-gib $b 2>&1 | grep -v "$q" > results/x2_standard_attn/advise-${b}gib.log; done
+  [ -d results/x2_moe ] && $PY -m recipes.advise results/x2_moe --budget-gib 15 2>&1 | grep -v "$q" \
+    > results/x2_moe/advise-15gib.log
+  for d in results/x2_long_*/; do [ -d "$d" ] && $PY -m recipes.advise "${d%/}" --budget-gib 137 2>&1 |
+    grep -v "$q" > "${d%/}/advise-137gib.log"; done
+  for m in "model=standard_attn size=h200_long parallel=tp2" "model=moe size=h200_long parallel=ep2"; do
+    echo "\$ python -m recipes.advise --budget-gib 137 --predict $m"
+    $PY -m recipes.advise --budget-gib 137 --predict $m 2>&1 | grep -v "$q"; echo; done > results/x2_advise-predict.log
+  true; }
+
+[ $# -eq 0 ] && set -- env dense moe long_moe moe_repeat mla long_dense analyse
+for s in "$@"; do stamp "step $s"; "step_$s"; done
+stamp done
