@@ -30,7 +30,7 @@ step_moe_repeat() {  # MoE step times vary between processes: every point once m
   sweep moe_repeat model=moe size=h200 parallel=ep2,tp2 recompute=none,selective/moe_act,full $ARGS measure.repeat=1; }
 step_mla() { sweep mla model=mla size=h200 parallel=dp2,tp2,pp2 recompute=none,selective/mla_up_proj,full $ARGS; }
 # The advisor's pick for the realistic size on two GPUs, next to its runner-up
-# (python -m recipes.advise --budget-gib 137 --predict model=<family> size=h200_long parallel=<layout>).
+# (python -m recipes advise --budget-gib 137 --predict model=<family> size=h200_long parallel=<layout>).
 step_long_moe() { sweep long_moe model=moe size=h200_long parallel=ep2 \
   recompute=selective/layernorm,selective/moe_act $LONG_ARGS; }
 step_long_dense() { sweep long_dense model=standard_attn size=h200_long parallel=tp2 recompute=none,control $LONG_ARGS; }
@@ -38,19 +38,19 @@ step_long_dense() { sweep long_dense model=standard_attn size=h200_long parallel
 step_analyse() {  # no GPU: predicted next to measured per rank, the reports, the advisor's choices
   local q="Warning\|warn(\|absl"
   for d in results/x2_*/; do d=${d%/}; [ -f "$d/multirun.yaml" ] || continue
-    $PY -m recipes.estimate --compare "$d" 2>&1 | grep -v "$q" > "$d/compare.log"
-    $PY -m recipes.report "$d" --no-wandb > /dev/null 2>&1; done
+    $PY -m recipes estimate --compare "$d" 2>&1 | grep -v "$q" > "$d/compare.txt"
+    $PY -m recipes report "$d" --no-wandb > /dev/null 2>&1; done
   # budgets that force a choice: dense 9 GiB (no layout fits without recompute; core_attn saves nothing
   # under SDPA), 12 GiB (dp2 and the pipelines do not fit without it); MoE 15 GiB (between tp2's none and moe_act)
-  for b in 9 12; do [ -d results/x2_standard_attn ] && $PY -m recipes.advise results/x2_standard_attn \
-    --budget-gib $b 2>&1 | grep -v "$q" > results/x2_standard_attn/advise-${b}gib.log; done
-  [ -d results/x2_moe ] && $PY -m recipes.advise results/x2_moe --budget-gib 15 2>&1 | grep -v "$q" \
-    > results/x2_moe/advise-15gib.log
-  for d in results/x2_long_*/; do [ -d "$d" ] && $PY -m recipes.advise "${d%/}" --budget-gib 137 2>&1 |
-    grep -v "$q" > "${d%/}/advise-137gib.log"; done
+  for b in 9 12; do [ -d results/x2_standard_attn ] && $PY -m recipes advise results/x2_standard_attn \
+    --budget-gib $b 2>&1 | grep -v "$q" > results/x2_standard_attn/advise-${b}gib.txt; done
+  [ -d results/x2_moe ] && $PY -m recipes advise results/x2_moe --budget-gib 15 2>&1 | grep -v "$q" \
+    > results/x2_moe/advise-15gib.txt
+  for d in results/x2_long_*/; do [ -d "$d" ] && $PY -m recipes advise "${d%/}" --budget-gib 137 2>&1 |
+    grep -v "$q" > "${d%/}/advise-137gib.txt"; done
   for m in "model=standard_attn size=h200_long parallel=tp2" "model=moe size=h200_long parallel=ep2"; do
-    echo "\$ python -m recipes.advise --budget-gib 137 --predict $m"
-    $PY -m recipes.advise --budget-gib 137 --predict $m 2>&1 | grep -v "$q"; echo; done > results/x2_advise-predict.log
+    echo "\$ python -m recipes advise --budget-gib 137 --predict $m"
+    $PY -m recipes advise --budget-gib 137 --predict $m 2>&1 | grep -v "$q"; echo; done > results/x2_advise-predict.txt
   true; }
 
 [ $# -eq 0 ] && set -- env dense moe long_moe moe_repeat mla long_dense analyse

@@ -130,7 +130,7 @@ def rename_sweep(sweep: Path, git: bool = True, dry_run: bool = False) -> list[t
         if dry_run:
             continue
         if git:
-            subprocess.run(["git", "mv", str(point), str(target)], check=True, cwd=sweep)
+            subprocess.run(["git", "mv", str(point.resolve()), str(target.resolve())], check=True, cwd=sweep.resolve())
         else:
             point.rename(target)
     text = json.dumps(dict(sorted(manifest.items())), indent=2) + "\n"

@@ -33,8 +33,9 @@ from recipes.predict.fit import ALLOCATOR_SLACK  # noqa: E402
 from recipes.recompute import FAMILIES, LABELS, conf_options, selective_labels  # noqa: E402
 
 H200 = REPO / "docs" / "h200"
+H200X2 = REPO / "docs" / "h200x2"  # two H200s: per-rank tables (docs/h200x2-results.md)
 RESULTS = sorted(H200.rglob("result.json"))
-SWEEPS = rename_points.sweep_dirs(H200)
+SWEEPS = rename_points.sweep_dirs(H200) + rename_points.sweep_dirs(H200X2)
 REPORTS = [s for s in SWEEPS if (s / "report.md").exists()]
 FUSED_ADAM = [p for p in RESULTS if json.loads(p.read_text())["config"]["train"].get("fused_adam")]
 
@@ -64,7 +65,7 @@ def test_every_sweep_has_a_manifest_of_its_short_point_names(sweep):
 
 def test_no_console_logs_in_the_committed_data():
     """The committed data is results and reports; console logs stay out of the tree."""
-    assert not sorted(H200.rglob("*.log"))
+    assert not sorted(H200.rglob("*.log")) + sorted(H200X2.rglob("*.log"))
 
 
 @pytest.mark.parametrize("sweep", REPORTS, ids=lambda p: p.name)
