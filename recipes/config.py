@@ -14,7 +14,9 @@ from dataclasses import dataclass, field
 from typing import Any, List, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
+from omegaconf import MISSING, OmegaConf
+
+from recipes.files import CONF_DIR
 
 
 @dataclass
@@ -209,8 +211,6 @@ def slug(text: str) -> str:
 
 def register_configs() -> None:
     """Register the schema so conf/config.yaml and every group are type-checked at compose time."""
-    from omegaconf import OmegaConf
-
     if not OmegaConf.has_resolver("slug"):
         OmegaConf.register_new_resolver("slug", slug)
     if not OmegaConf.has_resolver("once"):
@@ -235,13 +235,9 @@ def register_configs() -> None:
 def compose_config(overrides: list[str] = ()) -> dict:
     """The resolved run config for these Hydra overrides, composed exactly as ``train.py`` does
     (the plain dict a worker reads). For tools and tests that run outside ``@hydra.main``."""
-    from pathlib import Path
-
-    from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
+    from hydra import compose, initialize_config_dir  # Hydra's composition API, only for tools and tests
 
     register_configs()
-    conf = str(Path(__file__).resolve().parent.parent / "conf")
-    with initialize_config_dir(config_dir=conf, version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose(config_name="config", overrides=list(overrides))
     return OmegaConf.to_container(cfg, resolve=True)

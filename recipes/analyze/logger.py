@@ -65,6 +65,7 @@ def log_run(cfg: dict, result: dict) -> None:
     if log["name"] != "wandb":
         return
     os.environ.setdefault("WANDB_SILENT", "true")
+    # lazy: only with logger=wandb
     import wandb
 
     run = wandb.init(

@@ -294,6 +294,7 @@ def short_label(row: dict, rows: list[dict]) -> str:
 
 def plot_pareto(rows: list[dict], path: Path, title: str) -> Path:
     """Peak memory against step time for every measured point, Pareto frontier marked; ``path``."""
+    # lazy: only when plotting
     import matplotlib
 
     matplotlib.use("Agg")
@@ -420,6 +421,7 @@ def log_report_to_wandb(sweep_dir: Path, rows: list[dict], png: Path, log: dict)
     import os
 
     os.environ.setdefault("WANDB_SILENT", "true")
+    # lazy: only with logger=wandb
     import wandb
 
     run = wandb.init(project=log.get("project"), entity=log.get("entity"), mode=log.get("mode", "offline"),

@@ -50,6 +50,7 @@ class _CoreAttention(MegatronModule):
                 "use attention=te (Transformer Engine) with context_parallel_size > 1"
             )
         if pg_collection is None:
+            # lazy: megatron takes seconds to import; tools that never build a model skip it
             from megatron.core.process_groups_config import ProcessGroupCollection
 
             pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"])

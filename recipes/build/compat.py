@@ -38,6 +38,7 @@ def install_cpu_compat() -> bool:
         return False
     if _INSTALLED:
         return True
+    # lazy: megatron takes seconds to import; tools that never build a model skip it
     from megatron.core.tensor_parallel import random as mcore_random
 
     cpu = torch.device("cpu")

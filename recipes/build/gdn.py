@@ -93,6 +93,7 @@ def select_gdn_ops() -> bool:
         return False
     if _SWAPPED:
         return True
+    # lazy: megatron takes seconds to import; tools that never build a model skip it
     from megatron.core.ssm.gated_delta_net import common, gdn
 
     for module, name, replacement in ((gdn, "chunk_gated_delta_rule", naive_chunk_gated_delta_rule),

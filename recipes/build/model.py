@@ -99,6 +99,7 @@ def transformer_config_kwargs(cfg: Any, on_gpu: bool) -> dict:
 
 def build_transformer_config(cfg: Any, on_gpu: bool):
     """The single TransformerConfig (MLATransformerConfig for family=mla) of this run."""
+    # lazy: megatron takes seconds to import; tools that never build a model skip it
     from megatron.core.transformer.transformer_config import (
         MLATransformerConfig,
         TransformerConfig,

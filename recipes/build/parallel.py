@@ -31,6 +31,7 @@ def pipeline_schedule(num_microbatches: int, pp_size: int, pp_rank: int,
         return {"schedule": "no pipelining", "num_microbatches": num_microbatches,
                 "num_model_chunks": 1, "warmup_forwards": 0, "in_flight_forwards": 1,
                 "in_flight_microbatches": 1, "chunk_order": [0]}
+    # lazy: megatron takes seconds to import; tools that never build a model skip it
     from megatron.core.pipeline_parallel.schedules import get_schedule_table
 
     total = num_microbatches * num_model_chunks

@@ -24,6 +24,7 @@ _FIXED: set[str] = set()
 
 def transformer_engine_available() -> bool:
     """True when Transformer Engine imports (megatron's own HAVE_TE)."""
+    # lazy: megatron takes seconds to import; tools that never build a model skip it
     from megatron.core.extensions.transformer_engine import HAVE_TE
 
     return bool(HAVE_TE)

@@ -18,6 +18,7 @@ from recipes.data.indexed import build_indexed_datasets
 
 def build_datasets(cfg: Any, num_samples: list[int]):
     """(train, valid, test) megatron datasets for ``cfg.data`` (valid/test may be None)."""
+    # lazy: megatron takes seconds to import; tools that never build a model skip it
     from megatron.core.datasets.blended_megatron_dataset_builder import (
         BlendedMegatronDatasetBuilder,
     )

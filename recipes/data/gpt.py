@@ -22,6 +22,7 @@ class ByteTokenizer:
 
 def gpt_dataset_config(cfg: Any, tokenizer, blend=None, split=None):
     """megatron's GPTDatasetConfig for this run's sequence length and seed (mock when no blend)."""
+    # lazy: megatron takes seconds to import; tools that never build a model skip it
     from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
 
     return GPTDatasetConfig(

@@ -230,6 +230,7 @@ def default_cache_dir() -> str:
 
 def build_indexed_datasets(cfg: Any, num_samples: list[int]):
     """(train, valid, test) ``GPTDataset``/``BlendedDataset`` splits of ``data.paths`` (None where empty)."""
+    # lazy: megatron takes seconds to import; tools that never build a model skip it
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset
 

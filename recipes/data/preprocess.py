@@ -185,6 +185,7 @@ def preprocess(inputs: Sequence[str | Path], output_prefix: str, tokenizer: str 
     Files are written under temporary names and renamed at the end, the sidecar last, so an
     interrupted run never leaves a dataset that validation would accept. Returns the sidecar dict.
     """
+    # lazy: megatron takes seconds to import; tools that never build a model skip it
     from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 
     tok = load_tokenizer(tokenizer, eod_token)

@@ -62,6 +62,7 @@ class CheckpointCounter:
         self._undo: list = []
 
     def install(self) -> CheckpointCounter:
+        # lazy: megatron takes seconds to import; tools that never build a model skip it
         from megatron.core.tensor_parallel import random as r
 
         counter = self

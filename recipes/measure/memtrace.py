@@ -57,6 +57,7 @@ class PhaseTracker:
     """
 
     def __init__(self, chunks: list[torch.nn.Module], stamp: bool = False):
+        # lazy: megatron takes seconds to import; tools that never build a model skip it
         from megatron.core.transformer.transformer_layer import TransformerLayer
 
         self.kinds: dict[int, str] = {}

@@ -243,6 +243,7 @@ def _draw(ax, prof: dict, title: str) -> None:
 
 def plot_timeline(prof: dict, path: Path | str, title: str = "") -> Path:
     """One rank's memory over the profiled step: stacked by bucket, phases shaded, peak annotated."""
+    # lazy: only when plotting
     import matplotlib
 
     matplotlib.use("Agg")

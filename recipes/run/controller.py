@@ -32,6 +32,7 @@ COMPLETE = ("ok", "oom")
 
 def hydra_choices() -> dict[str, str]:
     """The config-group choices of this run (model, recompute, ...), or {} outside Hydra."""
+    # lazy: Hydra's runtime state, only inside a Hydra run
     from hydra.core.hydra_config import HydraConfig
 
     if not HydraConfig.initialized():

@@ -42,6 +42,7 @@ def init_distributed(cfg: dict, marks: dict | None = None) -> None:
     8-14 s of a sweep point's 18-25 s, the largest fixed cost, so it is split to show which part.
     """
     marks = {} if marks is None else marks
+    # lazy: megatron's import is timed as its own phase (megatron_imported); the console shows it
     from megatron.core import parallel_state
 
     upstream.apply_all()  # imports megatron's transformer, MoE and optimizer modules
