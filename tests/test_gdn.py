@@ -182,7 +182,7 @@ def test_cpu_switch_selects_fla_naive_reference(monkeypatch):
 def test_cpu_switch_keeps_the_triton_kernels_when_cuda_is_present():
     """A fresh process that reports CUDA: the switch does nothing and megatron keeps fla's kernels."""
     code = ("import torch; torch.cuda.is_available = lambda: True\n"
-            "from recipes import gdn\n"
+            "from recipes.build import gdn\n"
             "assert gdn.select_gdn_ops() is False\n"
             "ops = gdn.gdn_ops_in_use(); print(ops)\n"
             "assert all(v.startswith('fla.') for v in ops.values()), ops\n")
