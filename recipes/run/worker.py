@@ -32,6 +32,7 @@ from recipes.measure.flops import step_flops
 from recipes.measure.labels import LabelError, check_resolved, label_findings, labels_disabled, resolve_labels
 from recipes.measure.ledger import ActivationLedger, CheckpointCounter
 from recipes.measure.profile import profile_step
+from recipes.measure.routing import RoutingRecorder
 from recipes.recompute import labels_of
 
 
@@ -297,6 +298,7 @@ def train_and_measure(cfg: dict, result: dict, run_dir: Path | None = None) -> T
     t0 = time.perf_counter()
     marks = result.setdefault("timeline", {})
     trainer = Trainer(cfg)
+    routing = RoutingRecorder(trainer.chunks, lambda: len(trainer.grad_norms))  # MoE: routed rows per rank
     marks["built"] = time.time()
     result["num_parameters"] = num_parameters(trainer.chunks)
     result["optimizer"] = trainer.optimizer_kind
@@ -342,6 +344,7 @@ def train_and_measure(cfg: dict, result: dict, run_dir: Path | None = None) -> T
         times.append(time.perf_counter() - start)
         maybe_evaluate(len(losses))
     steps = len(times)
+    record_routing(routing, result, cfg["measure"]["ledger"], range(warmup, warmup + steps))
     result["checkpoints"] = {
         label: {k: v // max(steps, 1) for k, v in counts.items()}
         for label, counts in trainer.counter.as_dict().items()
@@ -386,6 +389,14 @@ def train_and_measure(cfg: dict, result: dict, run_dir: Path | None = None) -> T
     result["status"] = "ok"
     trainer.close()
     return trainer
+
+
+def record_routing(routing: RoutingRecorder, result: dict, ledger: bool, timed: range) -> None:
+    """MoE: the rows routed to this rank's experts (``recipes.measure.routing``) at the ledger's
+    micro-batch (warm-up step 0) and per timed step, into ``result["moe_routing"]``; then unhooked."""
+    if routing:
+        result["moe_routing"] = routing.summary(0 if ledger else None, timed)
+    routing.close()
 
 
 def control_ledgers(trainer: Trainer, labels: list[str], result: dict) -> list[str]:
