@@ -396,6 +396,29 @@ def assert_recorded_routing_prices_each_rank_exactly(result: dict) -> None:
         assert predict(cfg, "cpu", stage=0, routed_share=1)["activation_bytes"] != rank["ledger"]["total_bytes"]
 
 
+@pytest.mark.slow
+def test_an_oom_in_one_ranks_control_ledger_does_not_hang_the_other(tmp_path):
+    """Issue 23, two H200s: rank 0's in-run control ledger (labels off) ran out of memory while rank 1
+    waited in a collective of that pass, and the point hung. Here rank 1's pass raises the OOM before
+    its first collective (rank 0 is then inside the pass, waiting on it): the run ends, both ranks'
+    measurements are kept (ok), and both say why their control ledger is missing."""
+    env = dict(os.environ, WANDB_MODE="disabled", RECIPES_TEST_CONTROL_OOM_RANK="1")
+    proc = subprocess.run([sys.executable, str(REPO / "train.py"), *QUICK, f"output_dir={tmp_path}", "parallel=ep2",
+                           "model=moe", "recompute=selective/moe_act"], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=420)  # a hang would wait for gloo's 30-minute timeout
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["status"] == "ok", (result.get("error"), proc.stderr[-3000:])
+    a, b = result["ranks"]
+    for rank in (a, b):
+        assert rank["status"] == "ok" and rank["timing"]["steps"] == 2 and rank["ledger"]["total_bytes"] > 0
+        assert "control_total_bytes" not in rank["ledger"]
+        assert any("control ledger" in w for w in rank["warnings"])
+    assert b["ledger"]["control_error"].startswith("oom") and any("ran out of memory" in w for w in b["warnings"])
+    assert a["ledger"]["control_error"].startswith("interrupted")
+    assert any("did not complete on this rank" in w for w in a["warnings"])
+    assert a["moe_routing"]["ledger_rows"] and b["moe_routing"]["ledger_rows"]  # the run's measurements kept
+
+
 FAKE_SLURM = {
     # sbatch: record the submission, then run it in the background as Slurm would (array elements
     # one after another), after submitit has moved its pickles into place.
