@@ -29,7 +29,7 @@ import rename_points  # noqa: E402  (checks/, after the repo is on sys.path)
 from recipes.analyze.advise import measured_candidates  # noqa: E402
 from recipes.analyze.report import write_report  # noqa: E402
 from recipes.config import MAX_DIRNAME  # noqa: E402
-from recipes.predict.fit import ALLOCATOR_SLACK  # noqa: E402
+from recipes.predict.fit import ALLOCATOR_SLACK, EP_MOE_SLACK, slack_for  # noqa: E402
 from recipes.recompute import FAMILIES, LABELS, conf_options, selective_labels  # noqa: E402
 
 H200 = REPO / "docs" / "h200"
@@ -141,3 +141,19 @@ def test_allocator_slack_covers_every_measured_row():
             if rank.get("status") == "ok":
                 m = rank["memory"]
                 assert m["peak_reserved_gib"] <= m["peak_allocated_gib"] * (1 + ALLOCATOR_SLACK), path.parent.name
+
+
+def test_the_expert_parallel_slack_covers_every_ep_rank_on_two_h200s():
+    """recipes.predict.fit.EP_MOE_SLACK covers reserved over allocated on every MoE rank under expert
+    parallel measured on two H200s (docs/h200x2: up to 1.166x, ep2 none rank 0), which the 8.5% does not."""
+    ratios = []
+    for path in sorted(H200X2.rglob("rank*.json")) + sorted(H200X2.rglob("result.json")):
+        data = json.loads(path.read_text())
+        ranks = data["ranks"] if "ranks" in data else [data]
+        config = data.get("config") or json.loads((path.parent.parent / "result.json").read_text())["config"]
+        if slack_for(config) != EP_MOE_SLACK:
+            continue
+        ratios += [r["memory"]["peak_reserved_gib"] / r["memory"]["peak_allocated_gib"] for r in ranks
+                   if r.get("status") == "ok" and r.get("memory")]
+    assert len(ratios) >= 7 and max(ratios) <= 1 + EP_MOE_SLACK
+    assert max(ratios) > 1 + ALLOCATOR_SLACK

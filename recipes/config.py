@@ -169,6 +169,18 @@ class MeasureConfig:
 
 
 @dataclass
+class EstimateConfig:
+    """What the estimator (``python -m recipes estimate``, ``advise --predict``) assumes where only a
+    run can tell. Changes no measurement (``recipes.results.NOT_MEASURED``)."""
+
+    # Routed rows on the worst expert-parallel rank over the balanced share, a bound: measured on two
+    # H200s (docs/h200x2-results.md) after 6 steps at moe_aux_loss_coeff 0.01, the worst rank took
+    # 1.50x at its peak step. Used for EP > 1 before a run; `estimate --compare` uses each rank's
+    # recorded rows instead. Dropless routing caps it at every token (ep x balanced for top-k <= local experts).
+    moe_imbalance: float = 1.5
+
+
+@dataclass
 class RecipeConfig:
     """The root config: one training run (or, with -m, one sweep point)."""
 
@@ -181,6 +193,7 @@ class RecipeConfig:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     measure: MeasureConfig = field(default_factory=MeasureConfig)
+    estimate: EstimateConfig = field(default_factory=EstimateConfig)
     size: Any = None  # unused: size files (@package _global_) set model.* and train.* directly
     name: Optional[str] = None  # run name; defaults to the Hydra choices
     output_dir: Optional[str] = None  # defaults to Hydra's run/sweep directory

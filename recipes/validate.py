@@ -291,5 +291,8 @@ def _validate_run(cfg) -> None:
     frac = meas["memory_fraction"]
     _check(frac is None or 0 < frac <= 1, "measure.memory_fraction", f"{frac} is not in (0, 1]",
            "use a fraction such as 0.5, or null")
+    imbalance = (cfg.get("estimate") or {}).get("moe_imbalance", 1.0)  # results written before it existed
+    _check(imbalance >= 1.0, "estimate.moe_imbalance", f"{imbalance} is below balanced routing (1.0): it "
+           "bounds the worst expert-parallel rank", "use 1.0 (balanced) or more; the default 1.5 was measured")
     _check(data["name"] in ("mock", "indexed"), "data", f"unknown data {data['name']!r}",
            "use data=mock or data=indexed")

@@ -219,3 +219,66 @@ def test_gdn_layer_pattern_across_interleaved_pipeline_ranks(tmp_path):
         predicted = predict(result["config"], device="auto", stage=rank["coords"]["pp"])
         assert predicted["activation_bytes_by_kind"] == {k: rank["ledger"]["bytes_by_kind"].get(k, 0) for k in KINDS}
         assert sum(num_parameters(result["config"], rank["coords"]["pp"])) == rank["num_parameters"]
+
+
+# --- expert parallel: the routed share (issue 23) ---------------------------------------------------
+
+#: The per-routed-row terms of an MoE layer: what follows the routing under expert parallel.
+ROUTED = ("permutation indices (int64)", "expert fc1 input (permuted)", "permuted probs", "expert fc1 output",
+          "expert activation output", "expert x_linear + offset", "expert activation before the router prob",
+          "expert fc2 input")
+
+
+def test_routed_share_scales_only_the_routed_rows_under_expert_parallel(capsys):
+    from recipes.predict.activations import balanced_rows, dims, routed_rows
+
+    cfg = compose("model=moe", "size=h200", "parallel=ep2")
+    balanced, bound = predict(cfg, "cuda", routed_share=1), predict(cfg, "cuda")  # default: the bound
+    assert bound["routed_share"] == 1.5 and balanced["routed_share"] == 1.0
+    n = balanced_rows(dims(cfg, "cuda"))
+    for (_kind, what, b), (_, what2, p) in zip(balanced["layer_terms"], bound["layer_terms"]):
+        assert what == what2
+        if what in ROUTED:  # bytes per row x ceil(1.5 n)
+            assert p * n == b * routed_rows(dims(cfg, "cuda", 1.5)) and p > b, what
+        else:  # the router's tensors, local routing map and probs: per gathered token, unscaled
+            assert p == b, what
+    assert dims(cfg, "cuda", 100).routed_share == 100 and routed_rows(dims(cfg, "cuda", 100)) == 2 * n  # every token
+    assert main(["model=moe", "size=h200", "parallel=ep2", "--all"]) == 0
+    assert "the worst EP rank, priced at 1.5x balanced routing: a BOUND" in capsys.readouterr().out
+
+
+def test_without_expert_parallel_the_share_changes_nothing():
+    for overrides in (("model=moe", "size=h200"), ("model=moe", "size=h200", "parallel=tp2")):
+        cfg = compose(*overrides)
+        assert predict(cfg, "cuda", routed_share=3.0) == predict(cfg, "cuda")
+        assert predict(cfg, "cuda")["routed_share"] is None
+
+
+def test_the_imbalance_bound_is_a_config_field():
+    cfg = compose("model=moe", "size=h200", "parallel=ep2", "estimate.moe_imbalance=1.2")
+    assert predict(cfg, "cuda")["routed_share"] == 1.2
+    assert predict(cfg, "cuda")["peak_bytes"] < predict(compose("model=moe", "size=h200", "parallel=ep2"),
+                                                        "cuda")["peak_bytes"]
+    with pytest.raises(ConfigError) as info:
+        predict(compose("model=moe", "parallel=ep2", "estimate.moe_imbalance=0.9"), "cpu")
+    assert info.value.option == "estimate.moe_imbalance"
+
+
+def test_recorded_rows_price_each_layer(tmp_path):
+    """A rank's recorded rows (``moe_routing``) price its ledger layer by layer, exactly; its peak at
+    the timed steps' worst micro-batch."""
+    from recipes.predict.activations import balanced_rows, dims
+    from recipes.predict.estimate import recorded_shares
+
+    cfg = compose("model=moe", "parallel=ep2")
+    n, layers = balanced_rows(dims(cfg, "cpu")), cfg["model"]["num_layers"]
+    rows = [n - 3 + 2 * i for i in range(layers)]
+    ledger, peak = recorded_shares(cfg, "cpu", {"moe_routing": {"layers": layers, "ledger_rows": rows,
+                                                               "max_rows_per_step": [sum(rows), layers * n + 7]}})
+    assert [f * n for f in ledger] == rows and peak * n * layers == layers * n + 7
+    per_layer = predict(cfg, "cpu", stage=0, routed_share=ledger)["per_layer"]
+    flat = predict(cfg, "cpu", stage=0, routed_share=1)["per_layer"]
+    per_row = (per_layer[1]["moe"] - per_layer[0]["moe"]) // 2  # the layers' rows differ by 2
+    assert per_row > 0
+    assert [p["moe"] - f["moe"] for p, f in zip(per_layer, flat)] == [(r - n) * per_row for r in rows]
+    assert recorded_shares(compose("model=moe"), "cpu", {"moe_routing": {"layers": 2}}) == (None, None)  # EP 1

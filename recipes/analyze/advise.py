@@ -30,8 +30,8 @@ from recipes.errors import ConfigError
 from recipes.files import GIB
 from recipes.measure.flops import layer_forward_flops, replayed_layer_flops
 from recipes.measure.profile import first_label_to_try, top_contributors
-from recipes.predict.estimate import predict, predict_options
-from recipes.predict.fit import ALLOCATOR_SLACK, FITS, TIGHT, fits, verdict, with_slack
+from recipes.predict.estimate import predict, predict_options, recorded_shares, routing_line
+from recipes.predict.fit import FITS, TIGHT, fits, slack_for, verdict, with_slack
 from recipes.recompute import NO_RECOMPUTE, is_full, recompute_config, recompute_order, selective_labels
 from recipes.results import first_sentence, recompute_of, worst_row
 from recipes.validate import layers_per_chunk
@@ -56,8 +56,8 @@ def measured_candidates(sweep_dir: Path) -> list[dict]:
             "status": r["point_status"] or r["status"], "source": "measured", "key": r["_key"],
             "family_key": r["_family_key"], "ranks": [], "error": r.get("error"),
         })
-        c["ranks"].append({k: r.get(k) for k in ("rank", "status", "peak_allocated_gib", "peak_reserved_gib",
-                                                  "fragmentation_gib", "ledger_bytes")})
+        c["ranks"].append({k: r.get(k) for k in ("rank", "status", "device", "peak_allocated_gib",
+                                                  "peak_reserved_gib", "fragmentation_gib", "ledger_bytes")})
         if r["worst"] or r["rank"] is None:  # the worst rank's time and deltas speak for the point
             c.update({k: r.get(k) for k in ("step_ms", "step_noise", "step_spread", "control", "d_peak_gib", "d_peak_pct",
                                             "d_ledger_pct", "d_time_pct", "worst_rank") if r.get(k) is not None})
@@ -69,18 +69,37 @@ def measured_candidates(sweep_dir: Path) -> list[dict]:
     return list(points.values())
 
 
+def _layout(result: dict) -> str:
+    """The parallel layout a point ran, as the override that selects it: ``parallel=ep2``, or the
+    sizes where they were set by hand (``parallel.tensor_model_parallel_size=2`` keeps ``single``)."""
+    par = (result.get("config") or {}).get("parallel") or {}
+    keys = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
+            "context_parallel_size", "expert_model_parallel_size")
+    choice = (result.get("choices") or {}).get("parallel") or "single"
+    hand = [f"parallel.{k}={par[k]}" for k in keys if (par.get(k) or 1) > 1]
+    return " ".join(hand) if choice == "single" and hand else f"parallel={choice}"
+
+
 def _groups(results: list[dict]) -> dict[tuple, dict]:
-    """One completed result per (model, attention) of the sweep: the config to predict from."""
+    """One completed result per (model, attention, layout) of the sweep: the config to predict from."""
     groups: dict[tuple, dict] = {}
     for r in results:
         ch = r.get("choices") or {}
         if r.get("status") == "ok" and r.get("config"):
-            groups.setdefault((ch.get("model"), ch.get("attention")), r)
+            groups.setdefault((ch.get("model"), ch.get("attention"), _layout(r)), r)
     return groups
 
 
+def _is_gpu(device: str | None) -> bool:
+    """A rank's recorded ``device`` (``torch.cuda.get_device_name()`` or ``cpu``) names a GPU."""
+    return device not in (None, "cpu")
+
+
 def _on_gpu(result: dict) -> bool:
-    return any(rank.get("memory") for rank in result.get("ranks") or [])
+    """Whether a run ran on GPUs: from its ranks' ``device``, whatever their status (a GPU sweep whose
+    points all ran out of memory is still a GPU sweep); results without it, from allocator numbers."""
+    ranks = result.get("ranks") or []
+    return any(_is_gpu(r.get("device")) or r.get("memory") for r in ranks)
 
 
 def predicted_candidates(sweep_dir: Path, budget_gib: float | None = None) -> list[dict]:
@@ -92,48 +111,68 @@ def predicted_candidates(sweep_dir: Path, budget_gib: float | None = None) -> li
     ``full/block`` on a GPU sweep is priced at the fewest layers that fit it."""
 
     results = find_results(sweep_dir)
-    measured = {((r.get("choices") or {}).get("model"), (r.get("choices") or {}).get("attention"),
+    measured = {((r.get("choices") or {}).get("model"), (r.get("choices") or {}).get("attention"), _layout(r),
                  recompute_of(r)) for r in results}
+    layouts = {_layout(r) for r in results}
     rows = []
-    for (model, attention), r in _groups(results).items():
+    for (model, attention, layout), r in _groups(results).items():
         gpu = _on_gpu(r)
         try:
             done, _ = predict_options(r["config"], "cuda" if gpu else "cpu")
         except ConfigError:  # a family or feature the estimator does not model: nothing predicted
             continue
+        # a sweep over layouts: each predicted row names the layout it prices (and runs it)
+        where = {"parallel": layout} if len(layouts) > 1 else {}
         for option, p in done:
-            if (model, attention, option) in measured:
+            if (model, attention, layout, option) in measured:
                 continue
             extra = {}
             if option == "full/block" and gpu and budget_gib is not None:
                 rc, p = _fewest_block_layers(r["config"], recompute_config(option), budget_gib)
                 extra = {"recompute_num_layers": rc["recompute_num_layers"]}
             # on a GPU sweep the measured points are judged on reserved: so are the predictions
-            nbytes = with_slack(p["peak_bytes"]) if gpu else p["activation_bytes"]
-            rows.append({"point": f"{model} {attention} {option}", "model": model, "attention": attention,
+            nbytes = with_slack(p["peak_bytes"], p["allocator_slack"]) if gpu else p["activation_bytes"]
+            name = f"{model} {attention} {option}" + (f" {layout}" if where else "")
+            rows.append({"point": name, "model": model, "attention": attention,
                          "recompute": option, "status": "predicted", "source": "predicted",
-                         "memory_gib": nbytes / GIB, **extra})
+                         "memory_gib": nbytes / GIB, **where, **extra})
     return rows
 
 
 def predicted_next_to_measured(sweep_dir: Path) -> list[dict]:
-    """For each measured point: the estimator's prediction for its config beside the measurement."""
+    """For each measured point: the estimator's prediction for its config beside the measurement.
 
+    The prediction is of the worst rank's pipeline stage; under expert parallel at the routing that
+    rank recorded (else balanced), as ``estimate --compare`` prices it, with the before-a-run bound
+    for the worst EP rank (``estimate.moe_imbalance``) beside it."""
+
+    results = find_results(sweep_dir)
+    layouts = {_layout(r) for r in results}
     rows = []
-    for r in find_results(sweep_dir):
+    for r in results:
         if r.get("status") != "ok" or not r.get("config") or not r.get("ranks"):
             continue
         gpu = _on_gpu(r)
+        device = "cuda" if gpu else "cpu"
+        worst = worst_row(r)
+        rank = next((x for x in r["ranks"] if x.get("rank") == worst.rank), {})
         try:
-            p = predict(r["config"], "cuda" if gpu else "cpu")
+            ledger_share, peak_share = recorded_shares(r["config"], device, rank)
+            stage = worst.coords.get("pp") if ledger_share else None
+            p = predict(r["config"], device, stage=stage, routed_share=ledger_share or 1)
+            peak = p if peak_share is None else predict(r["config"], device, stage=stage, routed_share=peak_share)
+            bound = predict(r["config"], device) if p["routed_share"] is not None else None
         except ConfigError:
             continue
-        worst = worst_row(r)
-        row = {"point": r.get("name"), "predicted_ledger_bytes": p["activation_bytes"],
+        name = r.get("name") + (f" {_layout(r)}" if len(layouts) > 1 else "")
+        row = {"point": name, "predicted_ledger_bytes": p["activation_bytes"],
                "measured_ledger_bytes": worst.ledger_bytes}
         if gpu:
-            row["predicted_peak_gib"] = p["peak_bytes"] / GIB
+            row["predicted_peak_gib"] = peak["peak_bytes"] / GIB
             row["measured_peak_gib"] = worst.peak_allocated_gib
+            if bound is not None:
+                row["bound_peak_gib"] = bound["peak_bytes"] / GIB
+                row["routing"] = "recorded" if ledger_share else "balanced"
         rows.append(row)
     return rows
 
@@ -255,7 +294,8 @@ def _attention_finding(measured: list[dict], gpu: bool) -> dict | None:
 def advise(candidates: list[dict], budget_gib: float) -> dict:
     """The advice as data (what ``--json`` prints); ``explain`` turns it into text."""
     measured = [c for c in candidates if c["source"] == "measured"]
-    gpu = any(c.get("peak_allocated_gib") is not None for c in measured if c["status"] == "ok")
+    gpu = any(_is_gpu(r.get("device")) or r.get("peak_allocated_gib") is not None
+              for c in measured for r in c["ranks"])
     ok = [c for c in measured if c["status"] == "ok" and _memory(c, gpu) is not None]
     for c in ok:
         c["memory_gib"] = _memory(c, gpu)
@@ -299,7 +339,7 @@ def _public(c: dict | None) -> dict | None:
     keys = ("point", "model", "attention", "recompute", "status", "source", "memory_gib", "peak_allocated_gib",
             "peak_reserved_gib", "ledger_bytes", "step_ms", "step_noise", "step_spread", "control", "d_peak_gib",
             "d_peak_pct",
-            "d_ledger_pct", "d_time_pct", "worst_rank", "fits", "error", "recompute_num_layers")
+            "d_ledger_pct", "d_time_pct", "worst_rank", "fits", "error", "recompute_num_layers", "parallel")
     return None if c is None else {k: c.get(k) for k in keys if c.get(k) is not None}
 
 
@@ -414,7 +454,8 @@ def explain(advice: dict, sweep_dir: str = "") -> str:
         if c["status"] == "oom":
             lines.append(f"- `{c['point']}`: ran out of memory (counts as not fitting): {first_sentence(c.get('error'))}")
     for c in advice["not_measured"]:
-        lines.append(f"- `{c['point']}`: {c['status']}, not a candidate: {(c.get('error') or '').splitlines()[0]}")
+        why = (c.get("error") or "").splitlines() or ["no rank recorded an error (a rank wrote no result)"]
+        lines.append(f"- `{c['point']}`: {c['status']}, not a candidate: {why[0]}")
     for c in advice["predicted"]:
         mem = _mem(c.get("memory_gib") or 0, gpu) + (" with allocator slack" if gpu else "")
         fits = (c.get("memory_gib") or 0) <= advice["budget_gib"]
@@ -435,6 +476,9 @@ def explain(advice: dict, sweep_dir: str = "") -> str:
                       f"{(row['measured_ledger_bytes'] or 0) / MIB:.1f} measured MiB")
             peak = (f"; peak {row['predicted_peak_gib']:.2f} / {row['measured_peak_gib']:.2f} GiB"
                     if row.get("measured_peak_gib") is not None else "")
+            if row.get("bound_peak_gib") is not None:
+                peak += (f" (routed rows {row['routing']}; before a run the worst EP rank is bounded at "
+                         f"{row['bound_peak_gib']:.2f} GiB)")
             lines.append(f"  {row['point']}: {ledger}{peak}")
     return "\n".join(lines)
 
@@ -491,15 +535,17 @@ def advise_before_running(overrides: list[str], budget_gib: float) -> dict:
         if option == "full/block":
             rc, p = _fewest_block_layers(cfg, rc, budget_gib)
         replay = replayed_layer_flops({**cfg, "recompute": rc}, layer, per_layer)
-        peak = p["peak_bytes"] / GIB
-        rows.append({"recompute": option, "predicted_peak_gib": peak, "fits": verdict(peak, budget_gib) == FITS,
-                     "tight": verdict(peak, budget_gib) == TIGHT,
+        peak, slack = p["peak_bytes"] / GIB, p["allocator_slack"]
+        rows.append({"recompute": option, "predicted_peak_gib": peak, "fits": verdict(peak, budget_gib, slack) == FITS,
+                     "tight": verdict(peak, budget_gib, slack) == TIGHT,
                      "replay_fraction": replay / per_layer,
                      **({"recompute_num_layers": rc["recompute_num_layers"]} if option == "full/block" else {})})
     rows.sort(key=lambda r: r["predicted_peak_gib"])
     fitting = [r for r in rows if r["fits"]]
     choice = min(fitting, key=lambda r: (r["replay_fraction"], recompute_order(r["recompute"])), default=None)
+    share = done[0][1]["routed_share"] if done else None
     return {"source": "predicted", "budget_gib": budget_gib, "overrides": overrides, "options": rows,
+            "allocator_slack": slack_for(cfg), "routed_share": share,
             "choice": choice, "refused": [{"recompute": o, "why": w} for o, w in refused]}
 
 
@@ -512,22 +558,25 @@ def _fewest_block_layers(cfg: dict, rc: dict, budget_gib: float) -> tuple[dict, 
     for k in range(1, layers_per_chunk(cfg) + 1):
         trial = {**rc, "recompute_num_layers": k}
         p = predict({**cfg, "recompute": trial}, "cuda")
-        if fits(p["peak_bytes"] / GIB, budget_gib):
+        if fits(p["peak_bytes"] / GIB, budget_gib, p["allocator_slack"]):
             break
     return trial, p
 
 
 def _option_overrides(row: dict) -> str:
-    """The command-line overrides that select a predicted row."""
+    """The command-line overrides that select a predicted row (its layout too, in a sweep over layouts)."""
     n = row.get("recompute_num_layers")
-    return f"recompute={row['recompute']}" + (f" recompute.recompute_num_layers={n}" if n else "")
+    layout = f" {row['parallel']}" if row.get("parallel") else ""
+    return f"recompute={row['recompute']}" + (f" recompute.recompute_num_layers={n}" if n else "") + layout
 
 
 def explain_prediction(advice: dict) -> str:
     lines = [f"PREDICTED (recipes.predict.estimate, nothing measured) for {' '.join(advice['overrides']) or 'the defaults'}, "
              f"budget {advice['budget_gib']:.2f} GiB per GPU for PyTorch's allocator (a GPU's capacity less what CUDA "
-             f"and its libraries hold: 2.4 GiB on the H200). Peak allocated; fits = with {ALLOCATOR_SLACK:.1%} "
+             f"and its libraries hold: 2.4 GiB on the H200). Peak allocated; fits = with {advice['allocator_slack']:.1%} "
              "allocator slack on top, tight = only without it:"]
+    routing = routing_line(advice)
+    lines += [routing] if routing else []
     for r in advice["options"]:
         mark = "fits" if r["fits"] else "tight" if r.get("tight") else "over"
         name = r["recompute"] + (f" ({r['recompute_num_layers']} layers)" if r.get("recompute_num_layers") else "")

@@ -170,7 +170,7 @@ def _row(r: RankRow, name: str) -> dict:
     return {
         "point": name, "model": r.model, "attention": r.attention, "recompute": r.recompute, "run_dir": r.run_dir,
         "point_status": r.point_status, "rank": r.rank, "worst": r.worst, "status": r.status, "error": r.error,
-        "peak_allocated_gib": r.peak_allocated_gib, "peak_reserved_gib": r.peak_reserved_gib,
+        "device": r.device, "peak_allocated_gib": r.peak_allocated_gib, "peak_reserved_gib": r.peak_reserved_gib,
         "fragmentation_gib": r.fragmentation_gib, "activation_gib": r.activation_gib,
         "ledger_bytes": r.ledger_bytes, "ledger_mib": r.ledger_mib,
         "profile_peak_mib": r.profile_peak_bytes / MIB if r.profile_peak_bytes is not None else None,

@@ -29,7 +29,9 @@ device from that code, and the layer pattern (``is_gdn_layer``) says which layer
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from fractions import Fraction
 
 from recipes.build.model import resolve_precision
 from recipes.errors import ConfigError
@@ -63,6 +65,10 @@ class Dims:
     model: dict
     labels: frozenset  # selective labels in force
     full: bool
+    #: Routed rows this rank's experts receive, over the balanced share (``moe_terms``). Only EP > 1
+    #: departs from 1: a recorded share (``estimate --compare``: a Fraction, so rows are exact) or the
+    #: bound ``estimate.moe_imbalance`` for the worst EP rank (before a run).
+    routed_share: float | Fraction = 1
 
 
 def _resolve_device(device: str) -> str:
@@ -136,8 +142,9 @@ def check_modeled(cfg: dict, device: str) -> None:
                           "modeled", "use train.precision=bf16 (auto), or attention=unfused")
 
 
-def dims(cfg: dict, device: str = "auto") -> Dims:
-    """The per-rank sizes of ``cfg`` (validated, refused when not modeled)."""
+def dims(cfg: dict, device: str = "auto", routed_share: float | Fraction = 1) -> Dims:
+    """The per-rank sizes of ``cfg`` (validated, refused when not modeled). ``routed_share``: see
+    ``Dims.routed_share``; forced to 1 without expert parallel (each rank computes every routed row)."""
     device = _resolve_device(device)
     check_modeled(cfg, device)
     validate(cfg, num_gpus=0, te_available=False)
@@ -157,7 +164,8 @@ def dims(cfg: dict, device: str = "auto") -> Dims:
     return Dims(m["family"], cfg["attention"]["backend"], device, e, 1 if device == "cuda" else e,
                 s, s // tp if par["sequence_parallel"] else s, t["micro_batch_size"], h, tp,
                 par["expert_model_parallel_size"], heads // tp, groups // tp, dq, dv, rope, m,
-                frozenset(labels_of(cfg)), cfg["recompute"]["recompute_granularity"] == "full")
+                frozenset(labels_of(cfg)), cfg["recompute"]["recompute_granularity"] == "full",
+                routed_share if par["expert_model_parallel_size"] > 1 else 1)
 
 
 # --- terms: (kind, what, bytes) for one layer, one micro-batch -------------------------------------
@@ -329,15 +337,40 @@ def mlp_terms(d: Dims) -> list[Term]:
     return terms
 
 
+def balanced_rows(d: Dims) -> int:
+    """Rows routed to this rank's experts in one MoE layer under balanced routing: the gathered
+    tokens (``T_all``: this rank's, times EP) x top-k x the local experts' share."""
+    m = d.model
+    E = m["num_moe_experts"]
+    return d.s_sp * d.b * d.ep * m["moe_router_topk"] * (E // d.ep) // E
+
+
+def routed_rows(d: Dims) -> int:
+    """Rows routed to this rank's experts in one MoE layer: ``balanced_rows`` times
+    ``d.routed_share``, at most every gathered token on each of ``min(k, E_local)`` local experts
+    (dropless routing). Exact for EP 1 (share 1: every routed row is computed here)."""
+    balanced = balanced_rows(d)
+    if d.routed_share == 1:
+        return balanced
+    m = d.model
+    cap = d.s_sp * d.b * d.ep * min(m["moe_router_topk"], m["num_moe_experts"] // d.ep)
+    return min(math.ceil(d.routed_share * balanced), cap)
+
+
 def moe_terms(d: Dims, norm_out: int) -> list[Term]:
-    """Router, allgather dispatcher, experts and shared experts of one MoE layer."""
+    """Router, allgather dispatcher, experts and shared experts of one MoE layer.
+
+    Under expert parallel only the per-routed-row terms follow the routing (``routed_rows``):
+    permutation indices, the permuted expert input and probs, and the experts' activations. The
+    router's tensors, the local routing map and local probs are per gathered token, balanced or not
+    (two H200s, ``ep2``: the ranks' ledgers summed to twice the balanced prediction, byte for byte)."""
     m, e, L = d.model, d.e, d.labels
     if "moe" in L:
         return [("moe", "moe checkpoint input (norm output)", norm_out)]
     E, k, T = m["num_moe_experts"], m["moe_router_topk"], d.s_sp * d.b
     E_local = E // d.ep
     T_all = T * d.ep  # the dispatcher gathers tokens over expert-TP (1) x EP
-    n = T_all * k * E_local // E  # routed to local experts (exact for EP 1, expected otherwise)
+    n = routed_rows(d)  # routed to local experts (exact for EP 1; under EP the share decides)
     ffn = m["moe_ffn_hidden_size"] or m["ffn_hidden_size"]
     terms: list[Term] = [("moe", "router input (norm output)", norm_out),
                          ("moe", "top-k indices (int64)", 8 * T * k),

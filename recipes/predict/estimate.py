@@ -18,14 +18,24 @@ from __future__ import annotations
 import argparse
 import sys
 from dataclasses import dataclass, replace
+from fractions import Fraction
 
 from recipes.build.model import resolve_precision
 from recipes.build.parallel import pipeline_schedule
-from recipes.config import compose_config
+from recipes.config import EstimateConfig, compose_config
 from recipes.errors import ConfigError
 from recipes.files import GIB
-from recipes.predict.activations import Dims, Term, dims, embedding_terms, head_terms, is_gdn_layer, layer_terms
-from recipes.predict.fit import ALLOCATOR_SLACK, FITS, OVER, TIGHT, verdict, with_slack
+from recipes.predict.activations import (
+    Dims,
+    Term,
+    balanced_rows,
+    dims,
+    embedding_terms,
+    head_terms,
+    is_gdn_layer,
+    layer_terms,
+)
+from recipes.predict.fit import ALLOCATOR_SLACK, FITS, OVER, TIGHT, slack_for, verdict, with_slack
 from recipes.recompute import FAMILIES, KINDS, options_for, recompute_config
 from recipes.results import result_rows
 
@@ -45,17 +55,19 @@ class Chunk:
         return totals
 
 
-def build_chunk(cfg: dict, d: Dims, index: int) -> Chunk:
+def build_chunk(cfg: dict, d: Dims, index: int, shares: list | None = None) -> Chunk:
     """The terms of model chunk ``index`` (0 holds the embedding, the last the loss). Chunk
     ``index`` holds global layers ``index * n ..`` (megatron's layer offset), which says which
-    layers of model=gdn are GatedDeltaNet layers."""
+    layers of model=gdn are GatedDeltaNet layers. ``shares``: each layer's routed share (EP: the
+    rows a run recorded), else ``d.routed_share`` for every layer."""
     par, rc = cfg["parallel"], cfg["recompute"]
     num_chunks = par["pipeline_model_parallel_size"] * (par["virtual_pipeline_model_parallel_size"] or 1)
     n = cfg["model"]["num_layers"] // num_chunks
     gdn = [is_gdn_layer(d, index * n + i) for i in range(n)]
+    per = [d] * n if shares is None else [replace(d, routed_share=f if d.ep > 1 else 1) for f in shares]
     extra = embedding_terms(d) if index == 0 else []
     if not d.full:
-        layers = [layer_terms(d, gdn[i]) for i in range(n)]
+        layers = [layer_terms(per[i], gdn[i]) for i in range(n)]
     else:  # a checkpoint keeps its chunk's input (1/tp of it when distributed over TP)
         k = rc["recompute_num_layers"]
         hidden = d.e * d.s_sp * d.b * d.h // (d.tp if rc["distribute_saved_activations"] else 1)
@@ -63,7 +75,7 @@ def build_chunk(cfg: dict, d: Dims, index: int) -> Chunk:
         if rc["recompute_method"] == "uniform":
             layers = [ckpt if i % k == 0 else [] for i in range(n)]
         else:  # block: the first k layers are checkpointed one by one, the rest keep everything
-            layers = [ckpt if i < k else layer_terms(d, gdn[i]) for i in range(n)]
+            layers = [ckpt if i < k else layer_terms(per[i], gdn[i]) for i in range(n)]
         if d.rope and d.family != "mla":  # GPTModel's rotary freqs, one storage for all checkpoints
             extra.append(("other", "rotary freqs (fp32, checkpoint input)", 4 * d.s * d.rope))
     if index == num_chunks - 1:
@@ -194,7 +206,17 @@ def num_microbatches(cfg: dict) -> int:
     return max(1, gbs // (t["micro_batch_size"] * dp))
 
 
-def predict(cfg: dict, device: str = "auto", stage: int | None = None) -> dict:
+def moe_imbalance(cfg: dict) -> float:
+    """The routed share to price an expert-parallel rank at before any run: ``estimate.moe_imbalance``
+    (a bound for the worst EP rank), 1 without expert parallel. Results recorded before the field
+    existed get its default."""
+    if cfg["model"]["family"] != "moe" or cfg["parallel"]["expert_model_parallel_size"] == 1:
+        return 1.0
+    return float((cfg.get("estimate") or {}).get("moe_imbalance", EstimateConfig.moe_imbalance))
+
+
+def predict(cfg: dict, device: str = "auto", stage: int | None = None,
+            routed_share: float | Fraction | list | None = None) -> dict:
     """Predicted (not measured) memory of one rank for the resolved config ``cfg``.
 
     ``device``: "cuda" (a GPU run: bf16, fused kernels), "cpu" (the CPU run: fp32) or "auto" (this
@@ -202,14 +224,26 @@ def predict(cfg: dict, device: str = "auto", stage: int | None = None) -> dict:
     (default: the one with the highest predicted peak). Activation figures are one micro-batch through
     every model chunk of that rank, exactly what ``recipes.measure.ledger`` measures; the peak multiplies by
     the micro-batches in flight and adds static and transient memory.
+
+    ``routed_share`` (expert parallel only: rows routed to this rank's experts over the balanced
+    share, ``recipes.predict.activations.routed_rows``): default the bound ``estimate.moe_imbalance``
+    (the worst EP rank, ``moe_imbalance``); a number for every layer; or a list, one per layer of
+    ``stage`` in chunk order, as a run records them (``compare_result``). Ignored without EP.
     """
-    d = dims(cfg, device)
+    if routed_share is None:
+        routed_share = moe_imbalance(cfg)
+    per_layer = isinstance(routed_share, list)
+    if per_layer and stage is None:
+        raise ValueError("per-layer routed shares belong to one pipeline stage: give stage")
+    d = dims(cfg, device, 1 if per_layer else routed_share)
     par = cfg["parallel"]
     pp, vpp = par["pipeline_model_parallel_size"], par["virtual_pipeline_model_parallel_size"]
     m_count = num_microbatches(cfg)
     stages = []
     for st in range(pp):
-        chunks = [build_chunk(cfg, d, v * pp + st) for v in range(vpp or 1)]
+        n = cfg["model"]["num_layers"] // (pp * (vpp or 1))
+        shares = [routed_share[v * n:(v + 1) * n] if per_layer and st == stage else None for v in range(vpp or 1)]
+        chunks = [build_chunk(cfg, d, v * pp + st, shares[v]) for v in range(vpp or 1)]
         chunk_bytes = [_sum([t for layer in c.layers for t in layer] + c.extra) for c in chunks]
         order = in_flight_chunks(pp, vpp, st, m_count)
         by_kind = dict.fromkeys(KINDS, 0)
@@ -241,8 +275,11 @@ def predict(cfg: dict, device: str = "auto", stage: int | None = None) -> dict:
             "peak_bytes": static_total + in_flight + transient,
         })
     pick = stages[stage] if stage is not None else max(stages, key=lambda s: s["peak_bytes"])
+    ep = par["expert_model_parallel_size"] > 1 and cfg["model"]["family"] == "moe"
+    share = None if not ep else [float(f) for f in routed_share] if per_layer else float(routed_share)
     return {**pick, "predicted": True, "device": d.device, "precision": "bf16" if d.e == 2 else "fp32",
-            "num_microbatches": m_count, "stages": stages}
+            "num_microbatches": m_count, "stages": stages, "routed_share": share,
+            "allocator_slack": slack_for(cfg)}
 
 
 def predict_options(cfg: dict, device: str = "cuda") -> tuple[list[tuple[str, dict]], list[tuple[str, str]]]:
@@ -269,29 +306,71 @@ def rank_options(cfg_or_overrides: dict | list[str], device: str = "cuda") -> li
     return [(option, p["peak_bytes"]) for option, p in predict_options(cfg, device)[0]]
 
 
+def recorded_shares(cfg: dict, device: str, rank: dict) -> tuple[list | None, Fraction | None]:
+    """The routed shares a run recorded on one rank (``rank["moe_routing"]``, written by the worker):
+    (one per layer of the ledger's micro-batch, the timed steps' worst micro-batch over all layers),
+    exact fractions of ``balanced_rows``; (None, None) without expert parallel or a record."""
+    routing = rank.get("moe_routing") or {}
+    if cfg["model"]["family"] != "moe" or cfg["parallel"]["expert_model_parallel_size"] == 1 or not routing:
+        return None, None
+    balanced = balanced_rows(dims(cfg, device))
+    ledger = [Fraction(rows, balanced) for rows in routing.get("ledger_rows") or []] or None
+    steps, layers = routing.get("max_rows_per_step") or [], routing.get("layers")
+    peak = Fraction(max(steps), balanced * layers) if steps and layers else None
+    return ledger, peak
+
+
 def compare_result(result: dict, name: str | None = None) -> list[dict]:
-    """Predicted next to measured for every rank of one run (its merged ``result.json``)."""
+    """Predicted next to measured for every rank of one run (its merged ``result.json``).
+
+    Under expert parallel each rank is priced at the routing it recorded (``recorded_shares``): its
+    ledger at the ledger micro-batch's rows per layer (then exact), its peak at the timed steps'
+    worst micro-batch; a rank without a record (results before the worker kept one) at balanced
+    routing (share 1), never at the before-a-run bound."""
     rows = []
+    ranks = {r.get("rank", i): r for i, r in enumerate(result.get("ranks") or [])}
     for r in result_rows(result):
         if r.status != "ok" or r.ledger_bytes is None:
             continue
         device = "cpu" if (r.device or "cpu") == "cpu" else "cuda"
-        p = predict(result["config"], device, stage=r.coords["pp"])
-        rows.append({"name": name or result.get("name"), "rank": r.rank, "device": device,
+        cfg, stage = result["config"], r.coords["pp"]
+        ledger_share, peak_share = recorded_shares(cfg, device, ranks.get(r.rank) or {})
+        p = predict(cfg, device, stage=stage, routed_share=ledger_share or 1)
+        peak = p if peak_share is None else predict(cfg, device, stage=stage, routed_share=peak_share)
+        ep = p["routed_share"] is not None
+        rows.append({"name": name or result.get("name"), "recompute": r.recompute, "rank": r.rank, "device": device,
                      "predicted_ledger_bytes": p["activation_bytes"], "measured_ledger_bytes": r.ledger_bytes,
-                     "predicted_peak_gib": p["peak_bytes"] / GIB, "measured_peak_gib": r.peak_allocated_gib})
+                     "predicted_peak_gib": peak["peak_bytes"] / GIB, "measured_peak_gib": r.peak_allocated_gib,
+                     "routing": None if not ep else "recorded" if ledger_share else "balanced",
+                     "ledger_share": _mean(p["routed_share"]) if ep else None,
+                     "peak_share": _mean(peak["routed_share"]) if ep else None})
     return rows
 
 
+def _mean(share: float | list) -> float:
+    return sum(share) / len(share) if isinstance(share, list) else share
+
+
 def format_comparison(rows: list[dict]) -> str:
-    lines = [f"{'run':44s}{'rank':>5s}{'ledger MiB pred':>16s}{'meas':>10s}{'err':>8s}"
-             f"{'peak GiB pred':>15s}{'meas':>8s}{'err':>8s}"]
+    """One line per rank: run names whole and the recompute option of each (a short point directory
+    may not hold it). Under expert parallel the last column is the routed share each prediction
+    used (ledger / peak)."""
+    width = max([len(str(r["name"])) for r in rows] + [3]) + 1
+    rc = max([len(str(r.get("recompute"))) for r in rows] + [9]) + 1
+    ep = any(r.get("routing") for r in rows)
+    lines = [f"{'run':{width}s}{'recompute':{rc}s}{'rank':>5s}{'ledger MiB pred':>16s}{'meas':>10s}{'err':>8s}"
+             f"{'peak GiB pred':>15s}{'meas':>8s}{'err':>8s}" + ("  routed share (ledger/peak)" if ep else "")]
     for r in rows:
         pl, ml, pk, mk = (r["predicted_ledger_bytes"], r["measured_ledger_bytes"],
                           r["predicted_peak_gib"], r["measured_peak_gib"])
         peak = f"{pk:15.2f}{mk:8.2f}{(pk - mk) / mk:+8.1%}" if mk else f"{pk:15.2f}{'-':>8s}{'-':>8s}"
-        lines.append(f"{str(r['name'])[:43]:44s}{r['rank']:5d}{pl / 2**20:16.1f}{ml / 2**20:10.1f}"
-                     f"{(pl - ml) / ml:+8.1%}" + peak)
+        share = ""
+        if r.get("routing") == "recorded":
+            share = f"  {r['ledger_share']:.3f}x / {r['peak_share']:.3f}x (recorded)"
+        elif r.get("routing"):
+            share = "  1x (balanced: no routing recorded)"
+        lines.append(f"{str(r['name']):{width}s}{str(r.get('recompute')):{rc}s}{r['rank']:5d}{pl / 2**20:16.1f}{ml / 2**20:10.1f}"
+                     f"{(pl - ml) / ml:+8.1%}" + peak + share)
     return "\n".join(lines)
 
 
@@ -300,13 +379,26 @@ def _fmt(nbytes: float, unit: float = 2**20) -> str:
     return "." if nbytes == 0 else f"{nbytes / unit:.1f}" if nbytes >= unit / 10 else "<0.1"
 
 
+def routing_line(p: dict) -> str | None:
+    """How an expert-parallel prediction priced the routed rows (None without EP)."""
+    share = p.get("routed_share")
+    if share is None:
+        return None
+    if isinstance(share, list):
+        return f"expert parallel: routed rows as recorded, {_mean(share):.3f}x balanced on average over the layers"
+    if share == 1:
+        return "expert parallel: routed rows at balanced routing (1x), not a bound on the worst EP rank"
+    return (f"expert parallel: the worst EP rank, priced at {share:g}x balanced routing: a BOUND "
+            "(estimate.moe_imbalance, measured on two H200s after 6 steps at aux-loss 0.01), not an expectation")
+
+
 def format_prediction(p: dict, title: str, budget_gib: float | None = None, terms: bool = False) -> str:
     """One option: activations per layer by kind, then the rank's static and peak memory."""
     lines = [f"PREDICTED (not measured) memory per rank: {title}",
              f"device {p['device']} ({p['precision']}), pipeline stage {p['stage']} of {len(p['stages'])}: "
              f"{p['num_layers']} layers, {p['in_flight_microbatches']:.2f} micro-batch(es) in flight "
-             f"of {p['num_microbatches']} per step", "",
-             "activations saved for backward, one micro-batch (MiB)",
+             f"of {p['num_microbatches']} per step"] + ([routing_line(p)] if routing_line(p) else []) + [
+             "", "activations saved for backward, one micro-batch (MiB)",
              f"{'layer':12s}" + "".join(f"{k:>10s}" for k in KINDS) + f"{'total':>10s}"]
     rows, start = [], 0
     for i in range(1, len(p["per_layer"]) + 1):  # collapse runs of identical layers
@@ -332,30 +424,31 @@ def format_prediction(p: dict, title: str, budget_gib: float | None = None, term
               f"{'transient (approximate)':34s}{p['transient_bytes'] / GIB:8.2f}",
               f"{'predicted peak':34s}{p['peak_bytes'] / GIB:8.2f}"]
     if budget_gib is not None:
-        lines.append(budget_line(p["peak_bytes"] / GIB, budget_gib))
+        lines.append(budget_line(p["peak_bytes"] / GIB, budget_gib, p["allocator_slack"]))
     return "\n".join(lines)
 
 
-def budget_line(peak_gib: float, budget_gib: float) -> str:
-    """The fit verdict for a budget, with the allocator's slack (recipes.predict.fit)."""
-    need = with_slack(peak_gib)
-    head = f"budget {budget_gib:g} GiB (what PyTorch may reserve), needs {need:.1f} GiB with {ALLOCATOR_SLACK:.1%} allocator slack: "
+def budget_line(peak_gib: float, budget_gib: float, slack: float = ALLOCATOR_SLACK) -> str:
+    """The fit verdict for a budget, with the allocator's slack (recipes.predict.fit: ``slack_for``)."""
+    need = with_slack(peak_gib, slack)
+    head = f"budget {budget_gib:g} GiB (what PyTorch may reserve), needs {need:.1f} GiB with {slack:.1%} allocator slack: "
     return head + {FITS: f"fits ({budget_gib - need:.1f} GiB to spare)",
                    TIGHT: f"TIGHT: fits only without the slack ({need - budget_gib:.1f} GiB short): expect an OOM",
-                   OVER: f"does NOT fit ({peak_gib - budget_gib:.1f} GiB over)"}[verdict(peak_gib, budget_gib)]
+                   OVER: f"does NOT fit ({peak_gib - budget_gib:.1f} GiB over)"}[verdict(peak_gib, budget_gib, slack)]
 
 
 def format_options(done: list[tuple[str, dict]], refused: list[tuple[str, str]], title: str,
                    budget_gib: float | None = None) -> str:
     """Every recompute option, sorted by predicted peak."""
     head = f"{'recompute':32s}{'act/mb GiB':>11s}{'in flight':>11s}{'static':>9s}{'peak GiB':>10s}"
-    lines = [f"PREDICTED (not measured) peak per rank, every recompute option: {title}",
-             head + (f"{f'fits {budget_gib:g}?':>10s}" if budget_gib is not None else "")]
+    lines = [f"PREDICTED (not measured) peak per rank, every recompute option: {title}"]
+    lines += [routing_line(done[0][1])] if done and routing_line(done[0][1]) else []
+    lines += [head + (f"{f'fits {budget_gib:g}?':>10s}" if budget_gib is not None else "")]
     for option, p in done:
         row = (f"{option:32s}{p['activation_bytes'] / GIB:11.2f}{p['in_flight_activation_bytes'] / GIB:11.2f}"
                f"{p['static_bytes'] / GIB:9.2f}{p['peak_bytes'] / GIB:10.2f}")
         if budget_gib is not None:
-            row += f"{verdict(p['peak_bytes'] / GIB, budget_gib):>10s}"
+            row += f"{verdict(p['peak_bytes'] / GIB, budget_gib, p['allocator_slack']):>10s}"
         lines.append(row)
     lines += [f"not applicable: {option} ({why})" for option, why in refused]
     return "\n".join(lines)

@@ -32,6 +32,7 @@ from recipes.measure.flops import step_flops
 from recipes.measure.labels import LabelError, check_resolved, label_findings, labels_disabled, resolve_labels
 from recipes.measure.ledger import ActivationLedger, CheckpointCounter
 from recipes.measure.profile import profile_step
+from recipes.measure.routing import RoutingRecorder
 from recipes.recompute import labels_of
 
 
@@ -298,6 +299,7 @@ def train_and_measure(cfg: dict, result: dict, run_dir: Path | None = None) -> T
     t0 = time.perf_counter()
     marks = result.setdefault("timeline", {})
     trainer = Trainer(cfg)
+    routing = RoutingRecorder(trainer.chunks, lambda: len(trainer.grad_norms))  # MoE: routed rows per rank
     marks["built"] = time.time()
     result["num_parameters"] = num_parameters(trainer.chunks)
     result["optimizer"] = trainer.optimizer_kind
@@ -343,6 +345,7 @@ def train_and_measure(cfg: dict, result: dict, run_dir: Path | None = None) -> T
         times.append(time.perf_counter() - start)
         maybe_evaluate(len(losses))
     steps = len(times)
+    record_routing(routing, result, cfg["measure"]["ledger"], range(warmup, warmup + steps))
     result["checkpoints"] = {
         label: {k: v // max(steps, 1) for k, v in counts.items()}
         for label, counts in trainer.counter.as_dict().items()
@@ -381,7 +384,8 @@ def train_and_measure(cfg: dict, result: dict, run_dir: Path | None = None) -> T
     if cfg["measure"]["profile"] != "none":
         result["profile"] = profile_step(trainer, cfg, run_dir, step_time_s=median)
     marks["profile_done"] = time.time()
-    ledger_warnings = control_ledgers(trainer, labels, result) if labels and cfg["measure"]["ledger"] else []
+    ledger_warnings = (control_ledgers(trainer, labels, result, run_dir)
+                       if labels and cfg["measure"]["ledger"] else [])
     marks["ledgers_done"] = time.time()
     result["warnings"] = label_findings(result, labels) + ledger_warnings
     result["status"] = "ok"
@@ -389,7 +393,27 @@ def train_and_measure(cfg: dict, result: dict, run_dir: Path | None = None) -> T
     return trainer
 
 
-def control_ledgers(trainer: Trainer, labels: list[str], result: dict) -> list[str]:
+def record_routing(routing: RoutingRecorder, result: dict, ledger: bool, timed: range) -> None:
+    """MoE: the rows routed to this rank's experts (``recipes.measure.routing``) at the ledger's
+    micro-batch (warm-up step 0) and per timed step, into ``result["moe_routing"]``; then unhooked."""
+    if routing:
+        result["moe_routing"] = routing.summary(0 if ledger else None, timed)
+    routing.close()
+
+
+#: The worker's exit code when its in-run control ledger ran out of memory in a multi-rank run: its
+#: result is written and ok, but the other ranks may be waiting in a collective of that pass, so it
+#: exits at once (non-zero: torchrun then stops the others, whose provisional results stand).
+CONTROL_ABANDONED = 5
+CONTROL_OOM_WARNING = ("the in-run control ledger (these labels switched off) ran out of memory: this option's "
+                       "measurements stand; compare against the sweep's control point or `python -m recipes estimate`")
+CONTROL_INTERRUPTED_WARNING = (
+    "the in-run control ledger did not complete on this rank: another rank's pass ran out of memory and "
+    "the run was stopped there (so no rank waits forever in that pass's collectives); this option's "
+    "measurements stand; compare against the sweep's control point or `python -m recipes estimate`")
+
+
+def control_ledgers(trainer: Trainer, labels: list[str], result: dict, run_dir: Path | None = None) -> list[str]:
     """The matched control inside this run: the same micro-batch with the labels switched off (and,
     for several labels, each one alone off), recorded into ``result["ledger"]``.
 
@@ -399,22 +423,61 @@ def control_ledgers(trainer: Trainer, labels: list[str], result: dict) -> list[s
     measurements; and the allocator would otherwise keep the larger pass's blocks cached, so the
     timed steps' reserved peak (the fragmentation verdict) would read the control's, not this
     option's. An OOM here leaves the control bytes unset; the returned warning says where to look.
+
+    With several ranks a pass is a whole forward and backward with the layout's collectives, so an
+    OOM on one rank leaves the others waiting inside it (two H200s, ``ep2``: the point hung until
+    the machine was returned). So first every rank writes its result as it stands (``provisional_result``)
+    and all meet at a barrier; a rank whose pass runs out of memory then records it and leaves
+    (``control_abandoned``: exit code ``CONTROL_ABANDONED``), and torchrun stops the others, whose
+    provisional results, warning included, are their record.
     """
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    if world > 1:
+        provisional_result(result, labels, run_dir)
+        torch.distributed.barrier()
     try:
+        injected_control_oom()
         control = trainer.ledger_pass(labels)
         result["ledger"]["control_bytes_by_kind"] = control
         result["ledger"]["control_total_bytes"] = sum(control.values())
         alone = {l: sum(trainer.ledger_pass([l]).values()) for l in labels} if len(labels) > 1 else {}
         result["ledger"]["without_label_total_bytes"] = alone
         return []
-    except torch.OutOfMemoryError as err:
-        result["ledger"]["control_error"] = f"oom: {str(err).splitlines()[0]}"
-        return ["the in-run control ledger (these labels switched off) ran out of memory: this option's "
-                "measurements stand; compare against the sweep's control point or `python -m recipes estimate`"]
+    except Exception as err:  # an OOM here; with several ranks also a peer lost in the pass's collectives
+        if not is_oom(err) and world == 1:
+            raise
+        result["control_abandoned"] = world > 1
+        first = (str(err).splitlines() or [""])[0]
+        if is_oom(err):
+            result["ledger"]["control_error"] = f"oom: {first}"
+            return [CONTROL_OOM_WARNING]
+        result["ledger"]["control_error"] = f"interrupted: {type(err).__name__}: {first}"
+        return [CONTROL_INTERRUPTED_WARNING]
     finally:
         trainer.optimizer.zero_grad()
         if compat.cuda_available():
             torch.cuda.empty_cache()
+
+
+def provisional_result(result: dict, labels: list[str], run_dir: Path | None) -> None:
+    """This rank's result before the control pass, as it would be written if the pass never ends
+    here (another rank's ran out of memory): ok, with its measurements and the warning that says so."""
+    if run_dir is None:
+        return
+    rank = torch.distributed.get_rank()
+    ledger = {**result["ledger"], "control_error": "interrupted: another rank's control pass ran out of memory"}
+    draft = {**result, "ledger": ledger, "status": "ok",
+             "warnings": label_findings({**result, "ledger": ledger}, labels) + [CONTROL_INTERRUPTED_WARNING]}
+    write_json_atomic(Path(run_dir) / "ranks" / f"rank{rank}.json", draft)
+
+
+def injected_control_oom() -> None:
+    """Test hook (CPU tests of a multi-rank OOM): ``RECIPES_TEST_CONTROL_OOM_RANK=<rank>`` makes that
+    rank's control pass raise the OOM a GPU would."""
+    target = os.environ.get("RECIPES_TEST_CONTROL_OOM_RANK")
+    if target is not None and torch.distributed.is_initialized() and int(target) == torch.distributed.get_rank():
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB (injected: "
+                                     "RECIPES_TEST_CONTROL_OOM_RANK)")
 
 
 def is_oom(err: BaseException) -> bool:
@@ -443,6 +506,8 @@ def main(run_dir: str) -> int:
         result["timeline"]["distributed_ready"] = time.time()
         result["coords"] = rank_coordinates()
         train_and_measure(cfg, result, run)
+        if result.pop("control_abandoned", False):
+            exit_code = CONTROL_ABANDONED  # ok, written below; the other ranks may wait in that pass
     except LabelError as err:
         result.update(status="refused", error=str(err))
         exit_code = 2
@@ -456,7 +521,10 @@ def main(run_dir: str) -> int:
             result["traceback"] = traceback.format_exc(limit=20)
             exit_code = 1
     write_json_atomic(run / "ranks" / f"rank{rank}.json", result)
-    if exit_code:
+    if exit_code == CONTROL_ABANDONED:
+        print(f"[rank {rank}] ok, but its in-run control ledger ran out of memory: leaving now so that no rank "
+              "waits in that pass (torchrun stops the others; their results are written)", file=sys.stderr)
+    elif exit_code:
         print(f"[rank {rank}] {result['status']}: {result.get('error')}", file=sys.stderr)
     if torch.distributed.is_initialized() and exit_code == 0:
         torch.distributed.barrier()
