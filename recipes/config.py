@@ -238,10 +238,20 @@ def compose_config(overrides: list[str] = ()) -> dict:
     from pathlib import Path
 
     from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
     from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    from recipes.errors import ConfigError
 
     register_configs()
     conf = str(Path(__file__).resolve().parent.parent / "conf")
-    with initialize_config_dir(config_dir=conf, version_base="1.3"):
-        cfg = compose(config_name="config", overrides=list(overrides))
+    try:
+        with initialize_config_dir(config_dir=conf, version_base="1.3"):
+            cfg = compose(config_name="config", overrides=list(overrides))
+    except (HydraException, OmegaConfBaseException) as err:  # a typo, a wrong type, an unknown option
+        text = str(err).splitlines()[0]
+        cause = str(err.__cause__).splitlines()[0] if err.__cause__ else ""
+        raise ConfigError("overrides", f"{text} {cause}".strip(), "check the spelling and type against conf/ and "
+                          "recipes/config.py (python train.py --cfg job prints every setting)") from err
     return OmegaConf.to_container(cfg, resolve=True)

@@ -28,6 +28,7 @@ from recipes.predict.activations import Dims, Term, dims, embedding_terms, head_
 from recipes.predict.fit import ALLOCATOR_SLACK, FITS, OVER, TIGHT, verdict, with_slack
 from recipes.recompute import FAMILIES, KINDS, options_for, recompute_config
 from recipes.results import result_rows
+from recipes.validate import validate
 
 
 @dataclass
@@ -250,6 +251,9 @@ def predict_options(cfg: dict, device: str = "cuda") -> tuple[list[tuple[str, di
     done, refused = [], []
     if cfg["model"]["family"] not in FAMILIES:
         dims(cfg, device)  # refuses the family by name
+    # the config as given is refused with the controller's message: each option's refusal below only
+    # says why that option does not apply, and a bad model would make every option "not applicable"
+    validate(cfg, num_gpus=0, te_available=False)
     for option in options_for(cfg["model"]["family"]):
         trial = {**cfg, "recompute": recompute_config(option)}
         try:
