@@ -184,6 +184,7 @@ class RecipeConfig:
     output_dir: Optional[str] = None  # defaults to Hydra's run/sweep directory
     rerun: bool = False  # in a sweep, re-run points that already have a complete result
     dry_run: bool = False  # validate and write the config, start no worker
+    lock_wait_s: float = 1800.0  # another run holds this point's directory: wait this long, then skip it
 
 
 #: Longest directory name ``slug`` makes: far below the file-name limit of 255 bytes, short enough to read.

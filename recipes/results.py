@@ -15,7 +15,7 @@ from recipes.recompute import option_of
 
 SCHEMA_VERSION = 1
 #: Keys that do not change what a point measures: a stored result with other values still counts.
-NOT_MEASURED = ("rerun", "dry_run", "name", "output_dir", "logger")
+NOT_MEASURED = ("rerun", "dry_run", "name", "output_dir", "logger", "lock_wait_s")
 #: Status severity: the run's status is its worst rank's.
 _SEVERITY = {"ok": 0, "oom": 1, "failed": 2, "refused": 3}
 

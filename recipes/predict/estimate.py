@@ -380,11 +380,16 @@ def main(argv: list[str] | None = None) -> int:
                         "result.json under DIR (a run or a sweep); overrides are ignored")
     args = parser.parse_args(argv)
     if args.compare:
-        import json
         from pathlib import Path
 
-        paths = sorted(Path(args.compare).rglob("result.json"))
-        rows = [r for p in paths for r in compare_result(json.loads(p.read_text()), p.parent.name)]
+        from recipes.files import UnreadableFile, read_json
+
+        rows = []
+        for p in sorted(Path(args.compare).rglob("result.json")):
+            try:
+                rows += compare_result(read_json(p), p.parent.name)
+            except UnreadableFile as err:  # named, and the other results still compared
+                print(f"warning: skipped {err}", file=sys.stderr)
         print(format_comparison(rows) if rows else f"no completed result.json under {args.compare}")
         return 0 if rows else 1
     title = " ".join(args.overrides) or "(defaults)"
