@@ -76,7 +76,8 @@ class PointLock:
                           f"waiting up to {self.wait_s:.0f} s for it (lock_wait_s)", flush=True)
                     said = True
                 if time.monotonic() >= deadline:
-                    self.release()
+                    self.file.close()  # not ours: leave the holder's pid
+                    self.file = None
                     return False
                 time.sleep(0.5)
         self.file.seek(0)
@@ -87,6 +88,7 @@ class PointLock:
 
     def release(self) -> None:
         if self.file is not None:
+            self.file.truncate(0)  # no pid of a finished run (only the holder writes)
             self.file.close()  # closing the descriptor releases the flock
             self.file = None
 
