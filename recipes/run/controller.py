@@ -254,6 +254,7 @@ def _run(cfg: DictConfig) -> dict:
         write_json_atomic(run_dir / "result.json", result)
         print_run(result)
         return result
+    plain["logger"] = usable_logger(plain["logger"])  # online without a network: offline, said once
     node = node_rank(plain["launcher"])  # launcher=slurm: every node launches, node 0 records
     lock = PointLock(run_dir, name, cfg.lock_wait_s)
     if node == 0 and plain["launcher"]["name"] == "local" and not lock.acquire():
@@ -326,5 +327,5 @@ def _launch(cfg: DictConfig, plain: dict, name: str, choices: dict, run_dir: Pat
         result["log_tail"] = log_path.read_text()[-4000:]
     write_json_atomic(run_dir / "result.json", result)
     print_run(result)
-    log_run({**plain, "logger": usable_logger(plain["logger"])}, result)  # warns, never raises
+    log_run(plain, result)  # warns, never raises
     return result
