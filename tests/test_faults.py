@@ -91,6 +91,7 @@ def fake_complete(point: Path) -> Path:
 
 # --- bad inputs, refused before any point runs ----------------------------------------------------
 
+@pytest.mark.slow
 def test_output_dir_in_a_sweep_is_refused_before_any_point(tmp_path):
     done = train(["-m", "recompute=none,full", *TINY, f"output_dir={tmp_path / 'one'}"], tmp_path)
     assert done.returncode == 2
@@ -98,6 +99,7 @@ def test_output_dir_in_a_sweep_is_refused_before_any_point(tmp_path):
     assert not (tmp_path / "one").exists() and not list(tmp_path.rglob("config.yaml"))
 
 
+@pytest.mark.slow
 def test_a_single_run_never_overwrites_another_config_in_its_output_dir(tmp_path):
     run = tmp_path / "run"
     first = train([*TINY, f"output_dir={run}", "dry_run=true"], tmp_path)
@@ -110,12 +112,14 @@ def test_a_single_run_never_overwrites_another_config_in_its_output_dir(tmp_path
     assert again.returncode == 0 and "seed: 7" in (run / "config.yaml").read_text()
 
 
+@pytest.mark.slow
 def test_a_refused_single_run_exits_2_with_one_message(tmp_path):
     done = train([*TINY, "model.num_attention_heads=0"], tmp_path)
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert "model.num_attention_heads" in done.stderr and "fix:" in done.stderr
 
 
+@pytest.mark.slow
 def test_a_refused_point_makes_the_sweep_exit_2_after_its_report(tmp_path):
     """Refused points are recorded and the sweep goes on; the exit code still says one was refused."""
     sweep = tmp_path / "sweep"
@@ -125,6 +129,7 @@ def test_a_refused_point_makes_the_sweep_exit_2_after_its_report(tmp_path):
     assert "[refused]" in done.stdout and "[dry-run]" in done.stdout
 
 
+@pytest.mark.slow
 def test_forty_overrides_make_a_short_directory_and_the_sweep_completes_and_reports(tmp_path):
     values = {
         "model.num_layers": 2, "model.hidden_size": 64, "model.ffn_hidden_size": 128, "model.num_attention_heads": 4,
@@ -153,6 +158,7 @@ def test_forty_overrides_make_a_short_directory_and_the_sweep_completes_and_repo
 
 # --- corrupt and truncated files ------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_a_corrupt_result_is_named_rerun_on_resume_and_skipped_by_report_and_advise(tmp_path, capsys):
     sweep, (full, none) = dry_sweep(tmp_path)
     kept = fake_complete(none)
@@ -171,6 +177,7 @@ def test_a_corrupt_result_is_named_rerun_on_resume_and_skipped_by_report_and_adv
     assert err.count(f"skipped {full / 'result.json'}: unreadable JSON") == 1  # named once, not per read
 
 
+@pytest.mark.slow
 def test_a_truncated_dataset_is_refused_before_launch(tmp_path):
     from recipes.data.preprocess import preprocess
 
@@ -233,6 +240,7 @@ def test_ctrl_c_ends_the_sweep_in_one_line_keeps_results_and_resumes(tmp_path):
     assert again.returncode == 0 and "[skip]" in again.stdout and "[dry-run] standard_attn sdpa full" in again.stdout
 
 
+@pytest.mark.slow
 def test_a_point_another_sweep_holds_is_waited_for_then_skipped_and_said(tmp_path):
     from recipes.config import slug
 

@@ -12,11 +12,13 @@ while logging is a warning (``log_run``), never an exception.
 
 from __future__ import annotations
 
+import base64
 import netrc
 import os
-import socket
 import sys
 import threading
+import urllib.error
+import urllib.request
 from typing import Any
 from urllib.parse import urlparse
 
@@ -91,12 +93,20 @@ def online_problem(timeout_s: float = ONLINE_CHECK_S) -> str | None:
     if problem is None:
         outcome: list[str | None] = []
 
-        def connect() -> None:
+        def connect() -> None:  # W&B's own API with the key: a TCP connect alone may reach a proxy
+            request = urllib.request.Request(
+                f"{url.scheme or 'https'}://{host}:{port}/graphql", data=b'{"query": "{ viewer { id } }"}',
+                headers={"Content-Type": "application/json",
+                         "Authorization": "Basic " + base64.b64encode(f"api:{key}".encode()).decode()})
             try:
-                socket.create_connection((host, port), timeout=timeout_s).close()
+                urllib.request.urlopen(request, timeout=timeout_s).close()
                 outcome.append(None)
-            except OSError as err:
-                outcome.append(f"{host}:{port} is unreachable ({err})")
+            except urllib.error.HTTPError as err:
+                refused = err.code in (401, 403)
+                outcome.append(f"{host} refused the API key (HTTP {err.code})" if refused
+                               else f"{host}:{port} answered HTTP {err.code}, not W&B's API")
+            except (OSError, ValueError) as err:
+                outcome.append(f"{host}:{port} is unreachable ({getattr(err, 'reason', err)})")
 
         thread = threading.Thread(target=connect, daemon=True)
         thread.start()
