@@ -162,6 +162,51 @@ def check_submission(config: Any, which: Callable[[str], str | None] = shutil.wh
                           "set hydra.launcher.partition=<one of those>")
 
 
+def check_output_dir(config: Any) -> None:
+    """``output_dir`` names one directory; in a sweep every point would write (and overwrite) it."""
+    task = [str(o) for o in config.hydra.overrides.task]
+    params = config.hydra.sweeper.get("params") or {}
+    if config.get("output_dir") or "output_dir" in params or any(o.lstrip("+~").startswith("output_dir=") for o in task):
+        raise ConfigError("output_dir", "a -m sweep runs many points, and output_dir gives them all one "
+                          "directory: each would overwrite the last", "drop output_dir and choose the sweep's "
+                          "directory with hydra.sweep.dir=<dir> (each point gets its own subdirectory)")
+
+
+def sweep_point_overrides(config: Any) -> list[list[str]]:
+    """The overrides of every point of a multirun, as Hydra's basic sweeper expands them (sweep file
+    params, then the command line)."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    params = [f"{k}={v}" for k, v in (config.hydra.sweeper.get("params") or {}).items()]
+    parsed = OverridesParser.create().parse_overrides(params + [str(o) for o in config.hydra.overrides.task])
+    return [list(point) for batch in BasicSweeper.split_arguments(parsed, None) for point in batch]
+
+
+def check_points(config: Any) -> None:
+    """Every point of a Slurm sweep passes the checks the controller runs before a local launch
+    (``recipes.validate.validate`` and ``recipes.data.indexed.validate_data``), here, before anything
+    is submitted: a refusal costs no queue time. The job's machine has ``launcher.nproc_per_node`` GPUs."""
+    from hydra.core.global_hydra import GlobalHydra
+    from omegaconf import OmegaConf, open_dict
+
+    from recipes.data.indexed import validate_data
+    from recipes.validate import validate
+
+    loader = GlobalHydra.instance().config_loader()
+    for overrides in sweep_point_overrides(config):
+        point = loader.load_sweep_config(config, overrides)
+        with open_dict(point):
+            del point["hydra"]
+        plain = OmegaConf.to_container(point, resolve=True)
+        try:
+            validate(plain, num_gpus=max(1, plain["launcher"]["nproc_per_node"]))
+            validate_data(plain)
+        except ConfigError as err:
+            raise ConfigError(err.option, f"{err.problem} (sweep point {' '.join(overrides) or 'defaults'}; "
+                              "nothing was submitted)", err.fix) from err
+
+
 def sbatch_preview(hydra_launcher: Mapping[str, Any]) -> str:
     """The sbatch script the submitit plugin would submit for one sweep point (nothing is submitted).
 
@@ -196,7 +241,8 @@ def describe_torchrun(launcher: Mapping[str, Any]) -> str:
 
 
 class LaunchCheck(Callback):
-    """Hydra callback (conf/config.yaml): checks a Slurm submission on the submitting machine."""
+    """Hydra callback (conf/config.yaml): checks a sweep before any point runs (``output_dir``), and a
+    Slurm submission on the submitting machine (every point validated as the local path does)."""
 
     def __init__(self) -> None:
         self.registers_resolvers = True  # a non-empty state, so unpickling calls __setstate__
@@ -209,7 +255,10 @@ class LaunchCheck(Callback):
 
     def on_multirun_start(self, config, **kwargs) -> None:
         try:
+            check_output_dir(config)
             check_submission(config)
+            if str(config.hydra.launcher.get("_target_", "")).endswith("SlurmLauncher"):
+                check_points(config)
         except ConfigError as err:
             _refuse(err)
         if config.get("dry_run") and str(config.hydra.launcher.get("_target_", "")).endswith("SlurmLauncher"):

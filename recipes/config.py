@@ -16,6 +16,7 @@ from typing import Any, List, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
+from recipes.errors import ConfigError
 from recipes.files import CONF_DIR
 
 
@@ -199,6 +200,7 @@ class RecipeConfig:
     output_dir: Optional[str] = None  # defaults to Hydra's run/sweep directory
     rerun: bool = False  # in a sweep, re-run points that already have a complete result
     dry_run: bool = False  # validate and write the config, start no worker
+    lock_wait_s: float = 1800.0  # another run holds this point's directory: wait this long, then skip it
 
 
 #: Longest directory name ``slug`` makes: far below the file-name limit of 255 bytes, short enough to read.
@@ -249,8 +251,16 @@ def compose_config(overrides: list[str] = ()) -> dict:
     """The resolved run config for these Hydra overrides, composed exactly as ``train.py`` does
     (the plain dict a worker reads). For tools and tests that run outside ``@hydra.main``."""
     from hydra import compose, initialize_config_dir  # Hydra's composition API, only for tools and tests
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
 
     register_configs()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=list(overrides))
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            cfg = compose(config_name="config", overrides=list(overrides))
+    except (HydraException, OmegaConfBaseException) as err:  # a typo, a wrong type, an unknown option
+        text = str(err).splitlines()[0]
+        cause = str(err.__cause__).splitlines()[0] if err.__cause__ else ""
+        raise ConfigError("overrides", f"{text} {cause}".strip(), "check the spelling and type against conf/ and "
+                          "recipes/config.py (python train.py --cfg job prints every setting)") from err
     return OmegaConf.to_container(cfg, resolve=True)

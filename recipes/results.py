@@ -7,15 +7,16 @@ A run whose workers died without writing anything is still recorded, as ``failed
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from recipes.files import MIB, read_json
+from recipes.files import MIB, UnreadableFile, read_json
 from recipes.recompute import option_of
 
 SCHEMA_VERSION = 1
 #: Keys that do not change what a point measures: a stored result with other values still counts.
-NOT_MEASURED = ("rerun", "dry_run", "name", "output_dir", "logger", "estimate")
+NOT_MEASURED = ("rerun", "dry_run", "name", "output_dir", "logger", "estimate", "lock_wait_s")
 #: Status severity: the run's status is its worst rank's.
 _SEVERITY = {"ok": 0, "oom": 1, "failed": 2, "refused": 3}
 
@@ -23,7 +24,13 @@ _SEVERITY = {"ok": 0, "oom": 1, "failed": 2, "refused": 3}
 def read_ranks(run_dir: Path) -> list[dict]:
     """Every rank file of a run, ordered by rank."""
     files = sorted((Path(run_dir) / "ranks").glob("rank*.json"), key=lambda p: int(p.stem[4:]))
-    return [read_json(f) for f in files]
+    ranks = []
+    for f in files:
+        try:
+            ranks.append(read_json(f))
+        except UnreadableFile as err:  # counted as a rank that wrote nothing: the run is failed, not lost
+            print(f"warning: skipped {err}", file=sys.stderr)
+    return ranks
 
 
 def worst_rank(ranks: list[dict]) -> int | None:

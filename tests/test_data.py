@@ -145,6 +145,33 @@ def test_bad_datasets_are_refused_before_training(corpus, tmp_path):
     assert "says the data was made with byte" in refusal(indexed_cfg(prefix, cache, f"data.tokenizer={tj}"))
 
 
+def test_truncated_or_out_of_vocabulary_data_is_refused_naming_the_file(corpus, tmp_path):
+    """A .bin cut short (a copy interrupted), a .idx cut short, and token ids past model.vocab_size are
+    found before launch, with the file named, not by a worker mid-run."""
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    prefix, _, cache = corpus
+    cut = tmp_path / "cut"
+    for suffix in (".bin", ".idx", ".meta.json"):
+        shutil.copy(prefix + suffix, f"{cut}{suffix}")
+    with open(f"{cut}.bin", "r+b") as f:
+        f.truncate(f.seek(0, 2) - 100)
+    message = refusal(indexed_cfg(str(cut), cache))
+    assert message.startswith("data.paths") and f"{cut}.bin has" in message and "truncated" in message
+    shutil.copy(prefix + ".bin", f"{cut}.bin")
+    with open(f"{cut}.idx", "r+b") as f:
+        f.truncate(f.seek(0, 2) - 8)
+    assert f"{cut}.idx is truncated" in refusal(indexed_cfg(str(cut), cache))
+    wide = tmp_path / "wide"  # made with a larger vocabulary than declared: ids up to 600, no sidecar
+    builder = IndexedDatasetBuilder(f"{wide}.bin", dtype=numpy.uint16)
+    for i in range(10):
+        builder.add_document(numpy.arange(i, 600 - i, dtype=numpy.uint16), [600 - 2 * i])
+    builder.finalize(f"{wide}.idx")
+    message = refusal(indexed_cfg(str(wide), cache, "data.tokenizer=byte", "data.split='100,0,0'"))
+    assert message.startswith("model.vocab_size") and f"{wide}.bin" in message and "token id 599" in message
+    assert "model.vocab_size=600" in message
+
+
 def test_bad_preprocess_inputs_name_the_file(tmp_path, capsys):
     from recipes.data.preprocess import main
 

@@ -130,6 +130,12 @@ ROWS = (
         num_gpus=2,
         te_available=True,
     ),
+    Row("a size or count below 1 (any of them: heads, layers, hidden, ffn, vocabulary, experts, top-k...)",
+        ("model.num_attention_heads=0",), "model.num_attention_heads"),
+    Row("a value outside its range (dropouts in [0, 1), lr > 0, weight decay and clipping >= 0...)",
+        ("model.hidden_dropout=1.0",), "model.hidden_dropout"),
+    Row("a key the schema lacks, added with `+` (Hydra checks the others at compose time)",
+        ("+model.hiden_size=64",), "model.hiden_size"),
 )
 
 

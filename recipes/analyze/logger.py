@@ -3,12 +3,24 @@
 The W&B run gets the resolved config plus the Hydra choices, the loss curve, and the summary with
 ``/`` keys (``mem/peak_allocated_gib``, ``perf/tokens_per_s``, ``ledger/core_attn_bytes``...). The run
 always finishes, even when logging fails, so one bad point does not break the next.
+
+Logging never costs a result or a report: with ``logger.mode=online`` the credentials and the server are
+checked once per process in bounded time (``usable_logger``), falling back to offline with one warning
+line (W&B online without a network otherwise hangs about 95 s per point, then raises); and any error
+while logging is a warning (``log_run``), never an exception.
 """
 
 from __future__ import annotations
 
+import base64
+import netrc
 import os
+import sys
+import threading
+import urllib.error
+import urllib.request
 from typing import Any
+from urllib.parse import urlparse
 
 from recipes.results import result_rows, worst_row
 
@@ -59,11 +71,83 @@ def sweep_group(sweep_dir: str) -> str:
     return parts[-1]
 
 
-def log_run(cfg: dict, result: dict) -> None:
-    """Log one finished run to the configured logger (no-op for logger=none)."""
-    log = cfg["logger"]
-    if log["name"] != "wandb":
-        return
+#: Seconds the online check may take (the server's name lookup and a TCP connect).
+ONLINE_CHECK_S = 5.0
+_checked: dict[str, str | None] = {}  # server -> why it cannot be used (None: usable), once per process
+
+
+def online_problem(timeout_s: float = ONLINE_CHECK_S) -> str | None:
+    """Why W&B online cannot work from here (no API key, server unreachable), or None. Bounded in time:
+    the name lookup runs in a thread that is abandoned after ``timeout_s``."""
+    url = urlparse(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai")
+    host, port = url.hostname or "api.wandb.ai", url.port or (443 if url.scheme != "http" else 80)
+    if host in _checked:
+        return _checked[host]
+    key = os.environ.get("WANDB_API_KEY")
+    if not key:
+        try:
+            key = (netrc.netrc().authenticators(host) or (None, None, None))[2]
+        except (OSError, netrc.NetrcParseError):
+            key = None
+    problem = None if key else f"no W&B API key for {host} (set WANDB_API_KEY or run `wandb login`)"
+    if problem is None:
+        outcome: list[str | None] = []
+
+        def connect() -> None:  # W&B's own API with the key: a TCP connect alone may reach a proxy
+            request = urllib.request.Request(
+                f"{url.scheme or 'https'}://{host}:{port}/graphql", data=b'{"query": "{ viewer { id } }"}',
+                headers={"Content-Type": "application/json",
+                         "Authorization": "Basic " + base64.b64encode(f"api:{key}".encode()).decode()})
+            try:
+                urllib.request.urlopen(request, timeout=timeout_s).close()
+                outcome.append(None)
+            except urllib.error.HTTPError as err:
+                refused = err.code in (401, 403)
+                outcome.append(f"{host} refused the API key (HTTP {err.code})" if refused
+                               else f"{host}:{port} answered HTTP {err.code}, not W&B's API")
+            except (OSError, ValueError) as err:
+                outcome.append(f"{host}:{port} is unreachable ({getattr(err, 'reason', err)})")
+
+        thread = threading.Thread(target=connect, daemon=True)
+        thread.start()
+        thread.join(timeout_s)
+        problem = outcome[0] if outcome else f"{host}:{port} did not answer within {timeout_s:.0f} s"
+    _checked[host] = problem
+    return problem
+
+
+def usable_logger(log: dict) -> dict:
+    """``log`` (a ``logger`` config section), with ``mode=offline`` when online cannot work from here;
+    says so once per process (a sweep's points share the answer)."""
+    if log.get("name") != "wandb" or log.get("mode") != "online":
+        return log
+    fresh = not _checked
+    problem = online_problem()
+    if problem is None:
+        return log
+    if fresh:
+        print(f"warning: W&B online: {problem}; logging offline instead (wandb sync later)", file=sys.stderr,
+              flush=True)
+    return {**log, "mode": "offline"}
+
+
+def log_run(cfg: dict, result: dict) -> bool:
+    """Log one finished run to the configured logger (no-op for logger=none). A logging failure is one
+    warning line: the result is already on disk. Returns whether it was logged."""
+    if cfg["logger"]["name"] != "wandb":
+        return False
+    try:
+        _log_run(cfg, result)
+        return True
+    except Exception as err:
+        print(f"warning: W&B logging failed for {result.get('name')} ({type(err).__name__}: "
+              f"{str(err).splitlines()[0] if str(err) else ''}); the result is in {result.get('run_dir')}",
+              file=sys.stderr, flush=True)
+        return False
+
+
+def _log_run(cfg: dict, result: dict) -> None:
+    log = usable_logger(cfg["logger"])
     os.environ.setdefault("WANDB_SILENT", "true")
     # lazy: only with logger=wandb
     import wandb

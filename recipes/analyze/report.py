@@ -23,7 +23,7 @@ from pathlib import Path
 
 from hydra.experimental.callback import Callback
 
-from recipes.analyze.logger import sweep_group
+from recipes.analyze.logger import sweep_group, usable_logger
 from recipes.files import MIB, UnreadableFile, write_json_atomic
 from recipes.measure.profile import plot_timelines
 from recipes.recompute import recompute_order
@@ -65,6 +65,9 @@ CSV_KEYS = ["point", "rank", "worst", "status", "model", "attention", "recompute
 NOISY_STEPS = 0.25
 
 
+_WARNED: set[Path] = set()
+
+
 def find_results(sweep_dir: Path) -> list[dict]:
     """Every result.json under a sweep directory (one per point); a run directory also works.
 
@@ -79,7 +82,9 @@ def find_results(sweep_dir: Path) -> list[dict]:
         try:
             results.append(load_result(f))
         except UnreadableFile as err:  # a kill mid-write elsewhere, a hand edit: name it, keep the rest
-            print(f"warning: skipped {err}", file=sys.stderr)
+            if f.resolve() not in _WARNED:  # once per file (the advisor reads a sweep several times)
+                _WARNED.add(f.resolve())
+                print(f"warning: skipped {err}", file=sys.stderr)
     return sorted(results, key=_order)
 
 
@@ -412,7 +417,11 @@ def write_report(sweep_dir: Path, wandb_logger: dict | None = None) -> str:
         writer.writeheader()
         writer.writerows(rows)
     if wandb_logger and wandb_logger.get("name") == "wandb":
-        log_report_to_wandb(sweep_dir, rows, png, wandb_logger)
+        try:  # the report is on disk: a logging failure is a warning
+            log_report_to_wandb(sweep_dir, rows, png, usable_logger(wandb_logger))
+        except Exception as err:
+            print(f"warning: W&B logging of the report failed ({type(err).__name__}: {err}); the report is "
+                  f"in {sweep_dir / 'report.md'}", file=sys.stderr)
     return md
 
 

@@ -5,10 +5,12 @@ or ``[weight, prefix, weight, prefix...]``. ``BlendedMegatronDatasetBuilder`` sp
 train/valid/test by ``data.split`` (by document) and blends them; samples are ``train.seq_length`` tokens.
 
 Two halves, so that bad input is refused before any worker starts:
-- ``validate_data(cfg)`` runs in the controller and stays cheap (file existence, the 34-byte ``.idx``
-  header, the small ``PREFIX.meta.json`` sidecar written by ``recipes.data.preprocess``; no megatron import):
-  missing prefix, ``.bin`` without ``.idx``, empty dataset, a split part with no documents (megatron
-  would loop forever on it), and a tokenizer vocabulary larger than ``model.vocab_size``.
+- ``validate_data(cfg)`` runs in the controller and stays cheap (file existence, the ``.idx`` header and
+  its last entries, the small ``PREFIX.meta.json`` sidecar written by ``recipes.data.preprocess``; no
+  megatron import): missing prefix, ``.bin`` without ``.idx``, empty dataset, a truncated ``.idx`` or a
+  ``.bin`` whose size disagrees with its index, a split part with no documents (megatron would loop
+  forever on it), a tokenizer vocabulary larger than ``model.vocab_size``, and a token id at or past
+  ``model.vocab_size`` (the sidecar's ``max_token_id``, else a scan of at most ``SCAN_BYTES`` of the ``.bin``).
 - ``build_indexed_datasets(cfg, num_samples)`` runs in the worker (``recipes.data.datasets.build_datasets``).
 
 Relative prefixes are resolved against the repository root (the worker's working directory), so the
@@ -27,7 +29,7 @@ from typing import Any
 
 from recipes.data.gpt import gpt_dataset_config
 from recipes.errors import ConfigError
-from recipes.files import REPO_ROOT, write_json_atomic
+from recipes.files import REPO_ROOT, UnreadableFile, read_json, write_json_atomic
 
 META_SUFFIX = ".meta.json"
 #: What the byte-level tokenizer declares (``recipes.data.gpt.ByteTokenizer``, kept import-free here).
@@ -47,7 +49,13 @@ def write_meta(prefix: str, meta: dict) -> None:
 
 def read_meta(prefix: str) -> dict | None:
     path = Path(meta_path(prefix))
-    return json.loads(path.read_text()) if path.is_file() else None
+    if not path.is_file():
+        return None
+    try:
+        return read_json(path)
+    except UnreadableFile as err:
+        raise ConfigError("data.paths", str(err), "re-run recipes.data.preprocess, or delete the sidecar and set "
+                          "data.tokenizer to the tokenizer the data was made with") from err
 
 
 def resolve_prefix(prefix: str) -> str:
@@ -111,6 +119,64 @@ def read_index_header(idx_path: str) -> tuple[int, int]:
     return sequences, max(documents - 1, 0)
 
 
+#: megatron's index dtype codes (``indexed_dataset.DType``) and their item sizes in bytes.
+DTYPES = {1: "uint8", 2: "int8", 3: "int16", 4: "int32", 5: "int64", 6: "float64", 7: "float32", 8: "uint16"}
+#: The token scan reads at most this many bytes of a .bin (its start and its end), so the check stays cheap.
+SCAN_BYTES = 64 * 2**20
+
+
+def check_sizes(idx_path: str, bin_path: str) -> dict:
+    """The ``.idx`` and ``.bin`` agree: the index holds every entry its header counts, and the ``.bin`` is
+    as long as the index's last sequence ends (megatron's format: 34-byte header, then int32 lengths,
+    int64 byte pointers and int64 document indices). A truncated or mismatched pair is refused here, not
+    found by a worker mid-run. Returns the dtype and token count."""
+    import numpy
+
+    with open(idx_path, "rb") as f:
+        head = f.read(34)
+    code = head[17]
+    if code not in DTYPES:
+        raise ConfigError("data.paths", f"{idx_path} has an unknown token dtype code {code}",
+                          "rebuild it: python -m recipes preprocess INPUT... --output-prefix PREFIX")
+    dtype = numpy.dtype(DTYPES[code])
+    sequences, documents = struct.unpack("<QQ", head[18:34])
+    need = 34 + 12 * sequences + 8 * documents
+    have = os.path.getsize(idx_path)
+    if have < need:
+        raise ConfigError("data.paths", f"{idx_path} is truncated: its header counts {sequences} sequences and "
+                          f"{documents} document indices ({need} bytes), the file has {have} bytes",
+                          "copy the complete file, or rebuild the dataset with python -m recipes preprocess")
+    with open(idx_path, "rb") as f:
+        f.seek(34 + 4 * (sequences - 1))
+        (last_length,) = struct.unpack("<i", f.read(4))
+        f.seek(34 + 4 * sequences + 8 * (sequences - 1))
+        (last_pointer,) = struct.unpack("<q", f.read(8))
+    expected = last_pointer + last_length * dtype.itemsize
+    size = os.path.getsize(bin_path)
+    if size != expected:
+        raise ConfigError("data.paths", f"{bin_path} has {size} bytes but {idx_path} indexes {expected} "
+                          f"({expected // dtype.itemsize} {dtype.name} tokens): "
+                          + ("truncated" if size < expected else "longer than its index (another dataset's?)"),
+                          "copy the complete .bin and .idx of one dataset, or rebuild it with python -m recipes preprocess")
+    return {"dtype": dtype, "num_tokens": expected // dtype.itemsize}
+
+
+def largest_token_id(bin_path: str, dtype, limit: int = SCAN_BYTES) -> tuple[int, bool]:
+    """(the largest token id in ``bin_path``, whether the whole file was read). Files above ``limit``
+    bytes are read at their first and last ``limit / 2`` bytes only: a bounded cost per launch."""
+    import numpy
+
+    size = os.path.getsize(bin_path)
+    if size <= limit:
+        chunks = [numpy.fromfile(bin_path, dtype=dtype)]
+    else:
+        count = limit // 2 // dtype.itemsize
+        tail = (size // dtype.itemsize - count) * dtype.itemsize
+        chunks = [numpy.fromfile(bin_path, dtype=dtype, count=count),
+                  numpy.fromfile(bin_path, dtype=dtype, count=count, offset=tail)]
+    return max(int(c.max()) for c in chunks if c.size), size <= limit
+
+
 def declared_tokenizer(spec: str) -> dict:
     """``data.tokenizer``: ``byte``, or a tokenizer.json (vocabulary read from the JSON, no library)."""
     if spec == "byte":
@@ -141,7 +207,7 @@ def inspect_data(cfg: Any) -> dict:
                           "give the split a validation weight (\"data.split='98,2,0'\") or data.eval_interval=0")
     declared = declared_tokenizer(data["tokenizer"]) if data.get("tokenizer") else None
     tokenizer, source = declared, "data.tokenizer"
-    prefixes = []
+    prefixes, tops = [], []
     for raw in raw_prefixes:
         prefix = resolve_prefix(raw)
         if raw.endswith((".bin", ".idx")):
@@ -160,6 +226,7 @@ def inspect_data(cfg: Any) -> dict:
         if sequences == 0 or os.path.getsize(bin_path) == 0:
             raise ConfigError("data.paths", f"{bin_path} is empty (0 documents, 0 tokens)",
                               "re-run recipes.data.preprocess on non-empty inputs, or drop the prefix")
+        found_sizes = check_sizes(idx_path, bin_path)
         per_split = split_documents(sequences, fractions)
         for name, fraction, count in zip(("train", "validation", "test"), fractions, per_split):
             if fraction > 0 and count == 0:
@@ -186,12 +253,25 @@ def inspect_data(cfg: Any) -> dict:
                               "(written by recipes.data.preprocess), so its tokenizer is unknown",
                               "set data.tokenizer=byte or data.tokenizer=/path/to/tokenizer.json: "
                               "the tokenizer the data was made with")
+        recorded = (meta or {}).get("max_token_id")
+        if recorded is not None and meta.get("num_tokens") == found_sizes["num_tokens"]:
+            top, where, whole = recorded, meta_path(prefix), True  # preprocess recorded it
+        else:
+            (top, whole), where = largest_token_id(bin_path, found_sizes["dtype"]), bin_path
+        tops.append((top, where, whole))
         prefixes.append(prefix)
     if tokenizer["vocab_size"] > model["vocab_size"]:
         raise ConfigError("model.vocab_size", f"{source}: the {tokenizer['name']} tokenizer has "
                           f"{tokenizer['vocab_size']} tokens but the model's vocabulary is "
                           f"{model['vocab_size']} (ids past it would index outside the embedding)",
                           f"set model.vocab_size={tokenizer['vocab_size']} or more, or use a smaller tokenizer")
+    for top, where, whole in tops:  # the ids actually in the data (a sidecar or data.tokenizer can be wrong)
+        if top >= model["vocab_size"]:
+            raise ConfigError("model.vocab_size", f"{where}: the data holds token id {top}"
+                              + ("" if whole else f" (in the first and last {SCAN_BYTES // 2**21} MiB of it)")
+                              + f", past the model's vocabulary of {model['vocab_size']} (ids 0.."
+                              f"{model['vocab_size'] - 1}): the embedding lookup would fail in the worker",
+                              f"set model.vocab_size={top + 1} or more, or use data made with the model's tokenizer")
     return {"prefixes": prefixes, "weights": weights, "tokenizer": tokenizer, "tokenizer_source": source}
 
 

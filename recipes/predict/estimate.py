@@ -38,6 +38,7 @@ from recipes.predict.activations import (
 from recipes.predict.fit import ALLOCATOR_SLACK, FITS, OVER, TIGHT, slack_for, verdict, with_slack
 from recipes.recompute import FAMILIES, KINDS, options_for, recompute_config
 from recipes.results import result_rows
+from recipes.validate import validate
 
 
 @dataclass
@@ -287,6 +288,9 @@ def predict_options(cfg: dict, device: str = "cuda") -> tuple[list[tuple[str, di
     done, refused = [], []
     if cfg["model"]["family"] not in FAMILIES:
         dims(cfg, device)  # refuses the family by name
+    # the config as given is refused with the controller's message: each option's refusal below only
+    # says why that option does not apply, and a bad model would make every option "not applicable"
+    validate(cfg, num_gpus=0, te_available=False)
     for option in options_for(cfg["model"]["family"]):
         trial = {**cfg, "recompute": recompute_config(option)}
         try:
@@ -469,11 +473,16 @@ def main(argv: list[str] | None = None) -> int:
                         "result.json under DIR (a run or a sweep); overrides are ignored")
     args = parser.parse_args(argv)
     if args.compare:
-        import json
         from pathlib import Path
 
-        paths = sorted(Path(args.compare).rglob("result.json"))
-        rows = [r for p in paths for r in compare_result(json.loads(p.read_text()), p.parent.name)]
+        from recipes.files import UnreadableFile, read_json
+
+        rows = []
+        for p in sorted(Path(args.compare).rglob("result.json")):
+            try:
+                rows += compare_result(read_json(p), p.parent.name)
+            except UnreadableFile as err:  # named, and the other results still compared
+                print(f"warning: skipped {err}", file=sys.stderr)
         print(format_comparison(rows) if rows else f"no completed result.json under {args.compare}")
         return 0 if rows else 1
     title = " ".join(args.overrides) or "(defaults)"

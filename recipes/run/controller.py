@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import subprocess
 import sys
@@ -14,12 +15,13 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from launch.process import end_group, start_group
 from launch.slurm import node_rank, slurm_rendezvous, wait_for_rank_files
 from launch.torchrun import free_port, torchrun_command
-from recipes.analyze.logger import log_run
+from recipes.analyze.logger import log_run, usable_logger
 from recipes.data.indexed import validate_data
 from recipes.errors import ConfigError
-from recipes.files import REPO_ROOT, write_json_atomic
+from recipes.files import REPO_ROOT, UnreadableFile, write_json_atomic
 from recipes.measure.profile import write_timeline_pngs
 from recipes.recompute import option_of
 from recipes.results import NOT_MEASURED, load_result, merge_result
@@ -28,6 +30,67 @@ from recipes.validate import validate
 
 #: Statuses that count as a complete result (a sweep re-run skips them unless rerun=true).
 COMPLETE = ("ok", "oom")
+#: The process's exit code for what a run ended as (docs/outputs.md). A sweep exits with the code of
+#: its worst point among refused, failed and busy; its oom points are measurements (they do not fit).
+EXIT_CODES = {"ok": 0, "failed": 1, "refused": 2, "oom": 3, "busy": 4}
+#: Ctrl-C (128 + SIGINT, as a shell reports it).
+INTERRUPTED = 130
+#: What each run of this process ended as, with whether it was a sweep point: train.py's exit code.
+OUTCOMES: list[tuple[str, bool]] = []
+#: The run directory being worked on (train.py names it when the user interrupts).
+CURRENT: dict[str, Path] = {}
+
+
+def exit_code(outcomes: list[tuple[str, bool]] | None = None) -> int:
+    """0 when every run did what was asked; else the code of what went wrong (``EXIT_CODES``)."""
+    outcomes = OUTCOMES if outcomes is None else outcomes
+    single = [status for status, multirun in outcomes if not multirun]
+    if single:
+        return EXIT_CODES.get(single[-1], 0)
+    statuses = {status for status, _ in outcomes}
+    return next((EXIT_CODES[s] for s in ("refused", "failed", "busy") if s in statuses), 0)
+
+
+class PointLock:
+    """An exclusive ``fcntl.flock`` on ``RUN_DIR/.lock`` while a run works on its directory, so two sweeps
+    (or runs) never run the same point at once. The second waits up to ``wait_s`` for the first to
+    finish (then usually finds its result complete and skips it), else gives up and says so. The lock
+    goes with the process, however it ends (the kernel releases it)."""
+
+    def __init__(self, run_dir: Path, name: str, wait_s: float):
+        self.path, self.name, self.wait_s = Path(run_dir) / ".lock", name, wait_s
+        self.file = None
+
+    def acquire(self) -> bool:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.file = open(self.path, "a+")
+        deadline, said = time.monotonic() + self.wait_s, False
+        while True:
+            try:
+                fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if not said:
+                    holder = self.path.read_text().strip() or "?"
+                    print(f"[wait] {self.name}: another run (pid {holder}) is running {self.path.parent}; "
+                          f"waiting up to {self.wait_s:.0f} s for it (lock_wait_s)", flush=True)
+                    said = True
+                if time.monotonic() >= deadline:
+                    self.file.close()  # not ours: leave the holder's pid
+                    self.file = None
+                    return False
+                time.sleep(0.5)
+        self.file.seek(0)
+        self.file.truncate()
+        self.file.write(f"{os.getpid()}\n")
+        self.file.flush()
+        return True
+
+    def release(self) -> None:
+        if self.file is not None:
+            self.file.truncate(0)  # no pid of a finished run (only the holder writes)
+            self.file.close()  # closing the descriptor releases the flock
+            self.file = None
 
 
 def hydra_choices() -> dict[str, str]:
@@ -140,20 +203,49 @@ def _clock(seconds: float) -> str:
 
 
 def run(cfg: DictConfig) -> dict:
-    """One run (one sweep point): validate, write config, launch, merge, report, log.
+    """One run (one sweep point), recorded in ``OUTCOMES`` for train.py's exit code (``exit_code``)."""
+    result = _run(cfg)
+    OUTCOMES.append((result.get("status", "ok"), in_multirun()))
+    return result
+
+
+def stored(run_dir: Path) -> dict | None:
+    """What a run directory already holds: its result.json, else its config.yaml (a run that never
+    finished), else None. An unreadable result is named and treated as absent: the point runs again."""
+    existing = run_dir / "result.json"
+    if existing.exists():
+        try:
+            return load_result(existing)
+        except UnreadableFile as err:
+            print(f"warning: {err}; treated as incomplete: this point runs again", file=sys.stderr, flush=True)
+            return None
+    if (run_dir / "config.yaml").exists():
+        try:
+            return {"status": "incomplete", "config": OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml"))}
+        except Exception:  # a truncated config.yaml: nothing complete to keep
+            return None
+    return None
+
+
+def _run(cfg: DictConfig) -> dict:
+    """Validate, write config, launch, merge, report, log.
 
     A refused configuration raises ``ConfigError`` for a single run; in a sweep it is recorded as a
     ``refused`` point and the sweep goes on.
     """
     choices = hydra_choices()
     plain = OmegaConf.to_container(cfg, resolve=True)
-    run_dir = run_directory(cfg)
     name = run_name(cfg, choices)
+    if in_multirun() and cfg.output_dir:  # launch.slurm.check_output_dir refuses it before the first point
+        raise ConfigError("output_dir", "a -m sweep gives every point its own directory; output_dir would "
+                          "give them all one", "drop output_dir; choose the sweep's directory with hydra.sweep.dir")
+    run_dir = run_directory(cfg)
+    CURRENT["run_dir"] = run_dir
     if in_multirun():
         print(sweep_progress(name), flush=True)
     try:
         validate(plain)  # before any worker starts
-        validate_data(plain)  # files, .idx header, tokenizer sidecar (cheap)
+        validate_data(plain)  # files, .idx header and .bin size, tokenizer sidecar (cheap)
     except ConfigError as err:
         if not in_multirun():
             raise
@@ -163,16 +255,32 @@ def run(cfg: DictConfig) -> dict:
         write_json_atomic(run_dir / "result.json", result)
         print_run(result)
         return result
-    existing = run_dir / "result.json"
-    if existing.exists() and not cfg.rerun:
-        previous = load_result(existing)
+    plain["logger"] = usable_logger(plain["logger"])  # online without a network: offline, said once
+    node = node_rank(plain["launcher"])  # launcher=slurm: every node launches, node 0 records
+    lock = PointLock(run_dir, name, cfg.lock_wait_s)
+    if node == 0 and plain["launcher"]["name"] == "local" and not lock.acquire():
+        print(f"[busy] {name}: another run still holds {lock.path} after {cfg.lock_wait_s:.0f} s; not run here "
+              "(run the same command again once it is done)", flush=True)
+        return {"status": "busy", "name": name, "run_dir": str(run_dir)}
+    try:
+        return _launch(cfg, plain, name, choices, run_dir, node)
+    finally:
+        lock.release()
+
+
+def _launch(cfg: DictConfig, plain: dict, name: str, choices: dict, run_dir: Path, node: int) -> dict:
+    previous = stored(run_dir) if node == 0 and not cfg.rerun else None
+    if previous is not None:
         changed = changed_keys(previous.get("config"), plain)
         if previous.get("status") in COMPLETE and not changed:
             print(f"[skip] {name}: complete result in {run_dir} (rerun=true to run again)")
             return previous
+        if changed and not in_multirun():  # output_dir=<a run directory>: never overwritten silently
+            raise ConfigError("output_dir", f"{run_dir} holds a run with other {', '.join(changed)} "
+                              f"(status {previous.get('status')})", "add rerun=true to replace it, or choose "
+                              "another output_dir")
         if previous.get("status") in COMPLETE:
             print(f"[rerun] {name}: the stored result was measured with other {', '.join(changed)}")
-    node = node_rank(plain["launcher"])  # launcher=slurm: every node launches, node 0 records
     run_dir.mkdir(parents=True, exist_ok=True)
     if node == 0:
         OmegaConf.save(OmegaConf.create(plain), run_dir / "config.yaml")
@@ -185,14 +293,21 @@ def run(cfg: DictConfig) -> dict:
     log_path = run_dir / ("worker.log" if node == 0 else f"worker.node{node}.log")
     command = worker_command(plain, run_dir)
     with open(log_path, "w") as log:
-        proc = subprocess.run(command, env=worker_environment(plain),
-                              stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT)
+        # its own process group, killed with the controller (launch.process): no orphaned workers
+        proc = start_group(command, env=worker_environment(plain), stdout=log, stderr=subprocess.STDOUT,
+                           cwd=REPO_ROOT)
+        try:
+            returncode = proc.wait()
+        except BaseException:  # Ctrl-C, an error here: the workers go too
+            end_group(proc)
+            raise
+        end_group(proc, grace_s=0)  # anything the workers left behind in their group
     if node:
-        print(f"[node {node}] {name}: workers exited with code {proc.returncode}; node 0 records {run_dir}")
+        print(f"[node {node}] {name}: workers exited with code {returncode}; node 0 records {run_dir}")
         return {"status": "node", "node_rank": node, "name": name, "run_dir": str(run_dir)}
     launch_error = None
-    if proc.returncode:
-        launch_error = f"workers exited with code {proc.returncode}; see {log_path}"
+    if returncode:
+        launch_error = f"workers exited with code {returncode}; see {log_path}"
     meta = {
         "name": name,
         "choices": choices,
@@ -213,5 +328,5 @@ def run(cfg: DictConfig) -> dict:
         result["log_tail"] = log_path.read_text()[-4000:]
     write_json_atomic(run_dir / "result.json", result)
     print_run(result)
-    log_run(plain, result)
+    log_run(plain, result)  # warns, never raises
     return result

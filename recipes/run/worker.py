@@ -12,6 +12,11 @@ measurements, written atomically to ``RUN_DIR/ranks/rank<N>.json``. An OOM or cr
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # first, before torch's imports (seconds): die with torchrun or the controller
+    from launch.process import die_with_parent
+
+    die_with_parent()
+
 import os
 import socket
 import statistics

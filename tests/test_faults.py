@@ -1,0 +1,389 @@
+"""Faults and bad inputs: every one gets a clear answer, and nothing completed is lost.
+
+Injected faults (real ``train.py`` processes of the tiny model on a CPU, marked slow): kill -9 of the
+controller mid-sweep, kill -9 of one worker rank, Ctrl-C, two identical sweeps at once. Bad files: a
+corrupt result.json, a truncated dataset. Bad inputs: ``output_dir`` in a sweep, 40 overrides, and a
+table of bad overrides counted as the issue counts them (``python tests/test_faults.py`` prints it).
+Each asserts what the user sees, the exit code, and that completed results survive.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import REPO
+from test_sweep import _env, wait_for, worker_pid
+
+from recipes.files import write_json_atomic
+from recipes.results import load_result
+
+TINY = ["size=tiny", "train.train_iters=2", "train.warmup_iters=1", "measure.profile=none"]
+
+
+def train(args: list[str], cwd: Path, timeout: float = 120, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(REPO / "train.py"), *args], cwd=cwd, env=env or _env(),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def start(args: list[str], cwd: Path) -> subprocess.Popen:
+    """``train.py`` as a terminal would run it: its own session, so Ctrl-C can go to its group."""
+    return subprocess.Popen([sys.executable, str(REPO / "train.py"), *args], cwd=cwd, env=_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, dead but not yet reaped, counts as gone)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def gone_within(pid: int, seconds: float) -> bool:
+    deadline = time.time() + seconds
+    while time.time() < deadline:
+        if not alive(pid):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def rank_pid(run_dir: Path, rank: int) -> int | None:
+    """The worker process of ``rank`` for ``run_dir`` (torchrun sets RANK in each worker's environment)."""
+    pid = None
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes().split(b"\0")
+            environ = (proc / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"recipes.run.worker" in cmdline and str(run_dir).encode() in cmdline and f"RANK={rank}".encode() in environ:
+            pid = int(proc.name)
+    return pid
+
+
+def dry_sweep(tmp_path: Path, *extra: str) -> tuple[Path, list[Path]]:
+    """A two-point sweep written without running (dry_run): its directory and point directories."""
+    sweep = tmp_path / "sweep"
+    done = train(["-m", "recompute=none,full", *TINY, f"hydra.sweep.dir={sweep}", "dry_run=true", *extra], tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return sweep, sorted(p.parent for p in sweep.glob("*/config.yaml"))
+
+
+def fake_complete(point: Path) -> Path:
+    """A complete result for ``point``, as if measured with its config: a resumed sweep must keep it."""
+    config = yaml.safe_load((point / "config.yaml").read_text())
+    path = point / "result.json"
+    write_json_atomic(path, {"name": point.name, "status": "ok", "config": config, "ranks": [],
+                             "overrides": [f"recompute={config['recompute']['recompute_granularity'] or 'none'}"]})
+    return path
+
+
+# --- bad inputs, refused before any point runs ----------------------------------------------------
+
+@pytest.mark.slow
+def test_output_dir_in_a_sweep_is_refused_before_any_point(tmp_path):
+    done = train(["-m", "recompute=none,full", *TINY, f"output_dir={tmp_path / 'one'}"], tmp_path)
+    assert done.returncode == 2
+    assert "error: output_dir:" in done.stderr and "hydra.sweep.dir" in done.stderr and "Traceback" not in done.stderr
+    assert not (tmp_path / "one").exists() and not list(tmp_path.rglob("config.yaml"))
+
+
+@pytest.mark.slow
+def test_a_single_run_never_overwrites_another_config_in_its_output_dir(tmp_path):
+    run = tmp_path / "run"
+    first = train([*TINY, f"output_dir={run}", "dry_run=true"], tmp_path)
+    assert first.returncode == 0, first.stderr
+    stored = (run / "config.yaml").read_text()
+    other = train([*TINY, f"output_dir={run}", "train.seed=7", "dry_run=true"], tmp_path)
+    assert other.returncode == 2 and "output_dir" in other.stderr and "rerun=true" in other.stderr
+    assert (run / "config.yaml").read_text() == stored  # untouched
+    again = train([*TINY, f"output_dir={run}", "train.seed=7", "dry_run=true", "rerun=true"], tmp_path)
+    assert again.returncode == 0 and "seed: 7" in (run / "config.yaml").read_text()
+
+
+@pytest.mark.slow
+def test_a_refused_single_run_exits_2_with_one_message(tmp_path):
+    done = train([*TINY, "model.num_attention_heads=0"], tmp_path)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "model.num_attention_heads" in done.stderr and "fix:" in done.stderr
+
+
+@pytest.mark.slow
+def test_a_refused_point_makes_the_sweep_exit_2_after_its_report(tmp_path):
+    """Refused points are recorded and the sweep goes on; the exit code still says one was refused."""
+    sweep = tmp_path / "sweep"
+    done = train(["-m", "recompute=none,selective/moe_act", *TINY, f"hydra.sweep.dir={sweep}", "dry_run=true"],
+                 tmp_path)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "[refused]" in done.stdout and "[dry-run]" in done.stdout
+
+
+@pytest.mark.slow
+def test_forty_overrides_make_a_short_directory_and_the_sweep_completes_and_reports(tmp_path):
+    values = {
+        "model.num_layers": 2, "model.hidden_size": 64, "model.ffn_hidden_size": 128, "model.num_attention_heads": 4,
+        "model.num_query_groups": 2, "model.vocab_size": 512, "model.normalization": "RMSNorm",
+        "model.gated_linear_unit": "true", "model.activation": "silu", "model.add_bias_linear": "false",
+        "model.position_embedding_type": "rope", "model.rotary_base": 10000, "model.hidden_dropout": 0.0,
+        "model.attention_dropout": 0.0, "model.attention_softmax_in_fp32": "false", "model.init_method_std": 0.02,
+        "model.untie_embeddings_and_output_weights": "true", "model.qk_layernorm": "false",
+        "model.bias_activation_fusion": "false", "model.q_lora_rank": 32, "model.kv_lora_rank": 32,
+        "model.qk_head_dim": 16, "model.qk_pos_emb_head_dim": 8, "model.v_head_dim": 16, "model.moe_router_topk": 2,
+        "model.moe_ffn_hidden_size": 64, "model.moe_aux_loss_coeff": 0.0, "train.seed": 1234, "train.train_iters": 2,
+        "train.warmup_iters": 1, "train.micro_batch_size": 2, "train.seq_length": 64, "train.lr": 0.0001,
+        "train.weight_decay": 0.01, "train.clip_grad": 1.0, "train.precision": "fp32", "train.optimizer": "auto",
+        "train.fused_adam": "true", "measure.ledger": "true", "measure.profile": "none",
+    }
+    overrides = [f"{k}={v}" for k, v in values.items()]
+    assert len(overrides) == 40
+    done = train(["-m", "size=tiny", *overrides], tmp_path, timeout=240)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    results = list(tmp_path.glob("multirun/adhoc/*/*/result.json"))
+    assert len(results) == 1 and load_result(results[0])["status"] == "ok"
+    assert all(len(p.name) <= 64 for p in results[0].parents[:2])  # short, whatever the overrides
+    assert len(load_result(results[0])["overrides"]) == 41  # the full overrides are kept
+    assert (results[0].parents[1] / "report.md").exists() and (results[0].parents[1] / "manifest.json").exists()
+
+
+# --- corrupt and truncated files ------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_a_corrupt_result_is_named_rerun_on_resume_and_skipped_by_report_and_advise(tmp_path, capsys):
+    sweep, (full, none) = dry_sweep(tmp_path)
+    kept = fake_complete(none)
+    stamp = kept.stat().st_mtime_ns
+    (full / "result.json").write_text('{"status": "ok", "ranks": [')  # truncated by a kill mid-write
+    done = train(["-m", "recompute=none,full", *TINY, f"hydra.sweep.dir={sweep}", "dry_run=true"], tmp_path)
+    assert done.returncode == 0 and "Traceback" not in done.stderr
+    assert f"{full / 'result.json'}: unreadable JSON" in done.stderr and "runs again" in done.stderr
+    assert "[skip]" in done.stdout and "[dry-run] standard_attn sdpa full" in done.stdout
+    assert kept.stat().st_mtime_ns == stamp  # the complete point is untouched
+    from recipes.analyze import advise, report
+
+    assert report.main([str(sweep), "--no-wandb"]) == 0
+    assert advise.main([str(sweep), "--budget-gib", "1"]) == 0
+    err = capsys.readouterr().err
+    assert err.count(f"skipped {full / 'result.json'}: unreadable JSON") == 1  # named once, not per read
+
+
+@pytest.mark.slow
+def test_a_truncated_dataset_is_refused_before_launch(tmp_path):
+    from recipes.data.preprocess import preprocess
+
+    (tmp_path / "a.txt").write_text("some text for a dataset. " * 200)
+    (tmp_path / "b.txt").write_text("more text. " * 200)
+    preprocess([tmp_path / "a.txt", tmp_path / "b.txt"], str(tmp_path / "d"), append_eod=True, progress_interval=-1)
+    prefix = tmp_path / "d_text_document"
+    with open(f"{prefix}.bin", "r+b") as f:
+        f.truncate(1000)
+    run = tmp_path / "run"
+    done = train([*TINY, "data=indexed", f"data.paths=[{prefix}]", "data.split='100,0,0'", f"output_dir={run}"],
+                 tmp_path)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert f"{prefix}.bin has 1000 bytes" in done.stderr and "truncated" in done.stderr
+    assert not (run / "worker.log").exists()  # no worker started
+
+
+# --- processes: kill -9, Ctrl-C, two sweeps at once ----------------------------------------------
+
+@pytest.mark.slow
+def test_kill_9_of_the_controller_takes_its_worker_along(tmp_path):
+    sweep = tmp_path / "sweep"
+    proc = start(["-m", "recompute=none,full", *TINY, f"hydra.sweep.dir={sweep}"], tmp_path)
+    pid = wait_for(lambda: next((worker_pid(p) for p in sweep.glob("*") if worker_pid(p)), None), proc)
+    os.kill(proc.pid, signal.SIGKILL)  # the controller alone, as the OOM killer or a lost login would
+    proc.wait()
+    assert gone_within(pid, 10), "the worker outlived its controller"
+    assert not list(sweep.glob("*/result.json"))  # nothing had completed; nothing half-written counts
+
+
+@pytest.mark.slow
+def test_kill_9_of_one_worker_rank_fails_the_run_with_a_record(tmp_path):
+    run = tmp_path / "run"
+    proc = start([*TINY, "parallel=dp2", "train.train_iters=30", f"output_dir={run}"], tmp_path)
+    pid = wait_for(lambda: rank_pid(run, 1), proc, timeout=120)
+    time.sleep(1.0)
+    os.kill(pid, signal.SIGKILL)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1, out + err  # a failed single run exits non-zero
+    result = load_result(run)
+    assert result["status"] == "failed" and "exited with code" in (result.get("error") or "") + str(result)
+    assert "[failed]" in out and "Traceback" not in err
+    assert rank_pid(run, 0) is None  # no rank left behind
+
+
+@pytest.mark.slow
+def test_ctrl_c_ends_the_sweep_in_one_line_keeps_results_and_resumes(tmp_path):
+    sweep, (full, none) = dry_sweep(tmp_path)
+    kept = fake_complete(none)
+    stamp = kept.stat().st_mtime_ns
+    proc = start(["-m", "recompute=none,full", *TINY, f"hydra.sweep.dir={sweep}"], tmp_path)
+    pid = wait_for(lambda: worker_pid(full), proc)
+    os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal sends to the foreground group
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130
+    assert "Traceback" not in err and err.strip().count("\n") == 0 and "interrupted" in err
+    assert gone_within(pid, 10) and not (full / "result.json").exists()
+    assert kept.stat().st_mtime_ns == stamp
+    again = train(["-m", "recompute=none,full", *TINY, f"hydra.sweep.dir={sweep}", "dry_run=true"], tmp_path)
+    assert again.returncode == 0 and "[skip]" in again.stdout and "[dry-run] standard_attn sdpa full" in again.stdout
+
+
+@pytest.mark.slow
+def test_a_point_another_sweep_holds_is_waited_for_then_skipped_and_said(tmp_path):
+    from recipes.config import slug
+
+    sweep = tmp_path / "sweep"
+    none = sweep / slug("measure.profile=none,recompute=none,size=tiny,train.train_iters=2,train.warmup_iters=1")
+    none.mkdir(parents=True)
+    with open(none / ".lock", "a+") as held:  # another sweep is running this point
+        fcntl.flock(held, fcntl.LOCK_EX)
+        held.truncate(0)
+        held.write("4242\n")
+        held.flush()
+        done = train(["-m", "recompute=none,full", *TINY, f"hydra.sweep.dir={sweep}", "dry_run=true",
+                      "lock_wait_s=1"], tmp_path)
+    assert done.returncode == 4, done.stdout + done.stderr
+    assert "[wait] standard_attn sdpa none: another run (pid 4242)" in done.stdout
+    assert "[busy] standard_attn sdpa none" in done.stdout and "[dry-run] standard_attn sdpa full" in done.stdout
+    assert not (none / "config.yaml").exists()  # nothing of the holder's was touched
+
+
+@pytest.mark.slow
+def test_two_identical_sweeps_at_once_run_each_point_once(tmp_path):
+    args = ["-m", "recompute=none", *TINY, f"hydra.sweep.dir={tmp_path / 'sweep'}"]
+    first, second = start(args, tmp_path), start(args, tmp_path)
+    outs = [p.communicate(timeout=180) for p in (first, second)]
+    assert first.returncode == 0 and second.returncode == 0, outs
+    stdout = outs[0][0] + outs[1][0]
+    assert stdout.count("[ok]") == 1 and stdout.count("[skip]") == 1 and stdout.count("[wait]") == 1
+    assert load_result(next((tmp_path / "sweep").glob("*/result.json")))["status"] == "ok"
+
+
+# --- W&B: never costs a result or a report --------------------------------------------------------
+
+def test_wandb_online_without_a_network_falls_back_offline_in_bounded_time(monkeypatch, capsys):
+    from recipes.analyze import logger
+
+    monkeypatch.setattr(logger, "_checked", {})
+    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
+    monkeypatch.setenv("WANDB_BASE_URL", "http://10.255.255.1:9")  # unroutable: a connect that never answers
+    start_s = time.time()
+    log = {"name": "wandb", "mode": "online", "project": "p"}
+    assert logger.usable_logger(log)["mode"] == "offline" and logger.usable_logger(log)["mode"] == "offline"
+    assert time.time() - start_s < logger.ONLINE_CHECK_S + 2
+    assert capsys.readouterr().err.count("warning: W&B online") == 1  # one line for the whole sweep
+    monkeypatch.setattr(logger, "_checked", {})
+    monkeypatch.delenv("WANDB_API_KEY")
+    monkeypatch.setenv("NETRC", "/nonexistent")
+    monkeypatch.setenv("HOME", "/nonexistent")
+    assert logger.online_problem().startswith("no W&B API key")
+
+
+def test_a_logging_failure_is_a_warning_not_a_lost_result(monkeypatch, capsys):
+    import wandb
+
+    from recipes.analyze import logger
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("wandb.init failed: network")
+
+    monkeypatch.setattr(wandb, "init", broken)
+    cfg = {"logger": {"name": "wandb", "mode": "offline", "project": "p", "entity": None, "group": None, "tags": []}}
+    assert logger.log_run(cfg, {"name": "p", "run_dir": "/tmp/x", "status": "ok", "ranks": []}) is False
+    assert "warning: W&B logging failed for p (RuntimeError" in capsys.readouterr().err
+
+
+# --- exit codes and the bad-input tally -----------------------------------------------------------
+
+def test_exit_codes_say_what_happened():
+    from recipes.run.controller import exit_code
+
+    assert exit_code([("ok", False)]) == 0 and exit_code([("oom", False)]) == 3
+    assert exit_code([("failed", False)]) == 1 and exit_code([("dry_run", False)]) == 0
+    assert exit_code([("ok", True), ("oom", True)]) == 0  # an oom point is a measurement in a sweep
+    assert exit_code([("ok", True), ("failed", True)]) == 1
+    assert exit_code([("failed", True), ("refused", True)]) == 2 and exit_code([("busy", True)]) == 4
+
+
+#: Bad inputs a new user types (overrides of train.py, estimate and advise --predict): each must be
+#: refused before launch, by a ConfigError that names the option and the fix.
+BAD_INPUTS = [
+    ["model.num_attention_heads=0"], ["model.num_layers=0"], ["model.hidden_size=-64"], ["model.vocab_size=0"],
+    ["model.ffn_hidden_size=0"], ["train.lr=-1"], ["train.lr=0"], ["train.micro_batch_size=0"],
+    ["train.seq_length=0"], ["train.train_iters=1"], ["train.warmup_iters=0"], ["train.warmup_iters=8"],
+    ["train.global_batch_size=3"], ["train.weight_decay=-1"], ["train.clip_grad=-0.5"], ["train.seed=-1"],
+    ["train.precision=fp8"], ["train.optimizer=sgd"], ["model.hidden_dropout=1.0"], ["model.attention_dropout=-0.1"],
+    ["model.init_method_std=0"], ["model.num_query_groups=0"], ["model.num_query_groups=3"], ["model.kv_channels=0"],
+    ["model.rotary_base=0"], ["model.position_embedding_type=alibi"], ["model.activation=relu"],
+    ["model.normalization=BadNorm"], ["model.add_bias_linear=true"], ["model=moe", "model.num_moe_experts=0"],
+    ["model=moe", "model.moe_router_topk=0"], ["model=moe", "model.moe_router_topk=9"],
+    ["model=moe", "model.moe_ffn_hidden_size=0"], ["model=moe", "model.experts=fast"],
+    ["model=mla", "model.kv_lora_rank=0"], ["model=mla", "model.q_lora_rank=0"], ["model=mla", "model.v_head_dim=0"],
+    ["model=gdn", "model.linear_attention_freq=1"], ["model=gdn", "model.linear_num_value_heads=3"],
+    ["model=gdn", "model.linear_conv_kernel_dim=0"], ["+model.foo=1"], ["+model.hiden_size=3"], ["+bar=1"],
+    ["+train.learning_rate=1e-3"], ["model.hidden_sise=3"], ["model.num_layers=two"], ["recompute=selective/core_atn"],
+    ["attention=flash"], ["attention=te"], ["recompute=full", "recompute.recompute_num_layers=0"],
+    ["recompute=full", "recompute.recompute_num_layers=9"], ["recompute=none", "recompute.recompute_modules=[mlp]"],
+    ["model=standard_attn", "recompute=selective/moe_act"], ["parallel=tp2", "model.num_attention_heads=3",
+                                                             "model.num_query_groups=null", "model.kv_channels=16"],
+    ["parallel=pp2", "model.num_layers=3"], ["parallel=cp2"], ["parallel.tensor_model_parallel_size=0"],
+    ["launcher.nproc_per_node=0"], ["launcher.nnodes=2"], ["launcher.master_port=70000"],
+    ["measure.memory_fraction=2"], ["measure.repeat=-1"], ["measure.peak_tflops=0"], ["data.eval_interval=-1"],
+    ["data=indexed", "data.paths=[]"], ["data=indexed", "data.paths=[no/such/prefix]"], ["logger.mode=sometimes"],
+    ["data.num_workers=-1"], ["data.eval_interval=5", "data.eval_iters=0"],
+]
+
+
+def tally(inputs: list[list[str]] = BAD_INPUTS) -> dict:
+    """Each bad input through what the controller runs before launch (compose, validate, the data
+    checks), counted: refused clearly (a ConfigError naming an option, with a fix), a traceback (any
+    other exception), or silent (accepted)."""
+    from recipes.config import compose_config
+    from recipes.data.indexed import validate_data
+    from recipes.errors import ConfigError
+    from recipes.validate import validate
+
+    counts = {"tried": len(inputs), "refused clearly": 0, "tracebacks": 0, "silent": 0}
+    failures = []
+    for overrides in inputs:
+        try:
+            cfg = compose_config(overrides)
+            validate(cfg, num_gpus=0, te_available=False)
+            validate_data(cfg)
+        except ConfigError as err:
+            clear = bool(err.option) and "fix:" in str(err)
+            counts["refused clearly" if clear else "tracebacks"] += 1
+            continue
+        except Exception as err:  # what a user would see as a raw traceback
+            counts["tracebacks"] += 1
+            failures.append((overrides, f"{type(err).__name__}: {err}"))
+            continue
+        counts["silent"] += 1
+        failures.append((overrides, "accepted"))
+    counts["failures"] = failures
+    return counts
+
+
+def test_every_bad_input_is_refused_clearly():
+    counts = tally()
+    assert counts["failures"] == [] and counts["refused clearly"] == counts["tried"] >= 60, counts
+
+
+if __name__ == "__main__":
+    result = tally()
+    print("| bad inputs tried | refused clearly | tracebacks | silent |\n|---|---|---|---|\n"
+          f"| {result['tried']} | {result['refused clearly']} | {result['tracebacks']} | {result['silent']} |")
+    for overrides, what in result["failures"]:
+        print(f"  {' '.join(overrides)}: {what}")
