@@ -154,7 +154,8 @@ def manifest_problems(sweep: Path) -> list[str]:
         if record is None:
             problems.append(f"{sweep.name}/{name}: not in {MANIFEST}")
             continue
-        for named in {new_name(record["old_name"]), name_of(record["overrides"])}:
+        named_by = {name_of(record["overrides"])} | ({new_name(record["old_name"])} if "old_name" in record else set())
+        for named in named_by:  # a point renamed from an old name, or one a sweep named itself
             if named != name:
                 problems.append(f"{sweep.name}/{name}: recipes.config.slug names it {named}")
         result = json.loads((point / "result.json").read_text())
