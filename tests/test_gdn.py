@@ -48,7 +48,7 @@ def test_gdn_model_trains_and_the_profile_points_at_gdn_norm_out(megatron_world)
     from recipes.measure.profile import first_label_to_try
 
     cfg = compose("model=gdn", "attention=unfused", "recompute=selective/gdn_norm_out-core_attn",
-                  "train.train_iters=6", "train.warmup_iters=2", "train.lr=3e-3")
+                  "train.train_iters=6", "measure.start_step=3", "train.lr=3e-3")
     result = train_in_process(cfg)
     assert result["status"] == "ok", result.get("error")
     losses = result["loss"]
@@ -182,7 +182,7 @@ def test_cpu_switch_selects_fla_naive_reference(monkeypatch):
 def test_cpu_switch_keeps_the_triton_kernels_when_cuda_is_present():
     """A fresh process that reports CUDA: the switch does nothing and megatron keeps fla's kernels."""
     code = ("import torch; torch.cuda.is_available = lambda: True\n"
-            "from recipes import gdn\n"
+            "from recipes.build import gdn\n"
             "assert gdn.select_gdn_ops() is False\n"
             "ops = gdn.gdn_ops_in_use(); print(ops)\n"
             "assert all(v.startswith('fla.') for v in ops.values()), ops\n")

@@ -1,0 +1,60 @@
+"""A real worker process: SIGTERM mid-run saves a checkpoint and exits 0 (status preempted); the
+re-run resumes from it; the live progress lines reach the controller's console and progress.jsonl."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO
+
+from recipes.results import load_result
+
+RUN = ["size=tiny", "measure.profile=none", "measure.start_step=2", "checkpoint=default",
+       "checkpoint.interval=1000", "train.log_interval=5"]
+
+
+def _env() -> dict:
+    drop = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    return {k: v for k, v in os.environ.items() if k not in drop}
+
+
+@pytest.mark.slow
+def test_sigterm_saves_and_exits_cleanly_then_resumes(tmp_path):
+    out = tmp_path / "run"
+    cmd = [sys.executable, str(REPO / "train.py"), *RUN, "train.train_iters=100000", f"output_dir={out}"]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    lines = []
+    for line in proc.stdout:  # the controller echoes the worker's progress lines as they come
+        lines.append(line)
+        if line.startswith("[progress] step 10/"):
+            proc.send_signal(signal.SIGTERM)  # to the controller, which forwards it to the worker
+            break
+    rest, _ = proc.communicate(timeout=300)
+    lines += rest.splitlines(keepends=True)
+    assert proc.returncode == 0, "".join(lines)
+    text = "".join(lines)
+    assert "[signal] SIGTERM at step" in text and "[checkpoint] saved step" in text
+    result = load_result(out)
+    rank = result["ranks"][0]
+    assert result["status"] == "preempted" and rank["signal"] == "SIGTERM"
+    stopped = rank["stopped_at"]
+    assert (out / "checkpoints" / "latest").read_text().strip() == f"step_{stopped:08d}"
+    progress = [json.loads(l) for l in (out / "progress.jsonl").read_text().splitlines()]
+    assert progress[0]["step"] == 5 and {"loss", "lr", "grad_norm", "tokens_per_s", "eta_s"} <= progress[0].keys()
+
+    again = subprocess.run([sys.executable, str(REPO / "train.py"), *RUN, f"train.train_iters={stopped + 5}",
+                            f"output_dir={out}"], cwd=tmp_path, env=_env(), capture_output=True, text=True,
+                           timeout=300)
+    assert again.returncode == 0, again.stdout + again.stderr
+    resumed = load_result(out)
+    assert resumed["status"] == "ok"
+    assert resumed["ranks"][0]["resumed_from"]["step"] == stopped
+    assert len(resumed["ranks"][0]["loss"]) == 5
+    assert f"resuming from {out / 'checkpoints' / f'step_{stopped:08d}'}" in again.stdout
+    assert resumed["ranks"][0]["timing"] == rank["timing"]
