@@ -58,3 +58,27 @@ def test_sigterm_saves_and_exits_cleanly_then_resumes(tmp_path):
     assert len(resumed["ranks"][0]["loss"]) == 5
     assert f"resuming from {out / 'checkpoints' / f'step_{stopped:08d}'}" in again.stdout
     assert resumed["ranks"][0]["timing"] == rank["timing"]
+
+
+@pytest.mark.slow
+def test_resume_is_bit_exact_under_dp2_with_gloo(tmp_path):
+    """Two gloo processes: 12 steps straight == 6, a checkpoint, a new process group, 6 more."""
+    base = ["size=tiny", "parallel=dp2", "measure.profile=none", "measure.start_step=2", "train.train_iters=12",
+            "train.lr=1e-3", "train.lr_decay_style=cosine", "train.lr_warmup_iters=2", "train.log_interval=0"]
+
+    def launch(*extra: str, out) -> dict:
+        proc = subprocess.run([sys.executable, str(REPO / "train.py"), *base, *extra, f"output_dir={out}"],
+                              cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        return load_result(out)
+
+    straight = launch(out=tmp_path / "straight")
+    run = tmp_path / "resumed"
+    first = launch("checkpoint=default", "train.exit_interval=6", out=run)
+    assert first["status"] == "stopped"
+    second = launch("checkpoint=default", out=run)
+    assert second["status"] == "ok"
+    for rank in (0, 1):
+        ref, got = straight["ranks"][rank], second["ranks"][rank]
+        assert got["resumed_from"]["step"] == 6
+        assert got["loss"] == ref["loss"][6:] and got["grad_norm"] == ref["grad_norm"][6:], rank
