@@ -199,7 +199,8 @@ def kernel_table(step, step_s: float, on_gpu: bool, repeats: int = 3, top: int =
 def entrypoint(overrides: list[str], steps: int, warmup: int) -> dict:
     with tempfile.TemporaryDirectory() as out:
         cmd = [sys.executable, str(REPO / "train.py"), *overrides, f"output_dir={out}",
-               f"train.train_iters={steps + warmup}", f"train.warmup_iters={warmup}"]
+               f"train.train_iters={steps + warmup}", f"measure.start_step={warmup + 1}",
+               f"measure.steps={steps}"]
         subprocess.run(cmd, check=True, cwd=REPO, capture_output=True)
         return json.loads((Path(out) / "result.json").read_text())
 

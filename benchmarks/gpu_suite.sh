@@ -16,7 +16,7 @@ SIZE=${SIZE:-h200}
 LONG_SIZE=${LONG_SIZE:-h200_long}
 ATTENTION=${ATTENTION:-unfused,sdpa}  # the attention step's backends (sdpa rows also come from sweeps)
 # What docs/h200-results.md ran with (4 timed steps, profiling off); empty for the full defaults.
-SWEEP_ARGS=${SWEEP_ARGS-"profile=none train.train_iters=6 train.warmup_iters=2"}
+SWEEP_ARGS=${SWEEP_ARGS-"profile=none train.train_iters=6 measure.start_step=3"}
 mkdir -p results
 stamp() { echo "== $(date -u +%FT%TZ) $*"; }
 quiet() { grep -v "Warning\|warn(\|warnings.warn" | tail -"$1"; }

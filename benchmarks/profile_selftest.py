@@ -75,7 +75,7 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     on_gpu = torch.cuda.is_available()
     shape = (SMALL if args.size == "small" else ["size=h200"]) if on_gpu else []
-    common = shape + ["profile=peak", "train.train_iters=5", "train.warmup_iters=2"] + extra
+    common = shape + ["profile=peak", "train.train_iters=5", "measure.start_step=3"] + extra
     init_world(compose_config(common))
     from recipes.build.compat import seed_model_parallel_rng
     from recipes.measure.profile import first_label_to_try, plot_timelines, top_contributors, write_timeline_pngs

@@ -46,4 +46,5 @@ def torchrun_command(launcher: dict, program: list[str], rendezvous: Rendezvous 
     else:
         cmd += [f"--nnodes={rendezvous.nnodes}", f"--node-rank={rendezvous.node_rank}",
                 f"--master-addr={rendezvous.master_addr}", f"--master-port={rendezvous.master_port}"]
-    return cmd + program
+    # SIGUSR1 (Slurm's warning before the time limit) reaches the workers too, which save and stop.
+    return cmd + ["--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"] + program

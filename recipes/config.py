@@ -144,23 +144,40 @@ class TrainConfig:
     """Run knobs."""
 
     seed: int = 1234
-    train_iters: int = 8  # total steps
-    warmup_iters: int = 3  # steps excluded from timing and from the memory peak
+    train_iters: int = 8  # optimizer steps of the run (the measured window is inside them: measure.*)
     micro_batch_size: int = 1
     global_batch_size: Optional[int] = None  # None = micro_batch_size * data-parallel size
     seq_length: int = MISSING
-    lr: float = 1.0e-4
+    # The schedule: megatron-core's OptimizerParamScheduler, stepped once per step, with
+    # Megatron-LM's argument names (--lr-warmup-iters, --lr-decay-style, --min-lr, ...).
+    lr: float = 1.0e-4  # peak learning rate (after the warm-up)
+    min_lr: float = 0.0  # where the decay ends
+    lr_decay_style: str = "constant"  # constant | linear | cosine | inverse-square-root | WSD
+    lr_warmup_iters: int = 0  # linear warm-up from lr_warmup_init to lr over these steps
+    lr_warmup_init: float = 0.0
+    lr_decay_iters: Optional[int] = None  # the decay ends at this step (null = train_iters)
+    lr_wsd_decay_style: str = "exponential"  # WSD's final anneal: linear | cosine | exponential | minus_sqrt
+    lr_wsd_decay_iters: Optional[int] = None  # WSD: steps of that anneal, at the end of the decay
     weight_decay: float = 0.01
+    start_weight_decay: Optional[float] = None  # weight-decay schedule (null = weight_decay throughout)
+    end_weight_decay: Optional[float] = None
+    weight_decay_incr_style: str = "constant"  # constant | linear | cosine (over lr_decay_iters)
     clip_grad: float = 1.0
     precision: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | bf16 | fp32
     optimizer: str = "auto"  # auto (megatron DistributedOptimizer on GPU, AdamW on CPU) | adamw
     fused_adam: bool = True  # torch's fused Adam kernel (what TE/apex FusedAdam would be); false: foreach
+    log_interval: int = 100  # one progress line (rank 0) every N steps (0 = none); also RUN_DIR/progress.jsonl
+    exit_interval: Optional[int] = None  # stop (after saving, when checkpoint.save) once step % N == 0
 
 
 @dataclass
 class MeasureConfig:
-    """What each run measures."""
+    """What each run measures, and when: a window of ``steps`` steps from ``start_step`` (1-based)
+    inside the run. Steps before it warm up (the first records the ledger); steps after it train
+    without per-step device synchronization."""
 
+    start_step: int = 4  # first step of the measured window (timing, memory peak, checkpoint counts)
+    steps: int = 5  # window length, cut at train.train_iters (the default 4..8 = all of an 8-step point)
     ledger: bool = True  # saved-for-backward bytes by module kind, one microbatch
     peak_tflops: float = 989.0  # for MFU: H200/H100 dense bf16
     expandable_segments: bool = False  # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
@@ -182,6 +199,19 @@ class EstimateConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    """Checkpoints through megatron-core dist_checkpointing (recipes/run/checkpoint.py,
+    docs/training.md). Off by default (``checkpoint=none``); ``checkpoint=default`` for long runs."""
+
+    save: bool = False  # save every `interval` steps, at the end, and on SIGTERM/SIGUSR1
+    interval: int = 0  # steps between saves (0 = only at the end and on a signal)
+    keep_last: int = 3  # complete checkpoints kept (0 = all)
+    dir: Optional[str] = None  # null = RUN_DIR/checkpoints
+    resume: Optional[str] = None  # null (fresh) | auto (newest complete under dir) | a checkpoint path
+    override_scheduler: bool = False  # on resume, apply this run's train.lr* schedule instead of refusing a change
+
+
+@dataclass
 class RecipeConfig:
     """The root config: one training run (or, with -m, one sweep point)."""
 
@@ -195,6 +225,7 @@ class RecipeConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     measure: MeasureConfig = field(default_factory=MeasureConfig)
     estimate: EstimateConfig = field(default_factory=EstimateConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     size: Any = None  # unused: size files (@package _global_) set model.* and train.* directly
     name: Optional[str] = None  # run name; defaults to the Hydra choices
     output_dir: Optional[str] = None  # defaults to Hydra's run/sweep directory
@@ -242,6 +273,7 @@ def register_configs() -> None:
         "launcher": LauncherConfig,
         "data": DataConfig,
         "logger": LoggerConfig,
+        "checkpoint": CheckpointConfig,
     }
     for group, node in groups.items():
         cs.store(group=group, name=f"{group}_schema", node=node)

@@ -78,7 +78,8 @@ POSITIVE = {
               "qk_pos_emb_head_dim", "v_head_dim", "num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size",
               "moe_shared_expert_intermediate_size", "linear_attention_freq", "linear_conv_kernel_dim",
               "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads", "linear_num_value_heads"),
-    "train": ("train_iters", "warmup_iters", "micro_batch_size", "global_batch_size", "seq_length"),
+    "train": ("train_iters", "micro_batch_size", "global_batch_size", "seq_length"),
+    "measure": ("start_step", "steps"),
     "parallel": ("expert_tensor_parallel_size",),
     "data": ("eval_iters",),
 }
@@ -354,11 +355,15 @@ def _validate_parallel(cfg, num_gpus: int) -> None:
 
 def _validate_run(cfg) -> None:
     t, meas, log, data = cfg["train"], cfg["measure"], cfg["logger"], cfg["data"]
-    _check(t["train_iters"] >= 2, "train.train_iters", "need at least 2 steps (warm-up + timed)",
+    _check(t["train_iters"] >= 2, "train.train_iters", "need at least 2 steps (warm-up + measured)",
            "set train.train_iters>=2")
-    _check(t["warmup_iters"] < t["train_iters"], "train.warmup_iters",
-           f"{t['warmup_iters']} warm-up steps leave no timed steps of {t['train_iters']}",
-           "set train.warmup_iters < train.train_iters")
+    start = meas["start_step"]
+    _check(2 <= start <= t["train_iters"], "measure.start_step",
+           f"the measured window starts at step {start}, outside 2..{t['train_iters']} (step 1 warms up "
+           "and records the ledger)", f"set measure.start_step between 2 and train.train_iters={t['train_iters']}")
+    _check(meas["steps"] >= 1, "measure.steps", f"{meas['steps']} steps measure nothing",
+           "set measure.steps>=1")
+    _validate_schedule(t)
     _check(t["precision"] in ("auto", "bf16", "fp32"), "train.precision",
            f"unknown precision {t['precision']!r}", "use auto, bf16 or fp32")
     _check(t["optimizer"] in ("auto", "adamw"), "train.optimizer",
@@ -379,3 +384,40 @@ def _validate_run(cfg) -> None:
            "bounds the worst expert-parallel rank", "use 1.0 (balanced) or more; the default 1.5 was measured")
     _check(data["name"] in ("mock", "indexed"), "data", f"unknown data {data['name']!r}",
            "use data=mock or data=indexed")
+
+
+#: megatron-core's OptimizerParamScheduler decay styles (optimizer_param_scheduler.py get_lr).
+LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
+
+
+def _validate_schedule(t) -> None:
+    """The LR and weight-decay schedule: what OptimizerParamScheduler would assert, said as a fix."""
+    style, warmup = t["lr_decay_style"], t["lr_warmup_iters"]
+    decay = t["lr_decay_iters"] or t["train_iters"]
+    _check(style in LR_DECAY_STYLES, "train.lr_decay_style", f"unknown decay style {style!r}",
+           f"use one of {', '.join(LR_DECAY_STYLES)}")
+    _check(0 <= warmup < decay, "train.lr_warmup_iters",
+           f"{warmup} warm-up steps do not end before the decay ends (step {decay})",
+           "set train.lr_warmup_iters below train.lr_decay_iters (default: train.train_iters)")
+    _check(0 <= t["min_lr"] <= t["lr"], "train.min_lr", f"min_lr {t['min_lr']} is not in 0..lr={t['lr']}",
+           "set train.min_lr between 0 and train.lr")
+    _check(0 <= t["lr_warmup_init"] <= t["lr"], "train.lr_warmup_init",
+           f"{t['lr_warmup_init']} is not in 0..lr={t['lr']}", "set train.lr_warmup_init between 0 and train.lr")
+    if style == "WSD":
+        wsd = t["lr_wsd_decay_iters"]
+        _check(wsd is not None and 0 < wsd <= decay - warmup, "train.lr_wsd_decay_iters",
+               f"WSD needs its anneal length within the decay ({decay - warmup} steps), got {wsd}",
+               "set train.lr_wsd_decay_iters, e.g. a tenth of train.lr_decay_iters")
+        _check(t["lr_wsd_decay_style"] in ("linear", "cosine", "exponential", "minus_sqrt"),
+               "train.lr_wsd_decay_style", f"unknown style {t['lr_wsd_decay_style']!r}",
+               "use linear, cosine, exponential or minus_sqrt")
+    start = t["weight_decay"] if t["start_weight_decay"] is None else t["start_weight_decay"]
+    end = t["weight_decay"] if t["end_weight_decay"] is None else t["end_weight_decay"]
+    incr = t["weight_decay_incr_style"]
+    _check(incr in ("constant", "linear", "cosine"), "train.weight_decay_incr_style",
+           f"unknown style {incr!r}", "use constant, linear or cosine")
+    _check(0 <= start <= end, "train.end_weight_decay", f"weight decay goes from {start} to {end}",
+           "megatron's schedule only increases weight decay: set 0 <= start_weight_decay <= end_weight_decay")
+    _check(incr != "constant" or start == end, "train.weight_decay_incr_style",
+           f"constant weight decay but start {start} != end {end}",
+           "set train.weight_decay_incr_style=linear or cosine, or equal start/end weight decay")

@@ -191,7 +191,7 @@ def test_tensor_and_sequence_parallel_ranks_match(tmp_path):
     """TP2 with sequence parallel in 2 gloo processes: MLA's gathered and re-sharded latents, the
     sequence-sharded norms and dropout, the vocab-parallel embedding and loss, per rank."""
     cmd = [sys.executable, "train.py", "parallel=tp2", "model=mla", "recompute=selective/mla_up_proj",
-           "model.hidden_dropout=0.1", "train.train_iters=2", "train.warmup_iters=1",
+           "model.hidden_dropout=0.1", "train.train_iters=2", "measure.start_step=2",
            "measure.profile=none", f"output_dir={tmp_path}"]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
@@ -211,7 +211,7 @@ def test_gdn_layer_pattern_across_interleaved_pipeline_ranks(tmp_path):
     byte for byte, parameters included."""
     cmd = [sys.executable, "train.py", "model=gdn", "parallel=pp2_vpp2", "model.num_layers=8",
            "model.linear_attention_freq=3", "recompute=selective/gdn_norm_out", "train.train_iters=2",
-           "train.warmup_iters=1", "measure.profile=none", f"output_dir={tmp_path}"]
+           "measure.start_step=2", "measure.profile=none", f"output_dir={tmp_path}"]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     result = json.loads((tmp_path / "result.json").read_text())

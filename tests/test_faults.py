@@ -25,7 +25,7 @@ from test_sweep import _env, wait_for, worker_pid
 from recipes.files import write_json_atomic
 from recipes.results import load_result
 
-TINY = ["size=tiny", "train.train_iters=2", "train.warmup_iters=1", "measure.profile=none"]
+TINY = ["size=tiny", "train.train_iters=2", "measure.start_step=2", "measure.profile=none"]
 
 
 def train(args: list[str], cwd: Path, timeout: float = 120, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -141,7 +141,7 @@ def test_forty_overrides_make_a_short_directory_and_the_sweep_completes_and_repo
         "model.bias_activation_fusion": "false", "model.q_lora_rank": 32, "model.kv_lora_rank": 32,
         "model.qk_head_dim": 16, "model.qk_pos_emb_head_dim": 8, "model.v_head_dim": 16, "model.moe_router_topk": 2,
         "model.moe_ffn_hidden_size": 64, "model.moe_aux_loss_coeff": 0.0, "train.seed": 1234, "train.train_iters": 2,
-        "train.warmup_iters": 1, "train.micro_batch_size": 2, "train.seq_length": 64, "train.lr": 0.0001,
+        "measure.start_step": 2, "train.micro_batch_size": 2, "train.seq_length": 64, "train.lr": 0.0001,
         "train.weight_decay": 0.01, "train.clip_grad": 1.0, "train.precision": "fp32", "train.optimizer": "auto",
         "train.fused_adam": "true", "measure.ledger": "true", "measure.profile": "none",
     }
@@ -245,7 +245,7 @@ def test_a_point_another_sweep_holds_is_waited_for_then_skipped_and_said(tmp_pat
     from recipes.config import slug
 
     sweep = tmp_path / "sweep"
-    none = sweep / slug("measure.profile=none,recompute=none,size=tiny,train.train_iters=2,train.warmup_iters=1")
+    none = sweep / slug("measure.profile=none,recompute=none,size=tiny,measure.start_step=2,train.train_iters=2")
     none.mkdir(parents=True)
     with open(none / ".lock", "a+") as held:  # another sweep is running this point
         fcntl.flock(held, fcntl.LOCK_EX)

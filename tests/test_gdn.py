@@ -48,7 +48,7 @@ def test_gdn_model_trains_and_the_profile_points_at_gdn_norm_out(megatron_world)
     from recipes.measure.profile import first_label_to_try
 
     cfg = compose("model=gdn", "attention=unfused", "recompute=selective/gdn_norm_out-core_attn",
-                  "train.train_iters=6", "train.warmup_iters=2", "train.lr=3e-3")
+                  "train.train_iters=6", "measure.start_step=3", "train.lr=3e-3")
     result = train_in_process(cfg)
     assert result["status"] == "ok", result.get("error")
     losses = result["loss"]

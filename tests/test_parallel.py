@@ -21,7 +21,7 @@ import pytest
 from conftest import CONF, REPO, compose, train_in_process
 
 #: Short runs: 1 warm-up step (records the ledger) + 2 timed steps; no profiled step.
-QUICK = ("train.train_iters=3", "train.warmup_iters=1", "measure.profile=none")
+QUICK = ("train.train_iters=3", "measure.start_step=2", "measure.profile=none")
 
 
 def refusal(*overrides: str, num_gpus: int = 0, te: bool = False):

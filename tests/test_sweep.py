@@ -23,15 +23,15 @@ from recipes.config import slug
 from recipes.files import write_json_atomic
 from recipes.results import load_result
 
-TINY = ["size=tiny", "train.train_iters=3", "train.warmup_iters=1"]
+TINY = ["size=tiny", "train.train_iters=3", "measure.start_step=2"]
 SWEEP = ["-m", "sweep=standard_attn", "recompute=none,control,full", *TINY]
 #: Same command, same directory: multirun/<sweep file>/<the command line's overrides>.
-SWEEP_DIR = "multirun/standard_attn/" + slug("recompute=none,control,full,size=tiny,train.train_iters=3,train.warmup_iters=1")
+SWEEP_DIR = "multirun/standard_attn/" + slug("measure.start_step=2,recompute=none,control,full,size=tiny,train.train_iters=3")
 
 
 def point(recompute: str) -> str:
     """A point's directory, named as Hydra's sweep subdir names it."""
-    return slug(f"recompute={recompute},size=tiny,train.train_iters=3,train.warmup_iters=1")
+    return slug(f"measure.start_step=2,recompute={recompute},size=tiny,train.train_iters=3")
 
 
 def _env() -> dict:

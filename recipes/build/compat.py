@@ -12,8 +12,10 @@ megatron-core 0.19.2 assumes a GPU in a handful of places (each reproduced with 
 6. The pipeline schedules allocate their token counter with ``device="cuda"`` (schedules.py);
    batched p2p calls ``torch.cuda.synchronize`` (``recipes.build.model`` turns ``batch_p2p_comm`` off on
    a CPU, so gloo's plain isend/irecv are used).
+7. ``dist_checkpointing``'s file writer copies tensors to the host with ``non_blocking=True``, then
+   calls ``torch.cuda.synchronize()`` (strategies/filesystem_async.py ``preload_tensors``).
 
-``install_cpu_compat()`` patches 1, 2 and 6 and is a no-op when CUDA is available, so the same package
+``install_cpu_compat()`` patches 1, 2, 6 and 7 (7: a blocking copy) and is a no-op when CUDA is available, so the same package
 code runs unchanged on a GPU. ``seed_model_parallel_rng`` covers 3. Nothing here changes numerics:
 on a CPU the "CUDA" RNG state megatron saves and restores around checkpoints is the CPU generator's,
 which is the generator CPU dropout actually draws from.
@@ -60,6 +62,14 @@ def install_cpu_compat() -> bool:
     from megatron.core.pipeline_parallel import schedules
 
     schedules.torch = _TorchOnCpu()
+
+    # (7) dist_checkpointing's writer copies tensors to the host with non_blocking=True and then
+    # calls torch.cuda.synchronize() (filesystem_async.py preload_tensors): a blocking copy on a CPU.
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+    preload = FileSystemWriterAsync.preload_tensors
+    FileSystemWriterAsync.preload_tensors = staticmethod(
+        lambda write_buckets, non_blocking=True: preload(write_buckets, non_blocking=False))
     _INSTALLED = True
     return True
 

@@ -16,8 +16,10 @@ drop-in replacement for ``SequentialMLP`` (same constructor, same forward call a
 Parameters are the per-expert ``linear_fc1.weight`` / ``linear_fc2.weight`` of ``SequentialMLP``
 stacked along a leading expert dimension (``weight1``: [E, fc1 out, in], ``weight2``:
 [E, out, ffn]), so ``load_from_sequential`` is a plain copy. Limits: ``add_bias_linear=False``,
-expert tensor parallel size 1, no FP8/FP4 (those need Transformer Engine), no ``sharded_state_dict``
-mapping (plain state dicts work; megatron's distributed checkpoints of experts do not).
+expert tensor parallel size 1, no FP8/FP4 (those need Transformer Engine). ``sharded_state_dict``
+maps the stacked weights onto global tensors [all experts, out, in] under ``SequentialMLP``'s
+keys (``experts.linear_fc1.weight``), sharded over expert-parallel ranks, for megatron's
+``dist_checkpointing``.
 """
 
 from __future__ import annotations
@@ -215,6 +217,23 @@ class GroupedExperts(MegatronModule):
             # FC2 has saved act_output; free it now, recompute it when FC2's grad arrives.
             checkpoint.discard_output_and_register_recompute(output)
         return output, None
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
+        """``weight1``/``weight2`` as global [num experts, out, in] tensors, this rank's experts at
+        offset ``ep rank x local experts``, under the layer's prepended axes (``sharded_offsets``).
+        Replicas are the expert-data-parallel ranks; expert TP is 1 (checked in ``__init__``)."""
+        from megatron.core import parallel_state as ps
+        from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+        prepend = len(sharded_offsets)
+        expert_axis = (prepend, self.ep_group.rank(), self.ep_group.size())
+        replica = (0, 0, ps.get_expert_data_parallel_rank())
+        out = {}
+        for name, sharded_name in (("weight1", "linear_fc1.weight"), ("weight2", "linear_fc2.weight")):
+            out[f"{prefix}{name}"] = ShardedTensor.from_rank_offsets(
+                f"{prefix}{sharded_name}", getattr(self, name), *sharded_offsets, expert_axis,
+                replica_id=replica, prepend_axis_num=prepend)
+        return out
 
     def backward_dw(self) -> None:
         """Weight gradients are not deferred here (MoELayer calls this with delayed wgrad)."""

@@ -125,8 +125,32 @@ def release_allgather_dispatcher_probs() -> bool:
     return True
 
 
+def allow_checkpoint_save_without_psutil() -> bool:
+    """``dist_checkpointing``'s file writer logs its process's memory around every write through
+    ``_process_memory()`` (strategies/filesystem_async.py), which raises "psutil is not installed"
+    without psutil, a package megatron-core 0.19.2 does not declare. Without psutil, the resident
+    set size comes from ``/proc/self/statm`` (it is only logged). Returns True when applied."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async.HAVE_PSUTIL or "psutil" in _FIXED:
+        return False
+    import os
+
+    def _process_memory() -> int:
+        try:
+            with open("/proc/self/statm") as f:
+                return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        except (OSError, ValueError, IndexError):
+            return 0
+
+    filesystem_async._process_memory = _process_memory
+    _FIXED.add("psutil")
+    return True
+
+
 def apply_all() -> None:
     """Apply every workaround that applies to this environment (idempotent)."""
+    allow_checkpoint_save_without_psutil()
     fix_checkpoint_without_output_fp8_default()
     allow_sequence_parallel_torch_norm()
     release_allgather_dispatcher_probs()

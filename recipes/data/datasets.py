@@ -34,22 +34,49 @@ def build_datasets(cfg: Any, num_samples: list[int]):
     raise ValueError(f"data.name={name!r} is not known; use data=mock or data=indexed")
 
 
-def batches(dataset, micro_batch_size: int, device: torch.device, seed: int = 0) -> Iterator[dict]:
+class MicroBatches:
     """An endless iterator of micro-batches drawn in order from a megatron GPT dataset.
 
     Each data-parallel rank takes its own slice of every global step's samples (as megatron's
-    ``MegatronPretrainingSampler`` does), so DP ranks never train on the same text.
+    ``MegatronPretrainingSampler`` does), so DP ranks never train on the same text. The position is
+    ``consumed_samples`` (over all DP ranks), what a checkpoint stores and ``seek`` restores.
     """
-    from megatron.core import parallel_state as ps
 
-    dp_rank, dp_size = 0, 1
-    if ps.model_parallel_is_initialized():
-        dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
-    index = dp_rank * micro_batch_size
-    while True:
-        samples = [dataset[(index + i) % len(dataset)] for i in range(micro_batch_size)]
-        index += micro_batch_size * dp_size
+    def __init__(self, dataset, micro_batch_size: int, device: torch.device):
+        from megatron.core import parallel_state as ps
+
+        self.dataset, self.micro_batch_size, self.device = dataset, micro_batch_size, device
+        self.dp_rank, self.dp_size = 0, 1
+        if ps.model_parallel_is_initialized():
+            self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+        self.drawn = 0  # micro-batches this rank has drawn
+
+    @property
+    def consumed_samples(self) -> int:
+        return self.drawn * self.micro_batch_size * self.dp_size
+
+    def seek(self, consumed_samples: int) -> None:
+        """Continue after ``consumed_samples`` samples (all DP ranks together)."""
+        per_draw = self.micro_batch_size * self.dp_size
+        if consumed_samples % per_draw:
+            raise ValueError(f"{consumed_samples} consumed samples are not a whole number of "
+                             f"micro-batches of {self.micro_batch_size} on {self.dp_size} data-parallel ranks")
+        self.drawn = consumed_samples // per_draw
+
+    def __iter__(self) -> Iterator[dict]:
+        return self
+
+    def __next__(self) -> dict:
+        mbs = self.micro_batch_size
+        index = self.dp_rank * mbs + self.drawn * mbs * self.dp_size
+        samples = [self.dataset[(index + i) % len(self.dataset)] for i in range(mbs)]
+        self.drawn += 1
         batch = {}
         for key in ("tokens", "labels", "loss_mask", "position_ids"):
-            batch[key] = torch.stack([torch.as_tensor(s[key]) for s in samples]).to(device)
-        yield batch
+            batch[key] = torch.stack([torch.as_tensor(s[key]) for s in samples]).to(self.device)
+        return batch
+
+
+def batches(dataset, micro_batch_size: int, device: torch.device) -> MicroBatches:
+    """The micro-batches of ``dataset`` for this rank, from the start (``MicroBatches``)."""
+    return MicroBatches(dataset, micro_batch_size, device)

@@ -44,7 +44,11 @@ def print_run(result: dict) -> None:
             print(f"  train/loss {train[0]:.3f} -> {train[-1]:.3f} | val/loss "
                   + ", ".join(f"{e['loss']:.3f} (step {e['step']})" for e in evals))
             break
-    if status != "ok":
+    if status in ("stopped", "preempted"):
+        rank = (result.get("ranks") or [{}])[0]
+        print(f"  {status} at step {rank.get('stopped_at')}: {(rank.get('checkpoint') or {}).get('path', 'no checkpoint')}"
+              " (the same command resumes with checkpoint.resume=auto)")
+    elif status != "ok":
         print(f"  error: {result.get('error')}")
     warnings = list(result.get("warnings", []))
     for r in result.get("ranks") or []:  # label findings are per rank (a label may run on some only)
@@ -60,8 +64,8 @@ def print_run(result: dict) -> None:
 _PHASES = [("main_start", "start+imports"), ("megatron_imported", "megatron imports"),
            ("device_ready", "device init"), ("process_group_ready", "process group"),
            ("distributed_ready", "parallel state"), ("built", "build"),
-           ("warmed_up", "warm-up"), ("steady_done", "timed steps"), ("profile_done", "profile"),
-           ("ledgers_done", "control ledgers"), ("end", "findings+exit")]
+           ("warmed_up", "first step"), ("steady_done", "to the window end"), ("profile_done", "profile"),
+           ("ledgers_done", "control ledgers"), ("trained", "training"), ("end", "findings+exit")]
 
 
 def time_breakdown(result: dict) -> dict[str, float]:

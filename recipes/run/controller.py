@@ -10,6 +10,7 @@ import fcntl
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -155,6 +156,51 @@ def worker_environment(cfg: dict) -> dict[str, str]:
 
 
 
+#: Signals forwarded to the workers, with the handler they replaced (submitit's requeue under Slurm),
+#: which ``run`` calls once the run is recorded.
+RECEIVED: list = []
+#: Worker output lines the controller echoes to its console (the rest only goes to worker.log).
+ECHOED = ("[progress]", "[checkpoint]", "[signal]", "[eval]")
+
+
+def run_workers(command: list[str], env: dict[str, str], log) -> subprocess.CompletedProcess:
+    """Start the workers, copy their output into ``log``, echo the live progress lines, and forward
+    SIGTERM/SIGUSR1 (a preemption, Slurm's time-limit warning) to them: they save a checkpoint at the
+    next step boundary and exit, and this controller records the run as ``preempted``."""
+    import signal
+
+    # its own process group, killed with the controller (launch.process): no orphaned workers
+    proc = start_group(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
+                       text=True, bufsize=1)
+    forwarded = (signal.SIGTERM, signal.SIGUSR1)
+
+    def forward(signum, _frame):
+        proc.send_signal(signum)
+        RECEIVED.append((signum, previous[signal.Signals(signum)]))
+
+    def pump() -> None:
+        for line in proc.stdout:
+            log.write(line)
+            log.flush()
+            if line.startswith(ECHOED):
+                print(line, end="", flush=True)
+
+    previous = {sig: signal.signal(sig, forward) for sig in forwarded}
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    try:
+        proc.wait()
+        reader.join(timeout=10)  # a process the workers left behind may hold the pipe open
+    except BaseException:  # Ctrl-C, an error here: the workers go too
+        end_group(proc)
+        raise
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    end_group(proc, grace_s=0)  # anything the workers left behind in their group
+    return subprocess.CompletedProcess(command, proc.returncode)
+
+
 def in_multirun() -> bool:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
@@ -292,16 +338,8 @@ def _launch(cfg: DictConfig, plain: dict, name: str, choices: dict, run_dir: Pat
     start = time.time()  # the workers' timelines are relative to this launch time
     log_path = run_dir / ("worker.log" if node == 0 else f"worker.node{node}.log")
     command = worker_command(plain, run_dir)
-    with open(log_path, "w") as log:
-        # its own process group, killed with the controller (launch.process): no orphaned workers
-        proc = start_group(command, env=worker_environment(plain), stdout=log, stderr=subprocess.STDOUT,
-                           cwd=REPO_ROOT)
-        try:
-            returncode = proc.wait()
-        except BaseException:  # Ctrl-C, an error here: the workers go too
-            end_group(proc)
-            raise
-        end_group(proc, grace_s=0)  # anything the workers left behind in their group
+    with open(log_path, "a" if plain["checkpoint"]["resume"] else "w") as log:
+        returncode = run_workers(command, worker_environment(plain), log).returncode
     if node:
         print(f"[node {node}] {name}: workers exited with code {returncode}; node 0 records {run_dir}")
         return {"status": "node", "node_rank": node, "name": name, "run_dir": str(run_dir)}
@@ -329,4 +367,8 @@ def _launch(cfg: DictConfig, plain: dict, name: str, choices: dict, run_dir: Pat
     write_json_atomic(run_dir / "result.json", result)
     print_run(result)
     log_run(plain, result)  # warns, never raises
+    while RECEIVED:  # under Slurm's submitit launcher: its own handler requeues the job now
+        signum, handler = RECEIVED.pop(0)
+        if callable(handler):
+            handler(signum, None)
     return result

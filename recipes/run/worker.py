@@ -1,11 +1,13 @@
 """The training worker: one process per rank, started by the controller through torchrun.
 
 It reads the frozen, resolved config the controller wrote (``RUN_DIR/config.yaml``) and never runs
-Hydra. Order of work: distributed init -> model -> optimizer -> warm-up steps (the first one also
-records the activation ledger) -> timed steady-state steps -> the profiled step (``profile=peak``)
--> the in-run control ledger (labels switched off; see ``control_ledgers``) -> this rank's
-measurements, written atomically to ``RUN_DIR/ranks/rank<N>.json``. An OOM or crash writes a rank file with status
-``oom``/``failed`` and the error, so the controller can always record the point.
+Hydra. Order of work: distributed init -> model -> optimizer -> ``train.train_iters`` steps: the
+first records the activation ledger; the window ``measure.start_step`` .. ``+ measure.steps - 1``
+is timed step by step (the only per-step device synchronization), and at its end come the profiled
+step (``profile=peak``) and the in-run control ledger (labels switched off; see
+``control_ledgers``); the rest trains -> this rank's measurements, written atomically to
+``RUN_DIR/ranks/rank<N>.json``. An OOM or crash writes a rank file with status ``oom``/``failed``
+and the error, so the controller can always record the point.
 
     python -m torch.distributed.run --standalone --nproc_per_node 1 -m recipes.run.worker RUN_DIR
 """
@@ -17,7 +19,9 @@ if __name__ == "__main__":  # first, before torch's imports (seconds): die with 
 
     die_with_parent()
 
+import json
 import os
+import signal
 import socket
 import statistics
 import sys
@@ -32,6 +36,7 @@ from recipes.build import compat, upstream
 from recipes.build.model import build_model, build_transformer_config, num_parameters
 from recipes.build.parallel import pipeline_report, reduce_gradients_cpu
 from recipes.data.datasets import batches, build_datasets
+from recipes.errors import ConfigError
 from recipes.files import GIB, write_json_atomic
 from recipes.measure.flops import step_flops
 from recipes.measure.labels import LabelError, check_resolved, label_findings, labels_disabled, resolve_labels
@@ -39,6 +44,13 @@ from recipes.measure.ledger import ActivationLedger, CheckpointCounter
 from recipes.measure.profile import profile_step
 from recipes.measure.routing import RoutingRecorder
 from recipes.recompute import labels_of
+from recipes.run.checkpoint import checkpoint_root, find_resume, load_checkpoint, save_checkpoint
+from recipes.run.schedule import build_scheduler, current_lr
+
+#: What the measured window put into a rank's result: a checkpoint taken after the window carries
+#: it, so a run resumed past the window still writes the same result.json.
+MEASURED_KEYS = ("window", "setup_s", "ledger", "pipeline", "checkpoints", "timing", "memory", "profile",
+                 "_ledger_warnings")
 
 
 def init_distributed(cfg: dict, marks: dict | None = None) -> None:
@@ -89,6 +101,46 @@ def rank_coordinates() -> dict:
     }
 
 
+class StopSignal:
+    """SIGTERM and SIGUSR1 (Slurm's warning before the time limit, a preemption) set a flag; the
+    training loop saves a checkpoint at the next step boundary and stops (status ``preempted``).
+
+    With several ranks the flag is agreed over a gloo group (a CPU all-reduce: no device sync), so
+    every rank stops at the same step even when only some received the signal."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+    def __init__(self):
+        self.received: str | None = None
+        self._group = None
+
+    def install(self) -> StopSignal:
+        for sig in self.SIGNALS:
+            signal.signal(sig, self._handle)
+        return self
+
+    def connect(self) -> None:
+        """After the process group exists (every rank calls it): the group the flag is agreed on."""
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            self._group = torch.distributed.new_group(backend="gloo")
+
+    def _handle(self, signum, frame) -> None:  # noqa: ARG002
+        self.received = signal.Signals(signum).name
+
+    def requested(self) -> str | None:
+        """The signal's name once any rank has received one, else None (call it on every rank)."""
+        if self._group is None:
+            return self.received
+        flag = torch.tensor([0 if self.received is None else self.SIGNALS.index(
+            signal.Signals[self.received]) + 1])
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=self._group)
+        return self.SIGNALS[int(flag) - 1].name if int(flag) else None
+
+
+#: One per worker process; ``main`` installs it before the model is built.
+STOP = StopSignal()
+
+
 class Trainer:
     """Model chunks, optimizer and one ``step()``: megatron's schedule, grads, optimizer."""
 
@@ -106,6 +158,7 @@ class Trainer:
         gbs = train["global_batch_size"] or train["micro_batch_size"] * self.dp_size
         self.num_microbatches = gbs // (train["micro_batch_size"] * self.dp_size)
         self.optimizer_kind = self._build_optimizer()
+        self.scheduler = build_scheduler(self.optimizer, train)
         samples = train["train_iters"] * gbs
         eval_interval = cfg["data"]["eval_interval"]
         eval_samples = 0
@@ -125,6 +178,8 @@ class Trainer:
         self.chunk_ledgers = [ActivationLedger() for _ in self.chunks]
         self._ledger_pending: set[int] = set()  # chunks whose first forward is still to record
         self.grad_norms: list[float | None] = []  # per optimizer step, before clipping
+        self.step_count = 0  # training steps done (a resumed run starts at its checkpoint's)
+        self._last_update_ok = True
         self._grad_norm: float | None = None
 
     def _build_optimizer(self) -> str:
@@ -143,6 +198,7 @@ class Trainer:
             opt_config = OptimizerConfig(
                 optimizer="adam",
                 lr=train["lr"],
+                min_lr=train["min_lr"],
                 weight_decay=train["weight_decay"],
                 bf16=self.config.bf16,
                 params_dtype=self.config.params_dtype,
@@ -186,7 +242,18 @@ class Trainer:
         """
         loss = self.compute_gradients(record_ledger, sync_loss=False)
         stepped = self.optimizer.step()  # megatron's returns (ok, grad norm, zeros); AdamW None
+        self._last_update_ok = stepped[0] if isinstance(stepped, tuple) else True
         self.grad_norms.append(stepped[1] if isinstance(stepped, tuple) else self._grad_norm)
+        return loss
+
+    def train_step(self, record_ledger: bool = False) -> torch.Tensor | None:
+        """One training step: ``step()``, then the schedule advances (after a successful update, as
+        Megatron-LM does) and so does the step count. Extra measurement steps (the profiled step)
+        call ``step()`` alone and leave both where they are."""
+        loss = self.step(record_ledger)
+        if self._last_update_ok:
+            self.scheduler.step(increment=1)
+        self.step_count += 1
         return loss
 
     def ledger_pass(self, disabled_labels: list[str] = ()) -> dict[str, int]:
@@ -279,6 +346,12 @@ def use_fused_adam(optimizer) -> int:
     return count
 
 
+def say(line: str) -> None:
+    """One line on rank 0's console (the controller shows the worker's output), flushed now."""
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        print(line, flush=True)
+
+
 def _sync() -> None:
     if compat.cuda_available():
         torch.cuda.synchronize()
@@ -296,8 +369,89 @@ def memory_now() -> dict:
     }
 
 
+def measure_window(cfg: dict, first_step: int) -> tuple[int, int] | None:
+    """The measured steps ``(start, end)`` (1-based, inclusive) of a process whose first step is
+    ``first_step``, or None when the run ends before it. ``measure.start_step`` and ``measure.steps``
+    place it; a resumed process past that window measures nothing (its checkpoint carries the
+    measurements), and one resumed inside it measures the same number of steps after its own first."""
+    train_iters, meas = cfg["train"]["train_iters"], cfg["measure"]
+    start, end = meas["start_step"], meas["start_step"] + meas["steps"] - 1
+    if first_step > 1 and first_step > end:
+        return None
+    if first_step == 1:  # a run shorter than the window measures its last step (validate refuses it)
+        start = max(2, min(start, train_iters))
+    if first_step >= start:  # the first step of any process warms up (allocator, kernels, ledger)
+        start, end = first_step + 1, first_step + meas["steps"]
+    end = min(end, train_iters)
+    return (start, end) if start <= end else None
+
+
+class Window:
+    """The measured window's state: step times, the static memory before it, the losses so far."""
+
+    def __init__(self, span: tuple[int, int] | None):
+        self.span = span
+        self.times: list[float] = []
+        self.static: dict = {}
+
+    def __contains__(self, step: int) -> bool:
+        return self.span is not None and self.span[0] <= step <= self.span[1]
+
+
+class Progress:
+    """One console line every ``train.log_interval`` steps (rank 0), and the same as a JSON line in
+    ``RUN_DIR/progress.jsonl`` (appended across resumes: the training record).
+
+    Step time is the wall time since the previous line over the steps in between: reading the loss
+    here is the only synchronization, once per interval."""
+
+    def __init__(self, cfg: dict, trainer: Trainer, first: int, run_dir: Path | None):
+        train = cfg["train"]
+        self.interval, self.total = train["log_interval"], train["train_iters"]
+        self.rank0 = torch.distributed.get_rank() == 0
+        self.tokens = train["micro_batch_size"] * trainer.num_microbatches * trainer.dp_size * train["seq_length"]
+        flops = step_flops({**cfg, "_data_parallel_size": trainer.dp_size}, trainer.num_microbatches)
+        self.flops_per_gpu = flops["model"] / torch.distributed.get_world_size()
+        self.peak = cfg["measure"]["peak_tflops"] * 1e12
+        self.path = Path(run_dir) / "progress.jsonl" if run_dir is not None and self.rank0 else None
+        self.last_step, self.last_time = first - 1, time.perf_counter()
+
+    def log(self, step: int, loss, lr: float | None, grad_norm, last_eval: dict | None) -> None:
+        loss = None if loss is None else float(loss)  # synchronizes: once per interval
+        now = time.perf_counter()
+        step_s = (now - self.last_time) / max(1, step - self.last_step)
+        self.last_step, self.last_time = step, now
+        row = {"step": step, "total": self.total, "loss": loss, "lr": lr,
+               "grad_norm": None if grad_norm is None else float(grad_norm), "step_time_s": step_s,
+               "tokens_per_s": self.tokens / step_s, "eta_s": step_s * (self.total - step), "time": time.time()}
+        if compat.cuda_available():
+            row["mfu"] = self.flops_per_gpu / step_s / self.peak
+            row["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / GIB
+        if last_eval and last_eval["step"] == step:
+            row["val_loss"] = last_eval["loss"]
+        if not self.rank0:
+            return
+        parts = [f"step {step}/{self.total}", f"loss {loss:.4f}" if loss is not None else "loss -",
+                 f"lr {lr:.3e}" if lr is not None else "", f"grad norm {row['grad_norm']:.3f}" if grad_norm is not None else "",
+                 f"{step_s * 1000:.1f} ms/step", f"{row['tokens_per_s']:.0f} tok/s"]
+        if "mfu" in row:
+            parts += [f"MFU {row['mfu']:.1%}", f"peak {row['peak_allocated_gib']:.2f} GiB"]
+        if "val_loss" in row and row["val_loss"] is not None:
+            parts.append(f"val loss {row['val_loss']:.4f}")
+        parts.append(f"ETA {_clock(row['eta_s'])}")
+        say("[progress] " + " | ".join(p for p in parts if p))
+        if self.path is not None:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(row) + "\n")
+
+
+def _clock(seconds: float) -> str:
+    minutes, secs = divmod(int(max(0.0, seconds)), 60)
+    return f"{minutes // 60}:{minutes % 60:02d}:{secs:02d}"
+
+
 def train_and_measure(cfg: dict, result: dict, run_dir: Path | None = None) -> Trainer:
-    """Warm up, record the ledger, time steady-state steps; fill ``result`` as it goes."""
+    """Train ``train.train_iters`` steps; measure inside the window (``measure.*``); fill ``result``."""
     train = cfg["train"]
     if compat.cuda_available() and cfg["measure"]["memory_fraction"]:
         torch.cuda.set_per_process_memory_fraction(cfg["measure"]["memory_fraction"])
@@ -313,21 +467,98 @@ def train_and_measure(cfg: dict, result: dict, run_dir: Path | None = None) -> T
     labels = labels_of(cfg)
     result["labels"] = resolve_labels(trainer.chunks, labels)
     check_resolved(result["labels"])  # a label that wraps nothing is refused before training
-    result["phase"] = "warmup"
-    warmup = max(1, min(train["warmup_iters"], train["train_iters"] - 1))
-    losses: list[float | None] = []
+    resume, notes = find_resume(cfg, run_dir)
+    if resume is not None:
+        restored = load_checkpoint(trainer, cfg, resume)
+        notes += restored["notes"]
+        result["resumed_from"] = {"path": str(resume), "step": restored["step"]}
+        result.update(restored["measured"])
+    for note in notes:
+        say(f"[checkpoint] {note}")
+    result["checkpoint_notes"] = notes
+    first = trainer.step_count + 1
+    window = Window(measure_window(cfg, first))
+    result["first_step"] = first
+    if window.span or "window" not in result:
+        result["window"] = list(window.span) if window.span else None
+    ck = cfg["checkpoint"]
+    root = checkpoint_root(cfg, run_dir) if ck["save"] else None
+    progress = Progress(cfg, trainer, first, run_dir) if train["log_interval"] else None
+    exit_interval = train["exit_interval"]
+    result["phase"] = "before_window"
+    losses: list = []  # device tensors (or None off the last stage) until the end: no host sync
+    grad_norms: list = []
+    lrs: list[float | None] = []  # the learning rate each step ran at
     evals: list[dict] = []
     eval_interval = cfg["data"]["eval_interval"]
-
-    def maybe_evaluate(step: int) -> None:
+    for step in range(first, train["train_iters"] + 1):
+        if step in window and step == window.span[0]:
+            _sync()
+            window.static = memory_now()
+            if compat.cuda_available():
+                torch.cuda.reset_peak_memory_stats()
+            trainer.counter.reset()
+            result["phase"] = "window"
+        timed = step in window
+        if timed:
+            _sync()
+            started = time.perf_counter()
+        lrs.append(current_lr(trainer.optimizer))
+        record = step == first and window.span is not None and cfg["measure"]["ledger"]
+        losses.append(trainer.train_step(record_ledger=record))
+        grad_norms.append(trainer.grad_norms[-1])
+        if timed:
+            _sync()
+            window.times.append(time.perf_counter() - started)
+        if step == first and window.span is not None:
+            _after_first_step(trainer, cfg, result, t0)
+        if window.span and step == window.span[1]:
+            _measure(trainer, cfg, result, window, labels, run_dir)
+            # the recorder counts this process's steps from 0 (its first step records the ledger)
+            record_routing(routing, result, 0 if cfg["measure"]["ledger"] else None,
+                           range(window.span[0] - first, window.span[1] - first + 1))
+            result["phase"] = "after_window"
         if eval_interval and trainer.valid_data is not None and step % eval_interval == 0:
             evals.append({"step": step, "loss": trainer.evaluate()})
+        if progress is not None and (step % progress.interval == 0 or step == train["train_iters"]):
+            progress.log(step, losses[-1], lrs[-1], grad_norms[-1], evals[-1] if evals else None)
+        stop = None
+        if step < train["train_iters"]:
+            received = STOP.requested()
+            if received:
+                stop = "preempted"
+                result["signal"] = received
+                say(f"[signal] {received} at step {step}: " + (
+                    "saving a checkpoint, then stopping" if root is not None else "stopping (checkpoint.save=false)"))
+            elif exit_interval and step % exit_interval == 0:
+                stop = "stopped"
+        if root is not None and (stop or step == train["train_iters"] or (ck["interval"] and step % ck["interval"] == 0)):
+            measured = {k: result[k] for k in MEASURED_KEYS if k in result} if "timing" in result else {}
+            path = save_checkpoint(trainer, cfg, root, measured)
+            result["checkpoint"] = {"path": str(path), "step": step}
+            say(f"[checkpoint] saved step {step} to {path}")
+        if stop:
+            result["stopped_at"], result["stop_reason"] = step, stop
+            break
+    marks["trained"] = time.time()
+    result["loss"] = [None if l is None else float(l) for l in losses]
+    result["grad_norm"] = [None if g is None else float(g) for g in grad_norms]  # before clipping
+    result["lr"] = lrs
+    if evals:
+        result["eval_loss"] = evals
+    result["warnings"] = label_findings(result, labels) + result.pop("_ledger_warnings", [])
+    if "timing" not in result:
+        result["warnings"].append("nothing measured: this process started after the measured window and "
+                                  "its checkpoint carried no measurements")
+    result["status"] = result.get("stop_reason", "ok")
+    trainer.close()
+    return trainer
 
-    for i in range(warmup):
-        losses.append(trainer.step(record_ledger=(i == 0 and cfg["measure"]["ledger"])))
-        maybe_evaluate(i + 1)
+
+def _after_first_step(trainer: Trainer, cfg: dict, result: dict, t0: float) -> None:
+    """The ledger of the first step (one micro-batch through every chunk) and the pipeline report."""
     _sync()
-    marks["warmed_up"] = time.time()
+    result["timeline"]["warmed_up"] = time.time()
     result["setup_s"] = time.perf_counter() - t0
     result["ledger"] = {
         "bytes_by_kind": trainer.ledger.bytes_by_kind,
@@ -336,30 +567,19 @@ def train_and_measure(cfg: dict, result: dict, run_dir: Path | None = None) -> T
     chunk_bytes = [l.total_bytes for l in trainer.chunk_ledgers] if cfg["measure"]["ledger"] else []
     result["pipeline"] = pipeline_report(trainer.chunks, trainer.num_microbatches, trainer.config,
                                          chunk_bytes)
-    static = memory_now()
-    if compat.cuda_available():
-        torch.cuda.reset_peak_memory_stats()
-    trainer.counter.reset()
-    result["phase"] = "steady"
-    times = []
-    for _ in range(train["train_iters"] - warmup):
-        _sync()
-        start = time.perf_counter()
-        losses.append(trainer.step())
-        _sync()
-        times.append(time.perf_counter() - start)
-        maybe_evaluate(len(losses))
+
+
+def _measure(trainer: Trainer, cfg: dict, result: dict, window: Window, labels: list[str],
+             run_dir: Path | None) -> None:
+    """At the window's last step: timing, memory, checkpoint counts; then the profiled step and the
+    in-run control ledgers (off the step count: see docs/training.md)."""
+    train, marks, times = cfg["train"], result["timeline"], window.times
     steps = len(times)
-    record_routing(routing, result, cfg["measure"]["ledger"], range(warmup, warmup + steps))
     result["checkpoints"] = {
         label: {k: v // max(steps, 1) for k, v in counts.items()}
         for label, counts in trainer.counter.as_dict().items()
     }
     marks["steady_done"] = time.time()
-    result["loss"] = [None if l is None else float(l) for l in losses]
-    result["grad_norm"] = list(trainer.grad_norms)  # before clipping, one per step
-    if evals:
-        result["eval_loss"] = evals
     median = statistics.median(times)
     world = torch.distributed.get_world_size()
     flops = step_flops({**cfg, "_data_parallel_size": trainer.dp_size}, trainer.num_microbatches)
@@ -377,7 +597,7 @@ def train_and_measure(cfg: dict, result: dict, run_dir: Path | None = None) -> T
         "recompute_flops_fraction": flops["hardware"] / flops["model"] - 1.0,
     }
     if compat.cuda_available():
-        mem = memory_now()
+        mem, static = memory_now(), window.static
         result["memory"] = {
             "peak_allocated_gib": mem["peak_allocated_gib"],
             "peak_reserved_gib": mem["peak_reserved_gib"],
@@ -389,20 +609,17 @@ def train_and_measure(cfg: dict, result: dict, run_dir: Path | None = None) -> T
     if cfg["measure"]["profile"] != "none":
         result["profile"] = profile_step(trainer, cfg, run_dir, step_time_s=median)
     marks["profile_done"] = time.time()
-    ledger_warnings = (control_ledgers(trainer, labels, result, run_dir)
-                       if labels and cfg["measure"]["ledger"] else [])
+    if labels and cfg["measure"]["ledger"]:
+        result["_ledger_warnings"] = control_ledgers(trainer, labels, result, run_dir)
     marks["ledgers_done"] = time.time()
-    result["warnings"] = label_findings(result, labels) + ledger_warnings
-    result["status"] = "ok"
-    trainer.close()
-    return trainer
 
 
-def record_routing(routing: RoutingRecorder, result: dict, ledger: bool, timed: range) -> None:
+def record_routing(routing: RoutingRecorder, result: dict, ledger_step: int | None, timed: range) -> None:
     """MoE: the rows routed to this rank's experts (``recipes.measure.routing``) at the ledger's
-    micro-batch (warm-up step 0) and per timed step, into ``result["moe_routing"]``; then unhooked."""
+    micro-batch (the run's first step) and per measured step (0-based), into ``result["moe_routing"]``;
+    then unhooked."""
     if routing:
-        result["moe_routing"] = routing.summary(0 if ledger else None, timed)
+        result["moe_routing"] = routing.summary(ledger_step, timed)
     routing.close()
 
 
@@ -507,13 +724,15 @@ def main(run_dir: str) -> int:
     result["timeline"] = {"main_start": time.time()}
     exit_code = 0
     try:
+        STOP.install()  # before the slow part: a signal during start-up stops after the first step
         init_distributed(cfg, result["timeline"])
+        STOP.connect()
         result["timeline"]["distributed_ready"] = time.time()
         result["coords"] = rank_coordinates()
         train_and_measure(cfg, result, run)
         if result.pop("control_abandoned", False):
             exit_code = CONTROL_ABANDONED  # ok, written below; the other ranks may wait in that pass
-    except LabelError as err:
+    except (LabelError, ConfigError) as err:  # a label that wraps nothing; a checkpoint of another model
         result.update(status="refused", error=str(err))
         exit_code = 2
     except Exception as err:  # recorded, never lost: the sweep goes on
@@ -539,6 +758,10 @@ def main(run_dir: str) -> int:
 
 if __name__ == "__main__":
     code = main(sys.argv[1])
+    import multiprocessing
+
+    for child in multiprocessing.active_children():  # dist_checkpointing's result-queue manager
+        child.terminate()
     # The results are written (atomically) and the process group destroyed: skip the interpreter's
     # teardown of torch/megatron (about a second per sweep point, and sweeps run many points).
     sys.stdout.flush()

@@ -1,0 +1,384 @@
+"""Checkpoints through megatron-core's ``dist_checkpointing``: save, find the latest, resume.
+
+One checkpoint is one directory ``<checkpoint.dir>/step_<00000010>/`` in megatron's ``torch_dist``
+format (``dist_checkpointing.save``), holding:
+
+- ``model`` (``model0``, ``model1``... under virtual pipeline stages): every chunk's
+  ``GPTModel.sharded_state_dict()``, global tensors that any parallel layout can load
+  (``recipes.build.experts.GroupedExperts`` and megatron's GatedDeltaNet define their mapping);
+- ``optimizer``: megatron's DistributedOptimizer ``sharded_state_dict`` on a GPU; on a CPU, torch
+  AdamW's moments mapped onto the model's sharded parameters the way megatron's ``FP32Optimizer``
+  does (``optim_state_to_sharding_state``), so they reshard like the weights;
+- ``scheduler`` (``OptimizerParamScheduler.state_dict``), ``step``, ``consumed_samples`` (train
+  and validation: the data-iterator position);
+- ``rank_state``: per rank (a ``ShardedObject`` over the world), the torch, CUDA and megatron
+  tracker RNG states and the measurements of the window, when it is already behind;
+- megatron ``content_metadata``, and ``meta.json`` (plain JSON, written last, for tools and for the
+  controller's check before launch): the step, the world size and layout, and the model config.
+
+Atomicity: all ranks write into ``tmp.step_<n>``; rank 0 then writes ``meta.json``, renames the
+directory to ``step_<n>`` and only then rewrites ``latest`` (the name of the newest complete
+checkpoint). A crash mid-save leaves a ``tmp.*`` directory that is never loaded (a warning names
+it). Load it with megatron's own API: ``docs/training.md``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from recipes.errors import ConfigError
+from recipes.files import write_json_atomic
+
+LATEST = "latest"
+META = "meta.json"
+FORMAT = "recompute-recipes/1"
+#: Config sections a checkpoint's model must match to load (the run's shape and family).
+MODEL_KEYS = ("model",)
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be saved or loaded; training stops with this message."""
+
+
+def step_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def checkpoint_root(cfg: dict, run_dir: Path | None) -> Path:
+    """Where this run's checkpoints live: ``checkpoint.dir``, else ``RUN_DIR/checkpoints``."""
+    ck = cfg["checkpoint"]
+    if ck["dir"]:
+        return Path(os.path.expanduser(ck["dir"]))
+    if run_dir is None:
+        raise ConfigError("checkpoint.dir", "checkpoints are on but the run has no directory",
+                          "set checkpoint.dir=<path> or output_dir=<path>")
+    return Path(run_dir) / "checkpoints"
+
+
+# --- finding one -----------------------------------------------------------------------------------
+
+
+def read_meta(path: Path) -> dict | None:
+    try:
+        return json.loads((Path(path) / META).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def complete_checkpoints(root: Path) -> tuple[list[Path], list[Path]]:
+    """(complete checkpoints by step, partial ones): complete = renamed and with ``meta.json``."""
+    if not root.is_dir():
+        return [], []
+    complete, partial = [], []
+    for d in sorted(root.iterdir()):
+        if not d.is_dir():
+            continue
+        if d.name.startswith("tmp.") or (d.name.startswith("step_") and read_meta(d) is None):
+            partial.append(d)
+        elif d.name.startswith("step_"):
+            complete.append(d)
+    complete.sort(key=lambda d: read_meta(d)["step"])
+    return complete, partial
+
+
+def find_resume(cfg: dict, run_dir: Path | None) -> tuple[Path | None, list[str]]:
+    """The checkpoint to resume from (or None) and what to tell the user about the choice.
+
+    ``checkpoint.resume``: null (start fresh), ``auto`` (the newest complete checkpoint under
+    ``checkpoint_root``; none: start fresh and say so), or a path (a checkpoint directory, or a
+    directory of them). A partial checkpoint is never used; each one found is named."""
+    resume = cfg["checkpoint"]["resume"]
+    if not resume:
+        return None, []
+    root = checkpoint_root(cfg, run_dir) if resume == "auto" else Path(os.path.expanduser(resume))
+    if resume != "auto" and read_meta(root) is not None:
+        return root, [f"resuming from {root} (step {read_meta(root)['step']})"]
+    complete, partial = complete_checkpoints(root)
+    notes = [f"partial checkpoint {p} ignored (a save did not finish)" for p in partial]
+    latest = _latest_named(root)
+    if latest is not None and latest in complete and latest != complete[-1]:
+        notes.append(f"{root / LATEST} names {latest.name}, but {complete[-1].name} is newer and complete")
+    if not complete:
+        if resume != "auto":
+            raise ConfigError("checkpoint.resume", f"no complete checkpoint in {root}",
+                              "give a step_<n> directory written by this project, or checkpoint.resume=auto")
+        return None, notes + [f"checkpoint.resume=auto: no checkpoint in {root}, starting from step 0"]
+    chosen = complete[-1]
+    return chosen, notes + [f"resuming from {chosen} (step {read_meta(chosen)['step']})"]
+
+
+def _latest_named(root: Path) -> Path | None:
+    try:
+        return root / (root / LATEST).read_text().strip()
+    except OSError:
+        return None
+
+
+def model_differences(meta: dict, cfg: dict) -> list[str]:
+    """What differs between the checkpoint's model and this run's (``model.*`` fields)."""
+    saved, now = meta.get("config", {}), cfg
+    out = []
+    for section in MODEL_KEYS:
+        a, b = saved.get(section, {}), now.get(section, {})
+        out += [f"{section}.{k}: checkpoint {a.get(k)!r}, this run {b.get(k)!r}"
+                for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+    return out
+
+
+def check_compatible(path: Path, cfg: dict) -> dict:
+    """The checkpoint's ``meta.json``; refuses one saved from another model (family or shape)."""
+    meta = read_meta(path)
+    if meta is None or meta.get("format") != FORMAT:
+        raise ConfigError("checkpoint.resume", f"{path} is not a complete checkpoint of this project "
+                          f"(no {META} with format {FORMAT})", "point checkpoint.resume at a step_<n> directory")
+    diff = model_differences(meta, cfg)
+    if diff:
+        raise ConfigError("checkpoint.resume", f"{path} holds another model: " + "; ".join(diff),
+                          "resume with the checkpoint's model settings, or start fresh (checkpoint.resume=null)")
+    return meta
+
+
+# --- the state ---------------------------------------------------------------------------------------
+
+
+def _gpt(module: torch.nn.Module) -> torch.nn.Module:
+    """The GPTModel inside DDP / Float16Module wrappers."""
+    while hasattr(module, "module") and not hasattr(module, "decoder"):
+        module = module.module
+    return module
+
+
+def model_state(trainer) -> dict:
+    """``{"model": ...}`` or ``{"model0": ..., "model1": ...}`` (virtual stages), as Megatron-LM."""
+    chunks = trainer.chunks
+    if len(chunks) == 1:
+        return {"model": _gpt(chunks[0]).sharded_state_dict()}
+    return {f"model{i}": _gpt(c).sharded_state_dict() for i, c in enumerate(chunks)}
+
+
+def _init_adam_state(optimizer: torch.optim.Optimizer) -> None:
+    """Empty AdamW moments (what the first step would create), so a load has tensors to fill."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            st = optimizer.state[p]
+            if st:
+                continue
+            fused = group.get("fused") or group.get("capturable")
+            st["step"] = torch.zeros((), dtype=torch.float32, device=p.device if fused else "cpu")
+            st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            if group.get("amsgrad"):
+                st["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
+def optimizer_state(trainer, model_sd: dict, is_loading: bool) -> dict:
+    """The optimizer's sharded state: megatron's own, or torch AdamW's mapped like FP32Optimizer."""
+    opt = trainer.optimizer
+    if hasattr(opt, "sharded_state_dict"):  # megatron's (DistributedOptimizer, chained)
+        return opt.sharded_state_dict(model_sd, is_loading=is_loading)
+    from megatron.core.dist_checkpointing.optimizer import (
+        get_param_id_to_sharded_param_map,
+        optim_state_to_sharding_state,
+    )
+
+    _init_adam_state(opt)
+    state = opt.state_dict()
+    params = [p for g in opt.param_groups for p in g["params"]]
+    steps = {float(s["step"]) for s in state["state"].values() if "step" in s}
+    if len(steps) > 1:
+        raise CheckpointError(f"AdamW step counts differ per parameter ({sorted(steps)})")
+    common_step = next((s["step"] for s in state["state"].values() if "step" in s), None)
+    optim_state_to_sharding_state(state, get_param_id_to_sharded_param_map(model_sd, params),
+                                  exclude_keys=("step",))
+    if common_step is not None:
+        state["state"]["common_step"] = common_step.clone()
+    return state
+
+
+def load_optimizer_state(trainer, state: dict) -> None:
+    opt = trainer.optimizer
+    if hasattr(opt, "sharded_state_dict"):
+        opt.load_state_dict(state)
+        return
+    step = state["state"].pop("common_step", None)
+    for param_state in state["state"].values():
+        if step is not None:
+            param_state["step"] = step.clone()
+    opt.load_state_dict(state)
+
+
+def rng_state() -> dict:
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    out = {"torch": torch.get_rng_state(),
+           "tracker": {k: v.clone() for k, v in get_cuda_rng_tracker().get_states().items()}}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["cuda"] = torch.cuda.get_rng_state()
+    return out
+
+
+def set_rng_state(state: dict) -> None:
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    get_cuda_rng_tracker().set_states(dict(state["tracker"]))
+
+
+def full_state(trainer, extra: dict, is_loading: bool) -> dict:
+    """The sharded state dict of the whole run (model, optimizer, scheduler, data, RNG, step)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    model = model_state(trainer)
+    merged: dict[str, Any] = {}
+    for sd in model.values():
+        merged.update(sd)
+    per_rank = {"rng": rng_state(), "measured": json.dumps(extra.get("measured") or {})}
+    return {
+        **model,
+        "optimizer": optimizer_state(trainer, merged, is_loading),
+        "scheduler": trainer.scheduler.state_dict(),
+        "step": trainer.step_count,
+        "consumed_samples": trainer.data.consumed_samples,
+        "consumed_valid_samples": trainer.valid_data.consumed_samples if trainer.valid_data else 0,
+        "rank_state": ShardedObject("rank_state", per_rank, (world,), (rank,), replica_id=0),
+    }
+
+
+# --- save / load -------------------------------------------------------------------------------------
+
+
+def _meta(cfg: dict, trainer) -> dict:
+    return {"format": FORMAT, "step": trainer.step_count,
+            "world_size": torch.distributed.get_world_size(),
+            "config": {k: cfg[k] for k in ("model", "parallel", "train", "data")}}
+
+
+def save_checkpoint(trainer, cfg: dict, root: Path, measured: dict | None = None) -> Path:
+    """Save step ``trainer.step_count`` under ``root``; returns the complete checkpoint's path.
+
+    Raises ``CheckpointError`` (with the last good checkpoint) when any rank fails: ``latest`` is
+    only rewritten after the whole directory is complete and renamed."""
+    from megatron.core import dist_checkpointing
+
+    rank = torch.distributed.get_rank()
+    final = root / step_name(trainer.step_count)
+    tmp = root / f"tmp.{final.name}"
+    error = None
+    try:
+        if rank == 0:
+            root.mkdir(parents=True, exist_ok=True)
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir()
+    except OSError as err:
+        error = f"{type(err).__name__}: {err}"
+    _agree(error, f"cannot create {tmp}")
+    cause = None
+    try:
+        state = full_state(trainer, {"measured": measured}, is_loading=False)
+        dist_checkpointing.save(state, str(tmp), content_metadata=_meta(cfg, trainer)["config"]["model"])
+    except Exception as err:  # noqa: BLE001  disk full, read-only, a rank's error: all stop together
+        error, cause = f"{type(err).__name__}: {err}", err
+    _agree(error, f"saving the checkpoint of step {trainer.step_count} to {tmp} failed", cause)
+    try:
+        if rank == 0:
+            write_json_atomic(tmp / META, _meta(cfg, trainer))
+            if final.exists():
+                shutil.rmtree(final)
+            tmp.rename(final)
+            _write_text_atomic(root / LATEST, final.name)
+            _prune(root, cfg["checkpoint"]["keep_last"])
+    except OSError as err:
+        error = f"{type(err).__name__}: {err}"
+    _agree(error, f"finishing the checkpoint {final} failed")
+    return final
+
+
+def _agree(error: str | None, what: str, cause: BaseException | None = None) -> None:
+    """Every rank learns whether any rank failed; all raise the same CheckpointError."""
+    errors = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(errors, error)
+    bad = [(r, e) for r, e in enumerate(errors) if e]
+    if bad:
+        rank, err = bad[0]
+        raise CheckpointError(f"{what} (rank {rank}: {err}); training stopped. The last complete "
+                              "checkpoint (if any) is still the one named in 'latest'") from cause
+
+
+def _write_text_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text + "\n")
+    os.replace(tmp, path)
+
+
+def _prune(root: Path, keep_last: int) -> None:
+    """Delete all but the newest ``keep_last`` complete checkpoints (0 or null keeps all)."""
+    if not keep_last:
+        return
+    complete, _ = complete_checkpoints(root)
+    for old in complete[:-keep_last]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def load_checkpoint(trainer, cfg: dict, path: Path) -> dict:
+    """Load ``path`` into the trainer (model, optimizer, scheduler, data position, step, and the
+    RNG states when the world size matches); returns ``{"step", "measured", "notes"}``."""
+    from megatron.core import dist_checkpointing
+
+    from recipes.run.schedule import schedule_differences
+
+    meta = check_compatible(path, cfg)
+    notes = []
+    if not cfg["checkpoint"]["override_scheduler"]:
+        saved = _saved_scheduler(meta, cfg)
+        diff = schedule_differences(saved, trainer.scheduler.state_dict()) if saved else []
+        if diff:
+            raise ConfigError("train.lr*", f"{path} was trained with another schedule: " + "; ".join(diff),
+                              "resume with the same train.* schedule, or checkpoint.override_scheduler=true "
+                              "to apply this run's schedule from the checkpoint's step on")
+    same_world = meta["world_size"] == torch.distributed.get_world_size()
+    state = full_state(trainer, {}, is_loading=True)
+    if not same_world:
+        state.pop("rank_state")
+        notes.append(f"saved with {meta['world_size']} ranks, loaded with "
+                     f"{torch.distributed.get_world_size()}: RNG states start from the seed")
+    loaded = dist_checkpointing.load(state, str(path))
+    for i, chunk in enumerate(trainer.chunks):
+        key = "model" if len(trainer.chunks) == 1 else f"model{i}"
+        _gpt(chunk).load_state_dict(loaded[key], strict=True)
+    load_optimizer_state(trainer, loaded["optimizer"])
+    if cfg["checkpoint"]["override_scheduler"]:
+        trainer.scheduler.num_steps = 0
+        trainer.scheduler.step(increment=int(loaded["step"]))
+    else:
+        trainer.scheduler.load_state_dict(loaded["scheduler"])
+    trainer.step_count = int(loaded["step"])
+    trainer.data.seek(int(loaded["consumed_samples"]))
+    if trainer.valid_data is not None:
+        trainer.valid_data.seek(int(loaded["consumed_valid_samples"]))
+    measured = {}
+    if same_world:
+        per_rank = loaded["rank_state"]
+        set_rng_state(per_rank["rng"])
+        measured = json.loads(per_rank["measured"])
+    return {"step": trainer.step_count, "measured": measured, "notes": notes}
+
+
+def _saved_scheduler(meta: dict, cfg: dict) -> dict | None:
+    """The checkpoint's schedule, rebuilt from its stored ``train`` config (no load needed)."""
+    train = (meta.get("config") or {}).get("train")
+    if not train:
+        return None
+    from recipes.run.schedule import build_scheduler
+
+    probe = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.0)
+    return build_scheduler(probe, train).state_dict()

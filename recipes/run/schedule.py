@@ -1,0 +1,68 @@
+"""The learning-rate and weight-decay schedule: megatron-core's ``OptimizerParamScheduler``.
+
+One scheduler step per training step, counted in steps (Megatron-LM counts samples when
+``--rampup-batch-size`` is set; here the batch is fixed, so steps are the same schedule). It writes
+``lr`` and ``weight_decay`` into every ``optimizer.param_groups`` entry: megatron's
+DistributedOptimizer on a GPU (its groups carry ``max_lr``/``min_lr``/``wd_mult`` from
+``OptimizerConfig``) and torch's AdamW on a CPU (plain groups: the scheduler's own values apply).
+As in Megatron-LM, the first step runs at the schedule's value for 0 steps done (``lr_warmup_init``
+when there is a warm-up), and the scheduler advances after each successful update.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def build_scheduler(optimizer, train: dict[str, Any], override: bool = False):
+    """The OptimizerParamScheduler of ``train.*`` (``recipes.config.TrainConfig``) over ``optimizer``.
+
+    On resume the checkpoint's schedule is kept (``recipes.run.checkpoint`` refuses a run whose
+    schedule differs, before training), unless ``override`` (``checkpoint.override_scheduler``):
+    then this config's schedule applies from the checkpoint's step on."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    wd = train["weight_decay"]
+    start_wd = wd if train["start_weight_decay"] is None else train["start_weight_decay"]
+    end_wd = wd if train["end_weight_decay"] is None else train["end_weight_decay"]
+    decay_iters = train["lr_decay_iters"] or train["train_iters"]
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=train["lr_warmup_init"],
+        max_lr=train["lr"],
+        min_lr=train["min_lr"],
+        lr_warmup_steps=train["lr_warmup_iters"],
+        lr_decay_steps=decay_iters,
+        lr_decay_style=train["lr_decay_style"],
+        start_wd=start_wd,
+        end_wd=end_wd,
+        wd_incr_steps=decay_iters,
+        wd_incr_style=train["weight_decay_incr_style"],
+        use_checkpoint_opt_param_scheduler=not override,
+        override_opt_param_scheduler=override,
+        wsd_decay_steps=train["lr_wsd_decay_iters"],
+        lr_wsd_decay_style=train["lr_wsd_decay_style"],
+    )
+
+
+def current_lr(optimizer) -> float | None:
+    """The learning rate of the optimizer's default group now (megatron's logging choice)."""
+    from megatron.core.optimizer_param_scheduler import get_canonical_lr_for_logging
+
+    groups = optimizer.param_groups
+    lr = get_canonical_lr_for_logging(groups)
+    if lr is None and groups:
+        lr = groups[0]["lr"]
+    return float(lr) if lr is not None else None
+
+
+def schedule_differences(saved: dict, current: dict) -> list[str]:
+    """What differs between two ``OptimizerParamScheduler.state_dict()`` (not the step count); the
+    decay length does not matter to a constant schedule, so extending such a run is no change."""
+    keys = set(saved) | set(current)
+    keys -= {"num_steps"}
+    if saved.get("lr_decay_style") == current.get("lr_decay_style") == "constant" and (
+            saved.get("wd_incr_style") == current.get("wd_incr_style") == "constant"):
+        keys -= {"lr_decay_steps", "wd_incr_steps"}
+    return [f"{k}: checkpoint {saved.get(k)!r}, now {current.get(k)!r}" for k in sorted(keys)
+            if saved.get(k) != current.get(k)]
