@@ -11,8 +11,8 @@ cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 WANDB_MODE=offline
 PY=${PY:-python3}
 # What the single-GPU tables ran with (docs/h200-results.md): 2 warm-up + 4 timed steps, profiling off.
-ARGS="profile=none train.train_iters=6 train.warmup_iters=2"
-LONG_ARGS="profile=none train.train_iters=4 train.warmup_iters=1"
+ARGS="profile=none train.train_iters=6 measure.start_step=3"
+LONG_ARGS="profile=none train.train_iters=4 measure.start_step=2"
 mkdir -p results
 stamp() { echo "== $(date -u +%FT%TZ) $*"; }
 sweep() {  # sweep NAME OVERRIDES...: one Hydra sweep into results/x2_NAME, console into results/x2_NAME.log

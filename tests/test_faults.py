@@ -322,7 +322,7 @@ def test_exit_codes_say_what_happened():
 BAD_INPUTS = [
     ["model.num_attention_heads=0"], ["model.num_layers=0"], ["model.hidden_size=-64"], ["model.vocab_size=0"],
     ["model.ffn_hidden_size=0"], ["train.lr=-1"], ["train.lr=0"], ["train.micro_batch_size=0"],
-    ["train.seq_length=0"], ["train.train_iters=1"], ["train.warmup_iters=0"], ["train.warmup_iters=8"],
+    ["train.seq_length=0"], ["train.train_iters=1"], ["measure.start_step=0"], ["measure.start_step=9"],
     ["train.global_batch_size=3"], ["train.weight_decay=-1"], ["train.clip_grad=-0.5"], ["train.seed=-1"],
     ["train.precision=fp8"], ["train.optimizer=sgd"], ["model.hidden_dropout=1.0"], ["model.attention_dropout=-0.1"],
     ["model.init_method_std=0"], ["model.num_query_groups=0"], ["model.num_query_groups=3"], ["model.kv_channels=0"],
