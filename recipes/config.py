@@ -21,9 +21,10 @@ from recipes.files import CONF_DIR
 
 @dataclass
 class ModelConfig:
-    """A GPT model in megatron-core's vocabulary; ``family`` picks the attention/MLP variant."""
+    """A GPT model in megatron-core's vocabulary; ``family`` picks the attention kind x MLP kind
+    (``recipes.recompute.ATTENTION_KIND``/``MLP_KIND``), the ``*_freq`` fields the layer pattern."""
 
-    family: str = MISSING  # standard_attn | mla | moe | gdn
+    family: str = MISSING  # standard_attn | mla | moe | gdn | mla_moe | gdn_moe
     num_layers: int = MISSING
     hidden_size: int = MISSING
     ffn_hidden_size: int = MISSING
@@ -50,7 +51,8 @@ class ModelConfig:
     qk_head_dim: int = 128
     qk_pos_emb_head_dim: int = 64
     v_head_dim: int = 128
-    # Mixture of experts (family=moe)
+    # Mixture of experts (family=moe, mla_moe, gdn_moe)
+    moe_layer_freq: Any = 1  # MoE every N-th layer (from layer 0), a 0/1 list per layer, or "([0]*3+[1]*58)"
     num_moe_experts: Optional[int] = None
     moe_router_topk: int = 2
     moe_ffn_hidden_size: Optional[int] = None
@@ -61,7 +63,7 @@ class ModelConfig:
     moe_grouped_gemm: bool = True  # megatron's flag; the experts module is chosen by ``experts``
     experts: str = "grouped"  # grouped (recipes.build.experts, one grouped GEMM) | sequential (megatron)
     moe_shared_expert_overlap: bool = False
-    # GatedDeltaNet hybrid (family=gdn): TransformerConfig's linear-attention fields
+    # GatedDeltaNet hybrid (family=gdn, gdn_moe): TransformerConfig's linear-attention fields
     linear_attention_freq: Optional[int] = None  # every N-th layer is standard attention, the rest GDN
     linear_conv_kernel_dim: int = 4  # causal depthwise conv over q/k/v
     linear_key_head_dim: int = 128

@@ -24,9 +24,19 @@ from recipes.build.parallel import pipeline_schedule
 from recipes.config import compose_config
 from recipes.errors import ConfigError
 from recipes.files import GIB
-from recipes.predict.activations import Dims, Term, dims, embedding_terms, head_terms, is_gdn_layer, layer_terms
+from recipes.predict.activations import (
+    Dims,
+    Term,
+    dims,
+    embedding_terms,
+    global_layer_terms,
+    head_terms,
+    is_gdn_layer,
+    is_moe_layer,
+    layer_terms,
+)
 from recipes.predict.fit import ALLOCATOR_SLACK, FITS, OVER, TIGHT, verdict, with_slack
-from recipes.recompute import FAMILIES, KINDS, options_for, recompute_config
+from recipes.recompute import ATTENTION_KIND, FAMILIES, KINDS, gdn_pattern, moe_pattern, options_for, recompute_config
 from recipes.results import result_rows
 
 
@@ -48,14 +58,13 @@ class Chunk:
 def build_chunk(cfg: dict, d: Dims, index: int) -> Chunk:
     """The terms of model chunk ``index`` (0 holds the embedding, the last the loss). Chunk
     ``index`` holds global layers ``index * n ..`` (megatron's layer offset), which says which
-    layers of model=gdn are GatedDeltaNet layers."""
+    layers are GatedDeltaNet or attention, MoE or dense (``global_layer_terms``)."""
     par, rc = cfg["parallel"], cfg["recompute"]
     num_chunks = par["pipeline_model_parallel_size"] * (par["virtual_pipeline_model_parallel_size"] or 1)
     n = cfg["model"]["num_layers"] // num_chunks
-    gdn = [is_gdn_layer(d, index * n + i) for i in range(n)]
     extra = embedding_terms(d) if index == 0 else []
     if not d.full:
-        layers = [layer_terms(d, gdn[i]) for i in range(n)]
+        layers = [global_layer_terms(d, index * n + i) for i in range(n)]
     else:  # a checkpoint keeps its chunk's input (1/tp of it when distributed over TP)
         k = rc["recompute_num_layers"]
         hidden = d.e * d.s_sp * d.b * d.h // (d.tp if rc["distribute_saved_activations"] else 1)
@@ -63,8 +72,8 @@ def build_chunk(cfg: dict, d: Dims, index: int) -> Chunk:
         if rc["recompute_method"] == "uniform":
             layers = [ckpt if i % k == 0 else [] for i in range(n)]
         else:  # block: the first k layers are checkpointed one by one, the rest keep everything
-            layers = [ckpt if i < k else layer_terms(d, gdn[i]) for i in range(n)]
-        if d.rope and d.family != "mla":  # GPTModel's rotary freqs, one storage for all checkpoints
+            layers = [ckpt if i < k else global_layer_terms(d, index * n + i) for i in range(n)]
+        if d.rope and d.attention_kind != "mla":  # GPTModel's rotary freqs, one storage for all checkpoints
             extra.append(("other", "rotary freqs (fp32, checkpoint input)", 4 * d.s * d.rope))
     if index == num_chunks - 1:
         extra += head_terms(d)
@@ -81,7 +90,7 @@ def num_parameters(cfg: dict, stage: int) -> tuple[int, int]:
     h, heads, V = m["hidden_size"], m["num_attention_heads"], m["vocab_size"]
     norm = (2 if m["normalization"] == "LayerNorm" else 1)
     glu = 2 if m["gated_linear_unit"] else 1
-    if m["family"] == "mla":
+    if ATTENTION_KIND[m["family"]] == "mla":
         dq, ql, kvl = m["qk_head_dim"] + m["qk_pos_emb_head_dim"], m["q_lora_rank"], m["kv_lora_rank"]
         q = (h * ql + ql * heads * dq) // tp if ql else h * heads * dq // tp
         attn = q + (h * (kvl + m["qk_pos_emb_head_dim"]) + kvl * heads * (m["qk_head_dim"] + m["v_head_dim"])
@@ -91,32 +100,34 @@ def num_parameters(cfg: dict, stage: int) -> tuple[int, int]:
         d, groups = m["kv_channels"] or h // heads, m["num_query_groups"] or heads
         attn = (h * (heads + 2 * groups) * d + heads * d * h) // tp
         attn += 2 * norm * d if m["qk_layernorm"] else 0
-    experts = 0
-    if m["family"] == "moe":
+    experts, moe_mlp = 0, 0
+    if m["num_moe_experts"]:
         fe = m["moe_ffn_hidden_size"] or m["ffn_hidden_size"]
         fs = m["moe_shared_expert_intermediate_size"] or 0
-        mlp = m["num_moe_experts"] * h + (glu + 1) * h * fs // tp
+        moe_mlp = m["num_moe_experts"] * h + (glu + 1) * h * fs // tp
         experts = m["num_moe_experts"] // ep * (glu + 1) * h * fe
-    else:
-        mlp = (glu + 1) * h * m["ffn_hidden_size"] // tp
+    mlp = (glu + 1) * h * m["ffn_hidden_size"] // tp
     layers = m["num_layers"] // pp
     chunks = [v * pp + stage for v in range(vpp)]
-    num_gdn, gdn = 0, 0
-    if m["family"] == "gdn":  # GatedDeltaNet mixers in place of attention (recipes.predict.activations.is_gdn_layer)
-        n, freq = layers // vpp, m["linear_attention_freq"]
-        num_gdn = sum((c * n + i + 1) % freq != 0 for c in chunks for i in range(n))
+    n = layers // vpp
+    mine = [c * n + i for c in chunks for i in range(n)]  # this rank's global layers
+    num_moe = sum(moe_pattern(m)[i] for i in mine)
+    num_gdn = sum(gdn_pattern(m)[i] for i in mine)  # GatedDeltaNet mixers in place of attention
+    gdn = 0
+    if num_gdn:
         nk, nv, dk, dv = (m[k] for k in ("linear_num_key_heads", "linear_num_value_heads",
                                          "linear_key_head_dim", "linear_value_head_dim"))
         conv = 2 * nk * dk + nv * dv  # in_proj, depthwise conv, dt_bias + A_log, out_proj; out_norm over dv
         gdn = (h * (conv + nv * dv + 2 * nv) + conv * m["linear_conv_kernel_dim"] + 2 * nv + nv * dv * h) // tp
         gdn += norm * dv
-    dense = layers * (mlp + 2 * norm * h) + (layers - num_gdn) * attn + num_gdn * gdn
+    dense = (layers * 2 * norm * h + (layers - num_moe) * mlp + num_moe * moe_mlp
+             + (layers - num_gdn) * attn + num_gdn * gdn)
     if 0 in chunks:
         dense += V // tp * h + (cfg["train"]["seq_length"] * h if m["position_embedding_type"] ==
                                 "learned_absolute" else 0)
     if pp * vpp - 1 in chunks:
         dense += norm * h + (V // tp * h if m["untie_embeddings_and_output_weights"] or pp > 1 else 0)
-    return dense, layers * experts
+    return dense, num_moe * experts
 
 
 def static_bytes(cfg: dict, device: str, stage: int = 0) -> dict[str, int]:
@@ -160,7 +171,7 @@ def _sum(terms: list[Term]) -> int:
 
 
 def transient_bytes(d: Dims, has_head: bool, last_layer_recomputed: bool = True, head_freed: int = 0,
-                    last_gdn: bool = False) -> int:
+                    last_gdn: bool = False, last_moe: bool | None = None) -> int:
     """Short-lived memory on top of the saved activations (an approximation, not a ledger term).
 
     The larger of: the loss (bf16 logits / their gradient next to the fp32 softmax, plus the
@@ -171,11 +182,11 @@ def transient_bytes(d: Dims, has_head: bool, last_layer_recomputed: bool = True,
     ``head_freed``: the head's saved bytes (final norm, logits), which the loss and output-layer
     backward have already freed when the last layer's backward runs (measured on the H200: without
     it, full recompute was over-predicted by the logits' size on every family). ``last_gdn``: that
-    last layer is a GatedDeltaNet layer (model=gdn).
+    last layer is a GatedDeltaNet layer (model=gdn); ``last_moe``: it has an MoE MLP (None: the family's kind).
     """
     plain = replace(d, labels=frozenset(), full=False)
-    layer = layer_terms(plain, last_gdn)
-    kept = _sum(layer_terms(d, last_gdn)) if not d.full else 0
+    layer = layer_terms(plain, last_gdn, last_moe)
+    kept = _sum(layer_terms(d, last_gdn, last_moe)) if not d.full else 0
     remat = max(0, _sum(layer) - kept) if last_layer_recomputed else 0
     biggest = max(t[2] for t in layer)
     loss = 0
@@ -227,7 +238,7 @@ def predict(cfg: dict, device: str = "auto", stage: int | None = None) -> dict:
         head_freed = _sum(head_terms(d)) if has_head else 0
         last = (chunks[-1].index + 1) * len(chunks[-1].layers) - 1  # its backward runs first
         transient = transient_bytes(d, has_head, last_layer_recomputed=not block, head_freed=head_freed,
-                                    last_gdn=is_gdn_layer(d, last))
+                                    last_gdn=is_gdn_layer(d, last), last_moe=is_moe_layer(d, last))
         layers = [layer for c in chunks for layer in c.layers]
         stages.append({
             "stage": st, "num_layers": len(layers),
@@ -250,7 +261,7 @@ def predict_options(cfg: dict, device: str = "cuda") -> tuple[list[tuple[str, di
     done, refused = [], []
     if cfg["model"]["family"] not in FAMILIES:
         dims(cfg, device)  # refuses the family by name
-    for option in options_for(cfg["model"]["family"]):
+    for option in options_for(cfg["model"]):
         trial = {**cfg, "recompute": recompute_config(option)}
         try:
             done.append((option, predict(trial, device)))
