@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
@@ -98,6 +98,8 @@ class ParallelConfig:
     sequence_parallel: bool = False
     pipeline_model_parallel_size: int = 1
     virtual_pipeline_model_parallel_size: Optional[int] = None
+    num_layers_in_first_pipeline_stage: Optional[int] = None  # uneven stages (DeepSeek-V3's 61 layers)
+    num_layers_in_last_pipeline_stage: Optional[int] = None
     context_parallel_size: int = 1
     expert_model_parallel_size: int = 1
     expert_tensor_parallel_size: Optional[int] = None
@@ -171,6 +173,23 @@ class MeasureConfig:
 
 
 @dataclass
+class NamedRecipeConfig:
+    """A public architecture at its published layout (``recipe=<name>``, conf/recipe/). The file sets
+    ``model.*``, ``train.*``, ``parallel.*``, ``launcher.*`` and the published recompute at full depth;
+    ``recipes.recipe.apply_recipe`` shrinks it to this machine unless ``recipe.full_depth=true``."""
+
+    name: str = MISSING
+    title: str = ""
+    sources: List[str] = field(default_factory=list)  # model card / config.json / paper / Megatron-Bridge recipe
+    gpu: str = "h100"  # the GPU its source trains on: h100 (80 GB) | h200 (141 GB)
+    published_recompute: str = "none"  # the recompute option its source publishes, in this repo's names
+    full_depth: bool = False  # true: every layer at the published layout (a cluster); false: reduced, here
+    reduced: Dict[str, Any] = field(default_factory=dict)  # model.* at reduced depth (num_layers, ...)
+    te_only: List[str] = field(default_factory=list)  # published features that need Transformer Engine
+    notes: List[str] = field(default_factory=list)  # what differs from the source, and why
+
+
+@dataclass
 class RecipeConfig:
     """The root config: one training run (or, with -m, one sweep point)."""
 
@@ -183,6 +202,7 @@ class RecipeConfig:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     measure: MeasureConfig = field(default_factory=MeasureConfig)
+    recipe: Optional[NamedRecipeConfig] = None  # recipe=<name>: a public architecture (conf/recipe/)
     size: Any = None  # unused: size files (@package _global_) set model.* and train.* directly
     name: Optional[str] = None  # run name; defaults to the Hydra choices
     output_dir: Optional[str] = None  # defaults to Hydra's run/sweep directory

@@ -109,6 +109,13 @@ def family_model(family: str) -> dict:
 
 
 def parse_pattern(value: Any, num_layers: int, what: str = "model.moe_layer_freq") -> list[int]:
+    """A per-layer 0/1 list (see ``_parse_pattern``), cached: the estimator asks once per layer."""
+    key = tuple(value) if isinstance(value, (list, tuple)) else value
+    return list(_parse_pattern(key, num_layers, what))
+
+
+@cache
+def _parse_pattern(value: Any, num_layers: int, what: str) -> tuple[int, ...]:
     """A per-layer 0/1 list from megatron's int-or-list fields, or Megatron-LM's command-line string
     form ``"([0]*3+[1]*58)"`` (DeepSeek-V3's first_k_dense_replace=3). Refused when its length is not
     ``num_layers``."""
@@ -124,8 +131,8 @@ def parse_pattern(value: Any, num_layers: int, what: str = "model.moe_layer_freq
             out += [int(x) for x in match.group(1).split(",")] * int(match.group(2) or 1)
         value = out
     if isinstance(value, int):
-        return [1 if i % value == 0 else 0 for i in range(num_layers)] if value >= 1 else [0] * num_layers
-    value = [int(x) for x in value]
+        return tuple(1 if i % value == 0 else 0 for i in range(num_layers)) if value >= 1 else (0,) * num_layers
+    value = tuple(int(x) for x in value)
     if len(value) != num_layers or set(value) - {0, 1}:
         raise ConfigError(what, f"a pattern of {len(value)} entries for {num_layers} layers (0/1 each)",
                           f"give one 0/1 per layer ({num_layers}), e.g. \"([0]*1+[1]*{max(0, num_layers - 1)})\"")
@@ -235,3 +242,32 @@ def options_for(family_or_model: str | Any) -> list[str]:
         if labels is None or all(LABELS[label].applies(model) for label in labels if label in LABELS):
             out.append(option)
     return sorted(out, key=recompute_order)
+
+
+def chunk_layers(model: Any, parallel: Any) -> list[range]:
+    """Global layers of each model chunk (index: virtual stage * pp + pipeline stage), as megatron splits
+    them: evenly, or with ``num_layers_in_first/last_pipeline_stage`` (no interleaving) the rest evenly
+    over the middle stages. Refused (``ConfigError``) where the stages cannot split the depth."""
+    n, pp = _get(model, "num_layers"), _get(parallel, "pipeline_model_parallel_size")
+    vpp = _get(parallel, "virtual_pipeline_model_parallel_size") or 1
+    first, last = (_get(parallel, f"num_layers_in_{k}_pipeline_stage") for k in ("first", "last"))
+    if first is None and last is None:
+        if n % (pp * vpp):
+            raise ConfigError("model.num_layers", f"{n} layers do not split into {pp} stage(s) x {vpp} "
+                              "virtual stage(s)", f"set model.num_layers to a multiple of {pp * vpp}, shrink "
+                              "PP/VPP, or give parallel.num_layers_in_first/last_pipeline_stage")
+        per = n // (pp * vpp)
+        return [range(c * per, (c + 1) * per) for c in range(pp * vpp)]
+    if vpp > 1 or pp < 2:
+        raise ConfigError("parallel.num_layers_in_first_pipeline_stage", "uneven stages are modeled "
+                          "for pipeline parallel without interleaving", "drop the virtual stages, or split evenly")
+    sizes = [first, *([None] * (pp - 2)), last]
+    middle = n - (first or 0) - (last or 0)
+    free = sum(s is None for s in sizes)
+    if middle < 0 or free == 0 and middle or free and middle % free:
+        raise ConfigError("model.num_layers", f"{n} layers minus {first or 0} first and {last or 0} last "
+                          f"leave {middle} for {free} other stage(s)",
+                          "pick num_layers_in_first/last_pipeline_stage leaving a multiple of the other stages")
+    sizes = [s if s is not None else middle // free for s in sizes]
+    starts = [sum(sizes[:i]) for i in range(pp)]
+    return [range(a, a + k) for a, k in zip(starts, sizes)]

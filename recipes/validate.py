@@ -10,7 +10,7 @@ import importlib.util
 from typing import Any
 
 from recipes.errors import ConfigError
-from recipes.recompute import ATTENTION_KIND, BACKENDS, FAMILIES, LABELS, MLP_KIND, labels_of, layer_kinds
+from recipes.recompute import ATTENTION_KIND, BACKENDS, FAMILIES, LABELS, MLP_KIND, chunk_layers, labels_of, layer_kinds
 
 
 def transformer_engine_importable() -> bool:
@@ -102,9 +102,7 @@ def _validate_attention(cfg, te_available: bool) -> None:
 def layers_per_chunk(cfg) -> int:
     """Layers in each model chunk (a pipeline stage, or a virtual stage under interleaving): the range
     of full recompute's ``recompute_num_layers``, which megatron applies per chunk."""
-    par = cfg["parallel"]
-    n = cfg["model"]["num_layers"] // par["pipeline_model_parallel_size"]
-    return n // par["virtual_pipeline_model_parallel_size"] if par["virtual_pipeline_model_parallel_size"] else n
+    return min(len(r) for r in chunk_layers(cfg["model"], cfg["parallel"]))
 
 
 def _validate_recompute(cfg) -> None:
@@ -216,10 +214,7 @@ def _validate_parallel(cfg, num_gpus: int) -> None:
            f"{vpp} virtual stage(s) per rank is no interleaving", "use null, or 2 or more")
     _check(vpp is None or pp > 1, "parallel.virtual_pipeline_model_parallel_size",
            "virtual stages need pipeline parallel > 1", "use parallel=pp2_vpp2, or vpp=null")
-    stages = pp * (vpp or 1)
-    _check(m["num_layers"] % stages == 0, "model.num_layers",
-           f"{m['num_layers']} layers do not split into {pp} stage(s) x {vpp or 1} virtual stage(s)",
-           f"set model.num_layers to a multiple of {stages}, or shrink PP/VPP")
+    chunk_layers(m, par)  # the depth splits into the stages (evenly, or first/last given), or ConfigError
     mbs = train["micro_batch_size"]
     gbs = train["global_batch_size"] or mbs * dp
     _check(gbs % (mbs * dp) == 0, "train.global_batch_size",

@@ -36,7 +36,16 @@ from recipes.predict.activations import (
     layer_terms,
 )
 from recipes.predict.fit import ALLOCATOR_SLACK, FITS, OVER, TIGHT, verdict, with_slack
-from recipes.recompute import ATTENTION_KIND, FAMILIES, KINDS, gdn_pattern, moe_pattern, options_for, recompute_config
+from recipes.recompute import (
+    ATTENTION_KIND,
+    FAMILIES,
+    KINDS,
+    chunk_layers,
+    gdn_pattern,
+    moe_pattern,
+    options_for,
+    recompute_config,
+)
 from recipes.results import result_rows
 
 
@@ -57,14 +66,15 @@ class Chunk:
 
 def build_chunk(cfg: dict, d: Dims, index: int) -> Chunk:
     """The terms of model chunk ``index`` (0 holds the embedding, the last the loss). Chunk
-    ``index`` holds global layers ``index * n ..`` (megatron's layer offset), which says which
+    ``index`` holds global layers ``chunk_layers(...)[index]`` (megatron's layer offset), which says which
     layers are GatedDeltaNet or attention, MoE or dense (``global_layer_terms``)."""
     par, rc = cfg["parallel"], cfg["recompute"]
     num_chunks = par["pipeline_model_parallel_size"] * (par["virtual_pipeline_model_parallel_size"] or 1)
-    n = cfg["model"]["num_layers"] // num_chunks
+    mine = chunk_layers(cfg["model"], par)[index]
+    n = len(mine)
     extra = embedding_terms(d) if index == 0 else []
     if not d.full:
-        layers = [global_layer_terms(d, index * n + i) for i in range(n)]
+        layers = [global_layer_terms(d, mine[i]) for i in range(n)]
     else:  # a checkpoint keeps its chunk's input (1/tp of it when distributed over TP)
         k = rc["recompute_num_layers"]
         hidden = d.e * d.s_sp * d.b * d.h // (d.tp if rc["distribute_saved_activations"] else 1)
@@ -72,7 +82,7 @@ def build_chunk(cfg: dict, d: Dims, index: int) -> Chunk:
         if rc["recompute_method"] == "uniform":
             layers = [ckpt if i % k == 0 else [] for i in range(n)]
         else:  # block: the first k layers are checkpointed one by one, the rest keep everything
-            layers = [ckpt if i < k else global_layer_terms(d, index * n + i) for i in range(n)]
+            layers = [ckpt if i < k else global_layer_terms(d, mine[i]) for i in range(n)]
         if d.rope and d.attention_kind != "mla":  # GPTModel's rotary freqs, one storage for all checkpoints
             extra.append(("other", "rotary freqs (fp32, checkpoint input)", 4 * d.s * d.rope))
     if index == num_chunks - 1:
@@ -107,10 +117,10 @@ def num_parameters(cfg: dict, stage: int) -> tuple[int, int]:
         moe_mlp = m["num_moe_experts"] * h + (glu + 1) * h * fs // tp
         experts = m["num_moe_experts"] // ep * (glu + 1) * h * fe
     mlp = (glu + 1) * h * m["ffn_hidden_size"] // tp
-    layers = m["num_layers"] // pp
     chunks = [v * pp + stage for v in range(vpp)]
-    n = layers // vpp
-    mine = [c * n + i for c in chunks for i in range(n)]  # this rank's global layers
+    split = chunk_layers(m, par)
+    mine = [i for c in chunks for i in split[c]]  # this rank's global layers
+    layers = len(mine)
     num_moe = sum(moe_pattern(m)[i] for i in mine)
     num_gdn = sum(gdn_pattern(m)[i] for i in mine)  # GatedDeltaNet mixers in place of attention
     gdn = 0
@@ -236,7 +246,7 @@ def predict(cfg: dict, device: str = "auto", stage: int | None = None) -> dict:
         block = d.full and rc["recompute_method"] == "block" and rc["recompute_num_layers"] < len(
             chunks[-1].layers)
         head_freed = _sum(head_terms(d)) if has_head else 0
-        last = (chunks[-1].index + 1) * len(chunks[-1].layers) - 1  # its backward runs first
+        last = chunk_layers(cfg["model"], par)[chunks[-1].index][-1]  # its backward runs first
         transient = transient_bytes(d, has_head, last_layer_recomputed=not block, head_freed=head_freed,
                                     last_gdn=is_gdn_layer(d, last), last_moe=is_moe_layer(d, last))
         layers = [layer for c in chunks for layer in c.layers]
