@@ -39,6 +39,7 @@ lint: install ## ruff check (settings in pyproject.toml)
 check-data: install ## Re-check the committed H200 data (checks/), the generated docs and every doc reference
 	$(PY) -m pytest -q checks
 	$(PY) tools/compat_table.py --check
+	$(PY) tools/recipes_table.py --check
 	$(PY) tools/check_links.py
 
 docs: install ## Regenerate the generated doc sections (docs/compatibility.md's table)

@@ -80,3 +80,32 @@ def test_train_py_prints_the_reduced_depth_note(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "[recipe] recipe=llama3_8b: Llama-3.1-8B at reduced depth, 4 of 32 layers" in proc.stdout
     assert "context_parallel_size=2" in proc.stdout  # the TE-only feature, by name
+
+
+def test_estimate_predicts_every_rank_at_the_published_layout_without_its_gpus(capsys):
+    """256 processes on 32 nodes, predicted on a machine with none of them: every stage of every option,
+    the worst rank named with its reason, judged against the recipe's GPU."""
+    from recipes.predict.estimate import main
+
+    assert main(["recipe=deepseek_v3", "--all"]) == 0
+    out = capsys.readouterr().out
+    assert "256 processes" in out and "fits 77?" in out  # the H100 budget, from the recipe
+    assert "peak per pipeline stage" in out and "pp7" in out and "worst rank (full): pipeline stage" in out
+    assert "routed tokens" in out
+    assert main(["recipe=llama3_70b", "recompute=none"]) == 0
+    out = capsys.readouterr().out
+    assert "micro-batches in flight" in out.split("worst rank:")[1]  # the first stage's 1F1B backlog
+
+
+def test_advise_predict_picks_the_recompute_for_the_recipes_cluster(capsys):
+    from recipes.analyze.advise import main
+
+    assert main(["--predict", "recipe=deepseek_v3"]) == 0  # budget: the recipe's GPU
+    out = capsys.readouterr().out
+    assert "budget 77.00 GiB" in out and "Try first: recompute=full" in out
+
+
+def test_the_committed_recipe_table_is_current():
+    proc = subprocess.run([sys.executable, "tools/recipes_table.py", "--check"], cwd=REPO, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]

@@ -36,6 +36,7 @@ from recipes.predict.activations import (
     layer_terms,
 )
 from recipes.predict.fit import ALLOCATOR_SLACK, FITS, OVER, TIGHT, verdict, with_slack
+from recipes.recipe import GPU_BUDGET_GIB, at_full_depth, compose_recipe
 from recipes.recompute import (
     ATTENTION_KIND,
     FAMILIES,
@@ -262,8 +263,39 @@ def predict(cfg: dict, device: str = "auto", stage: int | None = None) -> dict:
             "peak_bytes": static_total + in_flight + transient,
         })
     pick = stages[stage] if stage is not None else max(stages, key=lambda s: s["peak_bytes"])
+    worst = max(stages, key=lambda s: s["peak_bytes"])
     return {**pick, "predicted": True, "device": d.device, "precision": "bf16" if d.e == 2 else "fp32",
-            "num_microbatches": m_count, "stages": stages}
+            "num_microbatches": m_count, "stages": stages, "worst_stage": worst["stage"],
+            "worst_why": worst_rank_reason(cfg, worst, len(stages))}
+
+
+def worst_rank_reason(cfg: dict, st: dict, pp: int) -> str:
+    """Why pipeline stage ``st`` holds the most: its largest share (micro-batches in flight under 1F1B,
+    static memory, the head) and, for MoE, the routed tokens each expert rank keeps (balanced routing)."""
+    m, par = cfg["model"], cfg["parallel"]
+    static, flight = st["static_bytes"], st["in_flight_activation_bytes"]
+    parts = [f"pipeline stage {st['stage']} of {pp} ({st['num_layers']} layers)"]
+    if flight >= static:
+        parts.append(f"{st['in_flight_microbatches']:.2f} micro-batches in flight (1F1B: the first stage "
+                     f"holds min(PP, micro-batches)) = {flight / GIB:.1f} GiB of activations, more than its "
+                     f"{static / GIB:.1f} GiB of parameters, gradients and optimizer state")
+    else:
+        parts.append(f"parameters, gradients and optimizer state {static / GIB:.1f} GiB "
+                     f"({st['static']['num_parameters'] / 1e9:.2f} B parameters on this rank) above "
+                     f"{flight / GIB:.1f} GiB of in-flight activations ({st['in_flight_microbatches']:.2f} micro-batches)")
+    if st["outside_layers"] and any(t[0] == "logits" for t in st["outside_layers"]):
+        parts.append("it also computes the loss over the vocabulary")
+    vpp, split, pattern = par["virtual_pipeline_model_parallel_size"] or 1, chunk_layers(m, par), moe_pattern(m)
+    moe_layers = sum(pattern[i] for v in range(vpp) for i in split[v * pp + st["stage"]])
+    if moe_layers:
+        ep = par["expert_model_parallel_size"]
+        tokens = cfg["train"]["seq_length"] * cfg["train"]["micro_batch_size"] // (
+            par["tensor_model_parallel_size"] if par["sequence_parallel"] else 1)
+        routed = tokens * m["moe_router_topk"]  # the EP group's tokens x top-k / EP: expected, every EP rank alike
+        parts.append(f"each expert rank's {m['num_moe_experts'] // ep} experts receive ~{routed} routed tokens per "
+                     f"micro-batch in each of its {moe_layers} MoE layers (balanced routing assumed: a hot expert "
+                     "rank holds more)")
+    return "; ".join(parts)
 
 
 def predict_options(cfg: dict, device: str = "cuda") -> tuple[list[tuple[str, dict]], list[tuple[str, str]]]:
@@ -352,6 +384,10 @@ def format_prediction(p: dict, title: str, budget_gib: float | None = None, term
               f"{'activations in flight':34s}{p['in_flight_activation_bytes'] / GIB:8.2f}",
               f"{'transient (approximate)':34s}{p['transient_bytes'] / GIB:8.2f}",
               f"{'predicted peak':34s}{p['peak_bytes'] / GIB:8.2f}"]
+    if len(p["stages"]) > 1:
+        lines.append("peak per pipeline stage (GiB): " + ", ".join(
+            f"pp{st['stage']} {st['peak_bytes'] / GIB:.1f}" for st in p["stages"]))
+    lines.append(f"worst rank: {p['worst_why']}")
     if budget_gib is not None:
         lines.append(budget_line(p["peak_bytes"] / GIB, budget_gib))
     return "\n".join(lines)
@@ -379,6 +415,14 @@ def format_options(done: list[tuple[str, dict]], refused: list[tuple[str, str]],
             row += f"{verdict(p['peak_bytes'] / GIB, budget_gib):>10s}"
         lines.append(row)
     lines += [f"not applicable: {option} ({why})" for option, why in refused]
+    if done and len(done[0][1]["stages"]) > 1:
+        lines += ["", "peak per pipeline stage (GiB; every TP/DP/EP rank of a stage alike), worst marked *"]
+        lines.append(f"{'recompute':32s}" + "".join(f"{f'pp{s}':>8s}" for s in range(len(done[0][1]["stages"]))))
+        for option, p in done:
+            lines.append(f"{option:32s}" + "".join(
+                f"{s['peak_bytes'] / GIB:7.1f}{'*' if s['stage'] == p['worst_stage'] else ' '}" for s in p["stages"]))
+    if done:
+        lines += ["", f"worst rank ({done[0][0]}): {done[0][1]['worst_why']}"]
     return "\n".join(lines)
 
 
@@ -405,8 +449,12 @@ def main(argv: list[str] | None = None) -> int:
         print(format_comparison(rows) if rows else f"no completed result.json under {args.compare}")
         return 0 if rows else 1
     title = " ".join(args.overrides) or "(defaults)"
-    try:
-        cfg = compose_config(args.overrides)
+    try:  # recipe=<name>: its published layout and depth (recipes.recipe), whatever GPUs are here
+        cfg, notes = compose_recipe(at_full_depth(args.overrides), on_gpu=True)
+        for note in notes:
+            print(f"[recipe] {note}")
+        if args.budget_gib is None and cfg.get("recipe"):
+            args.budget_gib = GPU_BUDGET_GIB[cfg["recipe"]["gpu"]]
         if args.all:
             done, refused = predict_options(cfg, args.device)
             print(format_options(done, refused, title, args.budget_gib))
