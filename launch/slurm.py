@@ -162,6 +162,27 @@ def check_submission(config: Any, which: Callable[[str], str | None] = shutil.wh
                           "set hydra.launcher.partition=<one of those>")
 
 
+def check_recipe_submission(config: Any) -> str | None:
+    """A ``recipe=<name>`` sent to Slurm: only its published layout (``recipe.full_depth=true``) makes
+    sense there, and that layout must validate (``recipes.recipe.apply_recipe``) before submitting.
+    Returns the recipe's layout line (None without a recipe or outside the Slurm launcher)."""
+    if config.get("recipe") is None or not str(config["hydra"]["launcher"].get("_target_", "")).endswith("SlurmLauncher"):
+        return None
+    from omegaconf import OmegaConf
+
+    from recipes.recipe import apply_recipe, layout_text
+
+    plain = {k: OmegaConf.to_container(config[k], resolve=True) if OmegaConf.is_config(config[k]) else config[k]
+             for k in config if k != "hydra"}
+    if not plain["recipe"]["full_depth"]:
+        raise ConfigError("recipe.full_depth", f"recipe={plain['recipe']['name']} at reduced depth runs in one "
+                          "process on one machine, but this submits a Slurm job of "
+                          f"{plain['launcher']['nnodes']} node(s)", "add recipe.full_depth=true to submit the "
+                          "published layout, or drop launcher=slurm to run the reduced model here")
+    cfg, _ = apply_recipe(plain, on_gpu=True)
+    return f"recipe={cfg['recipe']['name']}: {layout_text(cfg)}, {cfg['model']['num_layers']} layers"
+
+
 def sbatch_preview(hydra_launcher: Mapping[str, Any]) -> str:
     """The sbatch script the submitit plugin would submit for one sweep point (nothing is submitted).
 
@@ -210,6 +231,7 @@ class LaunchCheck(Callback):
     def on_multirun_start(self, config, **kwargs) -> None:
         try:
             check_submission(config)
+            recipe_note = check_recipe_submission(config)
         except ConfigError as err:
             _refuse(err)
         if config.get("dry_run") and str(config.hydra.launcher.get("_target_", "")).endswith("SlurmLauncher"):
@@ -221,6 +243,8 @@ class LaunchCheck(Callback):
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(script)
             launcher = OmegaConf.to_container(config.launcher, resolve=True)
+            if recipe_note:
+                print(f"[dry-run] {recipe_note}")
             print(f"[dry-run] sbatch script for each sweep point: {path}\n{script}\n"
                   f"[dry-run] each node's controller then runs:\n  {describe_torchrun(launcher)}")
             sys.exit(0)  # nothing submitted

@@ -109,3 +109,33 @@ def test_the_committed_recipe_table_is_current():
     proc = subprocess.run([sys.executable, "tools/recipes_table.py", "--check"], cwd=REPO, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def _slurm_dry_run(tmp_path, *overrides):
+    env = {"PATH": str(Path(sys.executable).parent) + ":/usr/bin:/bin", "HOME": str(tmp_path)}
+    return subprocess.run([sys.executable, "train.py", "-m", "launcher=slurm", "hydra.launcher.partition=gpu",
+                           "hydra.launcher.cpus_per_task=64", "dry_run=true", f"hydra.sweep.dir={tmp_path}",
+                           *overrides], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_recipe_slurm_submission_for_its_published_nodes(tmp_path):
+    """The published layout's node count, one controller per node, torchrun with 8 processes on each."""
+    proc = _slurm_dry_run(tmp_path, "recipe=deepseek_v3", "recipe.full_depth=true")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    script = (tmp_path / "slurm_dry_run.sbatch").read_text()
+    for line in ("#SBATCH --nodes=32", "#SBATCH --ntasks-per-node=1", "#SBATCH --gpus-per-node=8"):
+        assert line in script
+    assert "recipe=deepseek_v3: TP2 PP8 EP32 SP on 32 node(s) x 8 = 256 processes, 61 layers" in proc.stdout
+    assert "torch.distributed.run --nproc-per-node=8 --nnodes=32 --node-rank=$SLURM_NODEID" in proc.stdout
+    assert not list(tmp_path.glob("*/result.json"))  # nothing ran
+
+
+@pytest.mark.parametrize("overrides,option", [
+    (["recipe=qwen3_next_80b_a3b"], "recipe.full_depth"),  # reduced depth is not a cluster job
+    (["recipe=qwen3_next_80b_a3b", "recipe.full_depth=true", "parallel.expert_model_parallel_size=64"],
+     "parallel.expert_model_parallel_size"),  # 64 does not divide the 32-GPU cluster's expert layout
+])
+def test_bad_recipe_submissions_are_refused_before_submitting(tmp_path, overrides, option):
+    proc = _slurm_dry_run(tmp_path, *overrides)
+    assert proc.returncode == 2 and f"{option}:" in proc.stderr and "fix:" in proc.stderr, proc.stderr[-2000:]
+    assert not (tmp_path / "slurm_dry_run.sbatch").exists()
