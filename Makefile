@@ -39,10 +39,12 @@ lint: install ## ruff check (settings in pyproject.toml)
 check-data: install ## Re-check the committed H200 data (checks/), the generated docs and every doc reference
 	$(PY) -m pytest -q checks
 	$(PY) tools/compat_table.py --check
+	$(PY) tools/recipes_table.py --check
 	$(PY) tools/check_links.py
 
-docs: install ## Regenerate the generated doc sections (docs/compatibility.md's table)
+docs: install ## Regenerate the generated docs (docs/compatibility.md, docs/recipes.md)
 	$(PY) tools/compat_table.py
+	$(PY) tools/recipes_table.py
 
 sweep: install ## A versioned sweep: make sweep SWEEP=moe [SIZE=h200] [ARGS=...]
 	$(PY) train.py -m sweep=$(SWEEP) size=$(SIZE) $(ARGS)

@@ -191,6 +191,7 @@ def check_points(config: Any) -> None:
     from omegaconf import OmegaConf, open_dict
 
     from recipes.data.indexed import validate_data
+    from recipes.recipe import apply_recipe
     from recipes.validate import validate
 
     loader = GlobalHydra.instance().config_loader()
@@ -200,11 +201,34 @@ def check_points(config: Any) -> None:
             del point["hydra"]
         plain = OmegaConf.to_container(point, resolve=True)
         try:
+            if plain.get("recipe"):  # its published layout, as the controller will run it
+                plain, _ = apply_recipe(plain, on_gpu=True)
             validate(plain, num_gpus=max(1, plain["launcher"]["nproc_per_node"]))
             validate_data(plain)
         except ConfigError as err:
             raise ConfigError(err.option, f"{err.problem} (sweep point {' '.join(overrides) or 'defaults'}; "
                               "nothing was submitted)", err.fix) from err
+
+
+def check_recipe_submission(config: Any) -> str | None:
+    """A ``recipe=<name>`` sent to Slurm: only its published layout (``recipe.full_depth=true``) makes
+    sense there, and that layout must validate (``recipes.recipe.apply_recipe``) before submitting.
+    Returns the recipe's layout line (None without a recipe or outside the Slurm launcher)."""
+    if config.get("recipe") is None or not str(config["hydra"]["launcher"].get("_target_", "")).endswith("SlurmLauncher"):
+        return None
+    from omegaconf import OmegaConf
+
+    from recipes.recipe import apply_recipe, layout_text
+
+    plain = {k: OmegaConf.to_container(config[k], resolve=True) if OmegaConf.is_config(config[k]) else config[k]
+             for k in config if k != "hydra"}
+    if not plain["recipe"]["full_depth"]:
+        raise ConfigError("recipe.full_depth", f"recipe={plain['recipe']['name']} at reduced depth runs in one "
+                          "process on one machine, but this submits a Slurm job of "
+                          f"{plain['launcher']['nnodes']} node(s)", "add recipe.full_depth=true to submit the "
+                          "published layout, or drop launcher=slurm to run the reduced model here")
+    cfg, _ = apply_recipe(plain, on_gpu=True)
+    return f"recipe={cfg['recipe']['name']}: {layout_text(cfg)}, {cfg['model']['num_layers']} layers"
 
 
 def sbatch_preview(hydra_launcher: Mapping[str, Any]) -> str:
@@ -257,6 +281,7 @@ class LaunchCheck(Callback):
         try:
             check_output_dir(config)
             check_submission(config)
+            recipe_note = check_recipe_submission(config)
             if str(config.hydra.launcher.get("_target_", "")).endswith("SlurmLauncher"):
                 check_points(config)
         except ConfigError as err:
@@ -270,6 +295,8 @@ class LaunchCheck(Callback):
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(script)
             launcher = OmegaConf.to_container(config.launcher, resolve=True)
+            if recipe_note:
+                print(f"[dry-run] {recipe_note}")
             print(f"[dry-run] sbatch script for each sweep point: {path}\n{script}\n"
                   f"[dry-run] each node's controller then runs:\n  {describe_torchrun(launcher)}")
             sys.exit(0)  # nothing submitted

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
@@ -22,9 +22,10 @@ from recipes.files import CONF_DIR
 
 @dataclass
 class ModelConfig:
-    """A GPT model in megatron-core's vocabulary; ``family`` picks the attention/MLP variant."""
+    """A GPT model in megatron-core's vocabulary; ``family`` picks the attention kind x MLP kind
+    (``recipes.recompute.ATTENTION_KIND``/``MLP_KIND``), the ``*_freq`` fields the layer pattern."""
 
-    family: str = MISSING  # standard_attn | mla | moe | gdn
+    family: str = MISSING  # standard_attn | mla | moe | gdn | mla_moe | gdn_moe
     num_layers: int = MISSING
     hidden_size: int = MISSING
     ffn_hidden_size: int = MISSING
@@ -51,7 +52,8 @@ class ModelConfig:
     qk_head_dim: int = 128
     qk_pos_emb_head_dim: int = 64
     v_head_dim: int = 128
-    # Mixture of experts (family=moe)
+    # Mixture of experts (family=moe, mla_moe, gdn_moe)
+    moe_layer_freq: Any = 1  # MoE every N-th layer (from layer 0), a 0/1 list per layer, or "([0]*3+[1]*58)"
     num_moe_experts: Optional[int] = None
     moe_router_topk: int = 2
     moe_ffn_hidden_size: Optional[int] = None
@@ -62,7 +64,7 @@ class ModelConfig:
     moe_grouped_gemm: bool = True  # megatron's flag; the experts module is chosen by ``experts``
     experts: str = "grouped"  # grouped (recipes.build.experts, one grouped GEMM) | sequential (megatron)
     moe_shared_expert_overlap: bool = False
-    # GatedDeltaNet hybrid (family=gdn): TransformerConfig's linear-attention fields
+    # GatedDeltaNet hybrid (family=gdn, gdn_moe): TransformerConfig's linear-attention fields
     linear_attention_freq: Optional[int] = None  # every N-th layer is standard attention, the rest GDN
     linear_conv_kernel_dim: int = 4  # causal depthwise conv over q/k/v
     linear_key_head_dim: int = 128
@@ -97,6 +99,8 @@ class ParallelConfig:
     sequence_parallel: bool = False
     pipeline_model_parallel_size: int = 1
     virtual_pipeline_model_parallel_size: Optional[int] = None
+    num_layers_in_first_pipeline_stage: Optional[int] = None  # uneven stages (DeepSeek-V3's 61 layers)
+    num_layers_in_last_pipeline_stage: Optional[int] = None
     context_parallel_size: int = 1
     expert_model_parallel_size: int = 1
     expert_tensor_parallel_size: Optional[int] = None
@@ -212,6 +216,23 @@ class CheckpointConfig:
 
 
 @dataclass
+class NamedRecipeConfig:
+    """A public architecture at its published layout (``recipe=<name>``, conf/recipe/). The file sets
+    ``model.*``, ``train.*``, ``parallel.*``, ``launcher.*`` and the published recompute at full depth;
+    ``recipes.recipe.apply_recipe`` shrinks it to this machine unless ``recipe.full_depth=true``."""
+
+    name: str = MISSING
+    title: str = ""
+    sources: List[str] = field(default_factory=list)  # model card / config.json / paper / Megatron-Bridge recipe
+    gpu: str = "h100"  # the GPU its source trains on: h100 (80 GB) | h200 (141 GB)
+    published_recompute: str = "none"  # the recompute option its source publishes, in this repo's names
+    full_depth: bool = False  # true: every layer at the published layout (a cluster); false: reduced, here
+    reduced: Dict[str, Any] = field(default_factory=dict)  # model.* at reduced depth (num_layers, ...)
+    te_only: List[str] = field(default_factory=list)  # published features that need Transformer Engine
+    notes: List[str] = field(default_factory=list)  # what differs from the source, and why
+
+
+@dataclass
 class RecipeConfig:
     """The root config: one training run (or, with -m, one sweep point)."""
 
@@ -226,6 +247,7 @@ class RecipeConfig:
     measure: MeasureConfig = field(default_factory=MeasureConfig)
     estimate: EstimateConfig = field(default_factory=EstimateConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    recipe: Optional[NamedRecipeConfig] = None  # recipe=<name>: a public architecture (conf/recipe/)
     size: Any = None  # unused: size files (@package _global_) set model.* and train.* directly
     name: Optional[str] = None  # run name; defaults to the Hydra choices
     output_dir: Optional[str] = None  # defaults to Hydra's run/sweep directory

@@ -9,6 +9,7 @@ checkpoint site in ``recipes.measure.ledger`` if megatron opens it from new code
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from functools import cache
 from typing import Any
@@ -18,8 +19,17 @@ from omegaconf import OmegaConf
 from recipes.errors import ConfigError
 from recipes.files import CONF_DIR
 
-#: Model families (``model=``): the attention/MLP variant of the GPT model.
-FAMILIES = ("standard_attn", "mla", "moe", "gdn")
+#: Model families (``model=``): an attention kind x an MLP kind. The first four are the measured families
+#: (docs/h200); ``mla_moe`` (DeepSeek-V2/V3, Moonlight, Kimi) and ``gdn_moe`` (Qwen3-Next) compose them.
+BASE_FAMILIES = ("standard_attn", "mla", "moe", "gdn")
+FAMILIES = BASE_FAMILIES + ("mla_moe", "gdn_moe")
+#: Token mixer of each family: standard (MHA/GQA), mla (Multi-Latent Attention), gdn (GatedDeltaNet
+#: layers with every ``linear_attention_freq``-th layer standard attention).
+ATTENTION_KIND = {"standard_attn": "standard", "moe": "standard", "mla": "mla", "mla_moe": "mla",
+                  "gdn": "gdn", "gdn_moe": "gdn"}
+#: MLP of each family: dense, or MoE on the layers ``moe_layer_freq`` picks (the rest dense).
+MLP_KIND = {"standard_attn": "dense", "mla": "dense", "gdn": "dense", "moe": "moe", "mla_moe": "moe",
+            "gdn_moe": "moe"}
 #: Core-attention backends (``attention=``).
 BACKENDS = ("unfused", "sdpa", "te")
 #: Activation-ledger module kinds, in report order (``recipes.measure.ledger`` attributes bytes to them).
@@ -33,42 +43,129 @@ class Label:
     """One selective recompute label (a megatron-core ``recompute_modules`` entry)."""
 
     name: str
-    families: tuple[str, ...]  # families whose model has the modules it wraps
+    needs: str  # the layer part it wraps: any | attention (standard or MLA) | mla | gdn | dense | moe | shared
     what: str  # what it recomputes, for messages
     flags: tuple[str, ...]  # module attributes megatron (or our experts) set where it applies
     wraps_nothing: str  # the advice when it wraps no module of a built model
     instead: str = ""  # what to use on a family without its modules
 
+    @property
+    def families(self) -> tuple[str, ...]:
+        """The families whose default layer pattern has its modules (every layer MoE for MoE families)."""
+        return tuple(f for f in FAMILIES if self.applies(family_model(f)))
+
+    def applies(self, model: Any) -> bool:
+        """Whether a model (its ``model`` config) has a module this label wraps, layer pattern included."""
+        kinds = layer_kinds(model)
+        mixers, mlps = {k[0] for k in kinds}, {k[1] for k in kinds}
+        return {"any": True, "attention": bool(mixers & {"standard", "mla"}), "mla": "mla" in mixers,
+                "gdn": "gdn" in mixers, "dense": "dense" in mlps, "moe": "moe" in mlps,
+                "shared": "moe" in mlps and bool(_get(model, "moe_shared_expert_intermediate_size"))}[self.needs]
+
 
 LABELS: dict[str, Label] = {label.name: label for label in (
-    Label("core_attn", FAMILIES, "core attention (scores, softmax, context)", ("checkpoint_core_attention",),
+    Label("core_attn", "attention", "core attention (scores, softmax, context)", ("checkpoint_core_attention",),
           "this model has no attention modules that megatron checkpoints"),
-    Label("mlp", ("standard_attn", "mla", "gdn"), "the dense MLP", ("recompute_mlp",),
+    Label("mlp", "dense", "the dense MLP", ("recompute_mlp",),
           "every MLP here is an MoE layer: use selective/moe_act or selective/moe",
-          "on MoE layers use recompute=selective/moe_act (or selective/moe)"),
-    Label("moe_act", ("moe",), "the MoE expert activation between FC1 and FC2", ("activation_recompute",),
+          "on MoE layers use recompute=selective/moe_act (or selective/moe); model.moe_layer_freq "
+          "with dense layers (e.g. [0]*1+[1]*3) gives mlp something to wrap"),
+    Label("moe_act", "moe", "the MoE expert activation between FC1 and FC2", ("activation_recompute",),
           "no experts module here implements moe_act: use model=moe with model.experts=grouped",
-          "use model=moe, or recompute=selective/mlp for a dense MLP"),
-    Label("moe", ("moe",), "the whole MoE layer (router, dispatch, experts)", ("moe_layer_recompute",),
+          "use an MoE family (model=moe, mla_moe, gdn_moe), or recompute=selective/mlp for a dense MLP"),
+    Label("moe", "moe", "the whole MoE layer (router, dispatch, experts)", ("moe_layer_recompute",),
           "no MoE layer here: use selective/mlp for dense MLPs",
-          "use model=moe, or recompute=selective/mlp for a dense MLP"),
-    Label("shared_experts", ("moe",), "the shared experts", ("shared_experts_recompute",),
+          "use an MoE family (model=moe, mla_moe, gdn_moe), or recompute=selective/mlp for a dense MLP"),
+    Label("shared_experts", "shared", "the shared experts", ("shared_experts_recompute",),
           "no shared experts here: set model.moe_shared_expert_intermediate_size",
-          "use model=moe with model.moe_shared_expert_intermediate_size=<size>"),
-    Label("mla_up_proj", ("mla",), "MLA's Q/KV up-projections", ("recompute_up_proj",),
+          "use an MoE family with model.moe_shared_expert_intermediate_size=<size>"),
+    Label("mla_up_proj", "mla", "MLA's Q/KV up-projections", ("recompute_up_proj",),
           "no MLA attention here: use model=mla, or selective/core_attn",
-          "use model=mla, or recompute=selective/core_attn for standard attention"),
-    Label("layernorm", FAMILIES, "the input and pre-MLP norms",
+          "use model=mla or model=mla_moe, or recompute=selective/core_attn for standard attention"),
+    Label("layernorm", "any", "the input and pre-MLP norms",
           ("recompute_input_layernorm", "recompute_pre_mlp_layernorm"),
           "the norms are fused into the next linear (or absent): use another label"),
-    Label("gdn_norm_out", ("gdn",), "the GatedDeltaNet gated output norm", ("recompute_norm_out",),
+    Label("gdn_norm_out", "gdn", "the GatedDeltaNet gated output norm", ("recompute_norm_out",),
           "no GatedDeltaNet layers here: use model=gdn with model.linear_attention_freq>=2",
-          "use model=gdn (GatedDeltaNet layers), or recompute=selective/core_attn for standard attention"),
+          "use model=gdn or gdn_moe (GatedDeltaNet layers), or recompute=selective/core_attn for standard attention"),
 )}
 
 #: The guide's first selective option per family (its decision guide, step 3).
 GUIDE_FIRST_LABEL = {"standard_attn": "selective/core_attn", "mla": "selective/mla_up_proj",
-                     "moe": "selective/moe_act", "gdn": "selective/gdn_norm_out"}
+                     "moe": "selective/moe_act", "gdn": "selective/gdn_norm_out",
+                     "mla_moe": "selective/mla_up_proj-moe_act", "gdn_moe": "selective/gdn_norm_out-moe_act"}
+
+
+# --- the layer pattern: which layers are GDN / attention, dense / MoE ---------------------------------
+def _get(model: Any, key: str, default: Any = None) -> Any:
+    return model.get(key, default) if hasattr(model, "get") else getattr(model, key, default)
+
+
+def family_model(family: str) -> dict:
+    """A model config with the family's default pattern (MoE on every layer; shared experts counted as
+    possible: whether a model has them is its own config's business, ``Label.applies``)."""
+    return {"family": family, "num_layers": 4, "moe_layer_freq": 1, "linear_attention_freq": 4,
+            "moe_shared_expert_intermediate_size": 1}
+
+
+def parse_pattern(value: Any, num_layers: int, what: str = "model.moe_layer_freq") -> list[int]:
+    """A per-layer 0/1 list (see ``_parse_pattern``), cached: the estimator asks once per layer."""
+    key = tuple(value) if isinstance(value, (list, tuple)) else value
+    return list(_parse_pattern(key, num_layers, what))
+
+
+@cache
+def _parse_pattern(value: Any, num_layers: int, what: str) -> tuple[int, ...]:
+    """A per-layer 0/1 list from megatron's int-or-list fields, or Megatron-LM's command-line string
+    form ``"([0]*3+[1]*58)"`` (DeepSeek-V3's first_k_dense_replace=3). Refused when its length is not
+    ``num_layers``."""
+    if isinstance(value, str):
+        body = value.replace(" ", "").strip("()")
+        parts = body.split("+") if body else []
+        out: list[int] = []
+        for part in parts:
+            match = re.fullmatch(r"\[([01](?:,[01])*)\](?:\*(\d+))?", part)
+            if not match:
+                raise ConfigError(what, f"cannot read the pattern {value!r}",
+                                  "write an int N (MoE every N-th layer), a 0/1 list, or \"([0]*3+[1]*58)\"")
+            out += [int(x) for x in match.group(1).split(",")] * int(match.group(2) or 1)
+        value = out
+    if isinstance(value, int):
+        return tuple(1 if i % value == 0 else 0 for i in range(num_layers)) if value >= 1 else (0,) * num_layers
+    value = tuple(int(x) for x in value)
+    if len(value) != num_layers or set(value) - {0, 1}:
+        raise ConfigError(what, f"a pattern of {len(value)} entries for {num_layers} layers (0/1 each)",
+                          f"give one 0/1 per layer ({num_layers}), e.g. \"([0]*1+[1]*{max(0, num_layers - 1)})\"")
+    return value
+
+
+def moe_pattern(model: Any) -> list[int]:
+    """Per layer, 1 for an MoE MLP and 0 for a dense one (megatron's ``moe_layer_freq``: an int N
+    puts MoE on layers 0, N, 2N...; a list is per layer). All 0 for a dense family."""
+    n = _get(model, "num_layers")
+    if MLP_KIND.get(_get(model, "family"), "dense") != "moe":
+        return [0] * n
+    return parse_pattern(_get(model, "moe_layer_freq", 1), n)
+
+
+def gdn_pattern(model: Any) -> list[int]:
+    """Per layer, 1 for GatedDeltaNet and 0 for standard attention (megatron's
+    ``get_linear_attention_pattern``: every ``linear_attention_freq``-th layer is attention)."""
+    n = _get(model, "num_layers")
+    if ATTENTION_KIND.get(_get(model, "family")) != "gdn":
+        return [0] * n
+    freq = _get(model, "linear_attention_freq")
+    if isinstance(freq, int) and not isinstance(freq, bool):
+        return [0 if (i + 1) % freq == 0 else 1 for i in range(n)] if freq >= 1 else [1] * n
+    return parse_pattern(freq, n, "model.linear_attention_freq")
+
+
+def layer_kinds(model: Any) -> list[tuple[str, str]]:
+    """(token mixer, MLP) per layer: mixer standard | mla | gdn, MLP dense | moe."""
+    attention = ATTENTION_KIND.get(_get(model, "family"), "standard")
+    gdn, moe = gdn_pattern(model), moe_pattern(model)
+    return [("gdn" if g else ("mla" if attention == "mla" else "standard"), "moe" if e else "dense")
+            for g, e in zip(gdn, moe)]
 
 
 # --- the codec: config <-> option <-> labels ----------------------------------------------------------
@@ -135,11 +232,42 @@ def recompute_config(option: str) -> dict:
     return values
 
 
-def options_for(family: str) -> list[str]:
-    """The options whose every label applies to ``family``, in the guide's order of preference."""
+def options_for(family_or_model: str | Any) -> list[str]:
+    """The options whose every label applies, in the guide's order of preference. A family name uses
+    its default pattern; a ``model`` config its own (``mlp`` applies to an MoE model's dense layers)."""
+    model = family_model(family_or_model) if isinstance(family_or_model, str) else family_or_model
     out = []
     for option in conf_options():
         labels = selective_labels(option)
-        if labels is None or all(family in LABELS[label].families for label in labels if label in LABELS):
+        if labels is None or all(LABELS[label].applies(model) for label in labels if label in LABELS):
             out.append(option)
     return sorted(out, key=recompute_order)
+
+
+def chunk_layers(model: Any, parallel: Any) -> list[range]:
+    """Global layers of each model chunk (index: virtual stage * pp + pipeline stage), as megatron splits
+    them: evenly, or with ``num_layers_in_first/last_pipeline_stage`` (no interleaving) the rest evenly
+    over the middle stages. Refused (``ConfigError``) where the stages cannot split the depth."""
+    n, pp = _get(model, "num_layers"), _get(parallel, "pipeline_model_parallel_size")
+    vpp = _get(parallel, "virtual_pipeline_model_parallel_size") or 1
+    first, last = (_get(parallel, f"num_layers_in_{k}_pipeline_stage") for k in ("first", "last"))
+    if first is None and last is None:
+        if n % (pp * vpp):
+            raise ConfigError("model.num_layers", f"{n} layers do not split into {pp} stage(s) x {vpp} "
+                              "virtual stage(s)", f"set model.num_layers to a multiple of {pp * vpp}, shrink "
+                              "PP/VPP, or give parallel.num_layers_in_first/last_pipeline_stage")
+        per = n // (pp * vpp)
+        return [range(c * per, (c + 1) * per) for c in range(pp * vpp)]
+    if vpp > 1 or pp < 2:
+        raise ConfigError("parallel.num_layers_in_first_pipeline_stage", "uneven stages are modeled "
+                          "for pipeline parallel without interleaving", "drop the virtual stages, or split evenly")
+    sizes = [first, *([None] * (pp - 2)), last]
+    middle = n - (first or 0) - (last or 0)
+    free = sum(s is None for s in sizes)
+    if middle < 0 or free == 0 and middle or free and middle % free:
+        raise ConfigError("model.num_layers", f"{n} layers minus {first or 0} first and {last or 0} last "
+                          f"leave {middle} for {free} other stage(s)",
+                          "pick num_layers_in_first/last_pipeline_stage leaving a multiple of the other stages")
+    sizes = [s if s is not None else middle // free for s in sizes]
+    starts = [sum(sizes[:i]) for i in range(pp)]
+    return [range(a, a + k) for a, k in zip(starts, sizes)]

@@ -13,7 +13,7 @@ from typing import Any
 
 from recipes.config import RecipeConfig
 from recipes.errors import ConfigError
-from recipes.recompute import BACKENDS, FAMILIES, LABELS, labels_of
+from recipes.recompute import ATTENTION_KIND, BACKENDS, FAMILIES, LABELS, MLP_KIND, chunk_layers, labels_of, layer_kinds
 
 
 def transformer_engine_importable() -> bool:
@@ -144,12 +144,13 @@ def _validate_model(cfg) -> None:
     _check(heads % groups == 0, "model.num_query_groups",
            f"{heads} attention heads are not divisible into {groups} query groups",
            "pick num_query_groups dividing num_attention_heads")
-    if m["kv_channels"] is None and m["family"] != "mla":
+    if m["kv_channels"] is None and ATTENTION_KIND[m["family"]] != "mla":
         _check(m["hidden_size"] % heads == 0, "model.hidden_size",
                f"hidden_size {m['hidden_size']} is not divisible by {heads} heads",
                "set model.kv_channels or a hidden size divisible by the head count")
-    if m["family"] == "moe":
-        _check(bool(m["num_moe_experts"]), "model.num_moe_experts", "model=moe needs experts",
+    layer_kinds(m)  # the layer pattern reads (moe_layer_freq, linear_attention_freq), or ConfigError
+    if MLP_KIND[m["family"]] == "moe":
+        _check(bool(m["num_moe_experts"]), "model.num_moe_experts", f"model={m['family']} needs experts",
                "set model.num_moe_experts (e.g. 8)")
         _check(m["moe_router_topk"] <= m["num_moe_experts"], "model.moe_router_topk",
                f"top-{m['moe_router_topk']} of {m['num_moe_experts']} experts",
@@ -159,9 +160,9 @@ def _validate_model(cfg) -> None:
         _check(m["moe_token_dispatcher_type"] in ("allgather", "alltoall"),
                "model.moe_token_dispatcher_type", f"{m['moe_token_dispatcher_type']!r} is not "
                "supported here", "use allgather (any device) or alltoall (GPU)")
-    if m["family"] == "gdn":
+    if ATTENTION_KIND[m["family"]] == "gdn":
         freq = m["linear_attention_freq"]
-        _check(freq is not None and freq >= 2, "model.linear_attention_freq",
+        _check(freq is not None and (not isinstance(freq, int) or freq >= 2), "model.linear_attention_freq",
                f"{freq} leaves no GatedDeltaNet layers (every N-th layer is standard attention)",
                "use model.linear_attention_freq=4 (3 GDN : 1 attention), or model=standard_attn")
         kh, vh = m["linear_num_key_heads"], m["linear_num_value_heads"]
@@ -171,7 +172,7 @@ def _validate_model(cfg) -> None:
         _check(m["activation"] in ("silu", "swish"), "model.activation",
                f"megatron's GatedDeltaNet runs its causal conv with the model's activation, and fla's "
                f"kernel asserts SiLU on a GPU: {m['activation']!r} would fail in the first forward",
-               "use model.activation=silu for model=gdn")
+               f"use model.activation=silu for model={m['family']}")
 
 
 def _validate_attention(cfg, te_available: bool) -> None:
@@ -186,9 +187,7 @@ def _validate_attention(cfg, te_available: bool) -> None:
 def layers_per_chunk(cfg) -> int:
     """Layers in each model chunk (a pipeline stage, or a virtual stage under interleaving): the range
     of full recompute's ``recompute_num_layers``, which megatron applies per chunk."""
-    par = cfg["parallel"]
-    n = cfg["model"]["num_layers"] // par["pipeline_model_parallel_size"]
-    return n // par["virtual_pipeline_model_parallel_size"] if par["virtual_pipeline_model_parallel_size"] else n
+    return min(len(r) for r in chunk_layers(cfg["model"], cfg["parallel"]))
 
 
 def _validate_recompute(cfg) -> None:
@@ -226,7 +225,7 @@ def _validate_recompute(cfg) -> None:
         _check(label in LABELS, "recompute.recompute_modules", f"unknown label {label!r}",
                f"use labels from: {', '.join(LABELS)}")
         info = LABELS[label]
-        _check(m["family"] in info.families, f"recompute=selective/{label}",
+        _check(info.applies(m), f"recompute=selective/{label}",
                f"{label} recomputes {info.what}, but model={m['family']} has none "
                "(megatron-core would accept it and recompute nothing)", info.instead)
         if label == "shared_experts":
@@ -272,7 +271,7 @@ def _validate_parallel(cfg, num_gpus: int) -> None:
                f"{nproc} processes but this machine has {num_gpus} GPU(s)",
                f"set launcher.nproc_per_node<={num_gpus} or add nodes (launcher=slurm launcher.nnodes=N)")
     else:
-        _check(m["moe_token_dispatcher_type"] != "alltoall" or m["family"] != "moe",
+        _check(m["moe_token_dispatcher_type"] != "alltoall" or MLP_KIND[m["family"]] != "moe",
                "model.moe_token_dispatcher_type", "the alltoall dispatcher needs CUDA streams",
                "use model.moe_token_dispatcher_type=allgather on a CPU")
     model_parallel = tp * pp * cp
@@ -286,9 +285,9 @@ def _validate_parallel(cfg, num_gpus: int) -> None:
     _check(heads % tp == 0, "parallel.tensor_model_parallel_size",
            f"{heads} heads are not divisible by TP={tp}", "pick a TP size dividing the head count")
     groups = m["num_query_groups"] or heads
-    _check(m["family"] == "mla" or groups % tp == 0, "parallel.tensor_model_parallel_size",
+    _check(ATTENTION_KIND[m["family"]] == "mla" or groups % tp == 0, "parallel.tensor_model_parallel_size",
            f"{groups} query groups are not divisible by TP={tp}", "pick TP dividing num_query_groups")
-    if m["family"] == "gdn":
+    if ATTENTION_KIND[m["family"]] == "gdn":
         kh, vh = m["linear_num_key_heads"], m["linear_num_value_heads"]
         _check(kh % tp == 0 and vh % tp == 0, "parallel.tensor_model_parallel_size",
                f"GDN heads ({kh} key, {vh} value) are not divisible by TP={tp}",
@@ -300,10 +299,7 @@ def _validate_parallel(cfg, num_gpus: int) -> None:
            f"{vpp} virtual stage(s) per rank is no interleaving", "use null, or 2 or more")
     _check(vpp is None or pp > 1, "parallel.virtual_pipeline_model_parallel_size",
            "virtual stages need pipeline parallel > 1", "use parallel=pp2_vpp2, or vpp=null")
-    stages = pp * (vpp or 1)
-    _check(m["num_layers"] % stages == 0, "model.num_layers",
-           f"{m['num_layers']} layers do not split into {pp} stage(s) x {vpp or 1} virtual stage(s)",
-           f"set model.num_layers to a multiple of {stages}, or shrink PP/VPP")
+    chunk_layers(m, par)  # the depth splits into the stages (evenly, or first/last given), or ConfigError
     mbs = train["micro_batch_size"]
     gbs = train["global_batch_size"] or mbs * dp
     _check(gbs % (mbs * dp) == 0, "train.global_batch_size",
@@ -334,7 +330,7 @@ def _validate_parallel(cfg, num_gpus: int) -> None:
                           "sequence over the context-parallel ranks (Megatron-LM's "
                           "get_batch_on_this_cp_rank), so every rank would attend over all of it",
                           "use context_parallel_size=1 (docs/parallel.md says what is missing)")
-    if m["family"] == "moe":
+    if MLP_KIND[m["family"]] == "moe":
         _check(m["num_moe_experts"] % ep == 0, "parallel.expert_model_parallel_size",
                f"{m['num_moe_experts']} experts do not split over EP={ep}", "pick EP dividing the experts")
         etp = par["expert_tensor_parallel_size"] or tp
@@ -349,8 +345,8 @@ def _validate_parallel(cfg, num_gpus: int) -> None:
                "(it defaults to the TP size)",
                "set parallel.expert_tensor_parallel_size=1 (parallel=tp2 does), or model.experts=sequential")
     else:
-        _check(ep == 1, "parallel.expert_model_parallel_size", "expert parallel needs model=moe",
-               "use model=moe, or parallel.expert_model_parallel_size=1")
+        _check(ep == 1, "parallel.expert_model_parallel_size", "expert parallel needs an MoE family",
+               "use model=moe (or mla_moe, gdn_moe), or parallel.expert_model_parallel_size=1")
 
 
 def _validate_run(cfg) -> None:

@@ -18,7 +18,7 @@ RECOMPUTE = sorted(
     str(p.relative_to(Path(CONF) / "recompute").with_suffix(""))
     for p in (Path(CONF) / "recompute").rglob("*.yaml")
 )
-FAMILIES = ["standard_attn", "mla", "moe", "gdn"]
+FAMILIES = ["standard_attn", "mla", "moe", "gdn", "mla_moe", "gdn_moe"]
 
 
 def _check(cfg: dict) -> None:

@@ -36,7 +36,12 @@ LABELS = {
     "mla": COMMON + ["selective/mlp", "selective/mla_up_proj", "selective/mla_up_proj-core_attn"],
     "moe": COMMON + ["selective/moe_act", "selective/moe", "selective/moe_act-layernorm"],
     "gdn": COMMON + ["selective/mlp", "selective/gdn_norm_out", "selective/gdn_norm_out-core_attn", "full/block"],
+    # Issue 20 (every option of these: tests/test_models.py): a dense first layer, then MoE
+    "mla_moe": ["none", "selective/mla_up_proj-moe_act", "selective/mlp", "full/block"],
+    "gdn_moe": ["none", "selective/gdn_norm_out-moe_act", "selective/mlp"],
 }
+#: The layer pattern of the composed families in these tests: one dense layer, then MoE.
+FAMILY_OVERRIDES = {"mla_moe": ["model.moe_layer_freq=[0,1]"], "gdn_moe": ["model.moe_layer_freq=[0,1]"]}
 #: GDN's own shapes: sequences padded to 2 and 3 of the delta rule's 64-token chunks, one and three
 #: sequences, value heads 2x and 1x the key heads, unequal head dims, conv widths, a LayerNorm, dropout.
 GDN_SHAPES = {
@@ -74,7 +79,8 @@ OTHER_SHAPES = {
                         "mla": ["none", "selective/mla_up_proj", "selective/core_attn"],
                         "moe": ["none", "selective/moe_act", "selective/core_attn"]},
     "gqa_layernorm_gelu": {"standard_attn": ["none", "full"], "mla": ["none", "selective/mla_up_proj"],
-                           "moe": ["none", "selective/moe_act", "selective/shared_experts"]},
+                           "moe": ["none", "selective/moe_act", "selective/shared_experts"],
+                           "mla_moe": ["none", "selective/mla_up_proj-moe_act", "selective/shared_experts"]},
     "gdn_s96_dropout": {"gdn": ["none", "selective/gdn_norm_out", "full/block"]},
     "gdn_s150_layernorm": {"gdn": ["none", "selective/gdn_norm_out", "selective/layernorm", "full/block"]},
 }
@@ -93,7 +99,8 @@ def assert_close(predicted: dict, measured: dict, what: str, tol: float = 0.05) 
 @pytest.mark.parametrize("backend", ["unfused", "sdpa"])
 @pytest.mark.parametrize("family,label,shape", CASES, ids=lambda x: str(x))
 def test_prediction_matches_the_measured_ledger(megatron_world, family, label, shape, backend):
-    cfg = compose(f"model={family}", f"attention={backend}", f"recompute={label}", *SHAPES[shape])
+    cfg = compose(f"model={family}", f"attention={backend}", f"recompute={label}", *SHAPES[shape],
+                  *FAMILY_OVERRIDES.get(family, ()))
     _, grads, ledger, _ = gradients(cfg)
     predicted = predict(cfg, device="auto")  # what this machine ran: fp32 on a CPU, bf16 on a GPU
     assert_close(predicted["activation_bytes_by_kind"], ledger, f"{family} {label} {shape} {backend}")

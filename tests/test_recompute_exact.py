@@ -84,6 +84,13 @@ LABEL_CASES = [
     ("moe", "selective/moe_act-layernorm", ()),
     ("moe", "selective/moe-layernorm", ()),
     ("moe", "selective/shared_experts", ("model.moe_shared_expert_intermediate_size=64",)),
+    # Issue 20: MLA and GatedDeltaNet over MoE, a dense first layer then MoE (DeepSeek's first_k_dense_replace).
+    # Every applicable option of these two: tests/test_models.py.
+    ("mla_moe", "selective/mla_up_proj-moe_act", ("model.moe_layer_freq=[0,1]",)),
+    ("mla_moe", "selective/mlp", ("model.moe_layer_freq=[0,1]",)),
+    ("mla_moe", "selective/shared_experts", ("model.moe_layer_freq=[0,1]", "model.moe_shared_expert_intermediate_size=64")),
+    ("gdn_moe", "selective/gdn_norm_out-moe_act", ("model.moe_layer_freq=[0,1]",)),
+    ("gdn_moe", "selective/moe", ()),
 ]
 
 

@@ -25,13 +25,13 @@ import sys
 from pathlib import Path
 
 from recipes.analyze.report import NOISY_STEPS, control_gap_pct, find_results, rank_rows
-from recipes.config import compose_config
 from recipes.errors import ConfigError
 from recipes.files import GIB
 from recipes.measure.flops import layer_forward_flops, replayed_layer_flops
 from recipes.measure.profile import first_label_to_try, top_contributors
 from recipes.predict.estimate import predict, predict_options, recorded_shares, routing_line
 from recipes.predict.fit import FITS, TIGHT, fits, slack_for, verdict, with_slack
+from recipes.recipe import GPU_BUDGET_GIB, at_full_depth, compose_recipe
 from recipes.recompute import NO_RECOMPUTE, is_full, recompute_config, recompute_order, selective_labels
 from recipes.results import first_sentence, recompute_of, worst_row
 from recipes.validate import layers_per_chunk
@@ -525,7 +525,7 @@ def advise_before_running(overrides: list[str], budget_gib: float) -> dict:
     rank; the choice is the fitting option that replays the least forward work (recipes.measure.flops),
     no recompute first: the guide's "narrowest boundary that fits", to be confirmed by a sweep."""
 
-    cfg = compose_config(overrides)
+    cfg, _ = compose_recipe(at_full_depth(overrides), on_gpu=True)  # recipe=<name>: its published layout
     done, refused = predict_options(cfg, "cuda")
     layer = layer_forward_flops(cfg)
     per_layer = sum(layer.get(k, 0.0) for k in ("attn_proj", "core_attn", "mlp", "moe"))
@@ -547,6 +547,14 @@ def advise_before_running(overrides: list[str], budget_gib: float) -> dict:
     return {"source": "predicted", "budget_gib": budget_gib, "overrides": overrides, "options": rows,
             "allocator_slack": slack_for(cfg), "routed_share": share,
             "choice": choice, "refused": [{"recompute": o, "why": w} for o, w in refused]}
+
+
+def recipe_budget(overrides: list[str]) -> float | None:
+    """The allocator budget of a named recipe's GPU (``recipes.recipe.GPU_BUDGET_GIB``), else None."""
+    if not any(o.startswith("recipe=") for o in overrides):
+        return None
+    cfg, _ = compose_recipe(at_full_depth(overrides), on_gpu=True)
+    return GPU_BUDGET_GIB[cfg["recipe"]["gpu"]]
 
 
 def _fewest_block_layers(cfg: dict, rc: dict, budget_gib: float) -> tuple[dict, dict]:
@@ -609,24 +617,29 @@ def explain_prediction(advice: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("sweep_dir", type=Path, nargs="?", help="a multirun/... sweep directory")
-    parser.add_argument("--budget-gib", type=positive_budget, required=True,
+    parser.add_argument("--budget-gib", type=positive_budget, default=None,
                         help="memory per GPU that PyTorch's allocator may reserve, GiB: the GPU's capacity less what "
                              "CUDA and its libraries hold outside it (2.4 GiB on the H200: use 137 there). CPU "
-                             "sweeps: applied to the activation ledger")
+                             "sweeps: applied to the activation ledger. Required, except with --predict "
+                             "recipe=<name>, where it defaults to the recipe's GPU (H100 77, H200 137)")
     parser.add_argument("--json", action="store_true", help="print JSON for a script instead of text")
     parser.add_argument("--predict", nargs="+", metavar="OVERRIDE",
                         help="before any run: rank the options by predicted memory for these Hydra "
                         "overrides (e.g. --predict model=moe size=h200)")
     args = parser.parse_args(argv)
     if args.predict:
-
         try:
-            advice = advise_before_running(args.predict, args.budget_gib)
+            budget = args.budget_gib or recipe_budget(args.predict)
+            if budget is None:
+                parser.error("--budget-gib is required (it defaults to the GPU of a recipe=<name> only)")
+            advice = advise_before_running(args.predict, budget)
         except ConfigError as err:
             print(f"error: {err}", file=sys.stderr)
             return 2
         print(json.dumps(advice, indent=2) if args.json else explain_prediction(advice))
         return 0
+    if args.budget_gib is None:
+        parser.error("--budget-gib is required for a sweep")
     if args.sweep_dir is None:
         parser.error("give a sweep directory, or --predict OVERRIDE... to rank options before any run")
     if not args.sweep_dir.is_dir():

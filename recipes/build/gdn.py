@@ -8,8 +8,8 @@ layers: ``linear_attention_freq=N`` makes every N-th layer standard attention an
 Why our own block spec: megatron's ``get_transformer_block_with_experimental_attention_variant_spec``
 asserts ``transformer_impl == "transformer_engine"``, and its ``get_gated_delta_net_module_spec``
 fuses the layer's input norm into ``in_proj`` (``column_parallel_layer_norm_linear``), which
-``LocalSpecProvider`` does not have (it returns None). ``build_gdn_block_spec`` builds the same
-per-layer list from local pieces: the GDN layers keep the layer's own ``input_layernorm`` and a plain
+``LocalSpecProvider`` does not have (it returns None). ``gdn_layer_spec`` (placed per layer by
+``recipes.build.model.build_block_spec``) builds the same per-layer list from local pieces: the GDN layers keep the layer's own ``input_layernorm`` and a plain
 ``ColumnParallelLinear`` ``in_proj`` (the same arithmetic, unfused); the attention layers are the
 local attention layer spec with our core attention (``recipes.build.attention``), exactly as model=standard_attn.
 
@@ -165,23 +165,17 @@ def linear_attention_pattern(config) -> list[int]:
     return get_linear_attention_pattern(config)
 
 
-def build_gdn_block_spec(config, attention_layer_spec, vp_stage: int | None = None):
-    """The hybrid block for this pipeline stage: GDN layers where the pattern says 1, else
-    ``attention_layer_spec`` (the local attention layer with our core attention)."""
+def gdn_layer_spec(attention_layer_spec):
+    """``attention_layer_spec`` (a local layer spec, dense or MoE MLP) with a GatedDeltaNet mixer in
+    place of its self-attention; ``recipes.build.model.build_block_spec`` places it where the pattern says."""
     from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.spec_utils import ModuleSpec
-    from megatron.core.transformer.transformer_block import (
-        LayerNormImpl,
-        TransformerBlockSubmodules,
-        get_num_layers_to_build,
-    )
-    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     select_gdn_ops()
     check_fla_kernels()
     layer = attention_layer_spec.submodules
-    gdn_layer = dataclasses.replace(attention_layer_spec, submodules=dataclasses.replace(
+    return dataclasses.replace(attention_layer_spec, submodules=dataclasses.replace(
         layer,
         self_attention=ModuleSpec(
             module=GatedDeltaNet,
@@ -192,9 +186,3 @@ def build_gdn_block_spec(config, attention_layer_spec, vp_stage: int | None = No
             ),
         ),
     ))
-    pattern = linear_attention_pattern(config)
-    offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
-    num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
-    specs = [gdn_layer if pattern[i] else attention_layer_spec for i in range(offset, offset + num_layers)]
-    # the final norm as megatron picks it for a single layer spec (transformer_block._get_block_submodules)
-    return TransformerBlockSubmodules(layer_specs=specs, layer_norm=LayerNormImpl)

@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from recipes.build.compat import device
-from recipes.build.gdn import build_gdn_block_spec
+from recipes.build.gdn import gdn_layer_spec
+from recipes.recompute import ATTENTION_KIND, MLP_KIND, layer_kinds, moe_pattern
 
 #: Model fields that are ours or GPTModel arguments, not TransformerConfig fields.
 NON_TRANSFORMER_FIELDS = {
@@ -27,11 +28,11 @@ NON_TRANSFORMER_FIELDS = {
     "experts",
     "activation",
 }
-#: MLATransformerConfig-only fields (passed only for family=mla).
+#: MLATransformerConfig-only fields (passed only for MLA families: mla, mla_moe).
 MLA_FIELDS = {"q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim"}
-#: MoE fields (passed only for family=moe).
+#: MoE fields (passed only for MoE families: moe, mla_moe, gdn_moe).
 MOE_PREFIX = "moe_"
-#: GatedDeltaNet fields (passed only for family=gdn, with experimental_attention_variant).
+#: GatedDeltaNet fields (passed only for gdn, gdn_moe, with experimental_attention_variant).
 GDN_FIELDS = {"linear_attention_freq", "linear_conv_kernel_dim", "linear_key_head_dim",
               "linear_value_head_dim", "linear_num_key_heads", "linear_num_value_heads"}
 ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu}
@@ -49,18 +50,19 @@ def resolve_precision(precision: str, on_gpu: bool) -> str:
 def transformer_config_kwargs(cfg: Any, on_gpu: bool) -> dict:
     """The keyword arguments for megatron's config class, from the run config (plain dict view)."""
     model, par, rc = cfg["model"], cfg["parallel"], cfg["recompute"]
-    family = model["family"]
+    attention, mlp = ATTENTION_KIND[model["family"]], MLP_KIND[model["family"]]
     kwargs = {
         k: v
         for k, v in model.items()
         if k not in NON_TRANSFORMER_FIELDS
-        and (family == "mla" or k not in MLA_FIELDS)
-        and (family == "moe" or not k.startswith(MOE_PREFIX))
-        and (family == "gdn" or k not in GDN_FIELDS)
+        and (attention == "mla" or k not in MLA_FIELDS)
+        and (mlp == "moe" or not k.startswith(MOE_PREFIX))
+        and (attention == "gdn" or k not in GDN_FIELDS)
         and k != "num_moe_experts"
     }
-    if family == "moe":
+    if mlp == "moe":
         kwargs["num_moe_experts"] = model["num_moe_experts"]
+        kwargs["moe_layer_freq"] = moe_pattern(model)  # a per-layer list, whatever form the config used
     kwargs["activation_func"] = ACTIVATIONS[model["activation"]]
     kwargs.update({k: v for k, v in par.items() if k not in NON_MPC_PARALLEL_FIELDS})
     if par["expert_tensor_parallel_size"] is None:
@@ -90,9 +92,9 @@ def transformer_config_kwargs(cfg: Any, on_gpu: bool) -> dict:
         variable_seq_lengths=False,
         batch_p2p_comm=on_gpu,  # batched p2p calls torch.cuda.synchronize; gloo uses isend/irecv
     )
-    if family == "mla":
+    if attention == "mla":
         kwargs.update(multi_latent_attention=True, rope_type="rope", rotary_base=model["rotary_base"])
-    if family == "gdn":
+    if attention == "gdn":
         kwargs.update(experimental_attention_variant="gated_delta_net")
     return kwargs
 
@@ -105,20 +107,23 @@ def build_transformer_config(cfg: Any, on_gpu: bool):
         TransformerConfig,
     )
 
-    cls = MLATransformerConfig if cfg["model"]["family"] == "mla" else TransformerConfig
+    cls = MLATransformerConfig if ATTENTION_KIND[cfg["model"]["family"]] == "mla" else TransformerConfig
     return cls(**transformer_config_kwargs(cfg, on_gpu))
 
 
 def build_layer_spec(cfg: Any, config, vp_stage: int | None = None):
     """megatron's local layer spec with our core attention and (for MoE) our experts module.
 
-    For family=gdn: the hybrid block of this (virtual) pipeline stage, GatedDeltaNet layers mixed
-    with that attention layer (``recipes.build.gdn``).
+    A model whose layers all have the same kind (standard or MLA attention, dense or MoE MLP) gets one
+    layer spec, as megatron's own recipes do; a layer pattern (GatedDeltaNet hybrids, ``moe_layer_freq``
+    with dense layers) gets this (virtual) pipeline stage's block, one spec per layer (``build_block_spec``).
     """
     backend = cfg["attention"]["backend"]
     model = cfg["model"]
-    num_experts = model["num_moe_experts"] if model["family"] == "moe" else None
-    if backend == "te" and model["family"] == "gdn":  # megatron's own hybrid spec (TE-only)
+    attention = ATTENTION_KIND[model["family"]]
+    kinds = layer_kinds(model)
+    num_experts = model["num_moe_experts"] if MLP_KIND[model["family"]] == "moe" else None
+    if backend == "te" and attention == "gdn":  # megatron's own hybrid spec (TE-only)
         from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
             get_transformer_block_with_experimental_attention_variant_spec,
         )
@@ -126,28 +131,44 @@ def build_layer_spec(cfg: Any, config, vp_stage: int | None = None):
         return get_transformer_block_with_experimental_attention_variant_spec(config, vp_stage)
     if backend == "te":
         from megatron.core.models.gpt.gpt_layer_specs import (
+            get_gpt_decoder_block_spec,
             get_gpt_layer_with_transformer_engine_spec,
         )
 
+        if len(set(kinds)) > 1:  # moe_layer_freq with dense layers: megatron's block
+            return get_gpt_decoder_block_spec(config, use_transformer_engine=True, vp_stage=vp_stage)
         return get_gpt_layer_with_transformer_engine_spec(
             num_experts=num_experts,
             moe_grouped_gemm=model["moe_grouped_gemm"],
             qk_layernorm=model["qk_layernorm"],
-            multi_latent_attention=model["family"] == "mla",
+            multi_latent_attention=attention == "mla",
         )
+    specs = {}
+    for mixer, mlp in sorted(set(kinds)):
+        spec = local_layer_spec(cfg, num_experts if mlp == "moe" else None)
+        specs[(mixer, mlp)] = gdn_layer_spec(spec) if mixer == "gdn" else spec
+    if len(specs) == 1 and attention != "gdn":
+        return next(iter(specs.values()))
+    return build_block_spec(config, [specs[k] for k in kinds], vp_stage)
+
+
+def local_layer_spec(cfg: Any, num_experts: int | None):
+    """One local (no Transformer Engine) layer: our core attention; for MoE (``num_experts``) our
+    grouped experts unless ``model.experts=sequential``."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     from recipes.build.attention import CORE_ATTENTION  # imports megatron: only when a model is built
 
+    model = cfg["model"]
     spec = get_gpt_layer_local_spec(
         num_experts=num_experts,
         moe_grouped_gemm=model["moe_grouped_gemm"],
         qk_layernorm=model["qk_layernorm"],
-        multi_latent_attention=model["family"] == "mla",
+        multi_latent_attention=ATTENTION_KIND[model["family"]] == "mla",
         normalization=model["normalization"],
     )
     attn = spec.submodules.self_attention
-    attn.submodules = dataclasses.replace(attn.submodules, core_attention=CORE_ATTENTION[backend])
+    attn.submodules = dataclasses.replace(attn.submodules, core_attention=CORE_ATTENTION[cfg["attention"]["backend"]])
     if num_experts and model["experts"] == "grouped":
         from recipes.build.experts import grouped_experts_builder  # imports megatron, as above
 
@@ -155,9 +176,23 @@ def build_layer_spec(cfg: Any, config, vp_stage: int | None = None):
         moe.keywords["submodules"] = dataclasses.replace(
             moe.keywords["submodules"], experts=grouped_experts_builder()
         )
-    if model["family"] == "gdn":
-        return build_gdn_block_spec(config, spec, vp_stage)
     return spec
+
+
+def build_block_spec(config, layer_specs: list, vp_stage: int | None = None):
+    """The block of this (virtual) pipeline stage from one spec per global layer (``layer_specs``,
+    indexed as ``recipes.recompute.layer_kinds``): megatron's own layer offset and count per stage."""
+    from megatron.core.transformer.transformer_block import (
+        LayerNormImpl,
+        TransformerBlockSubmodules,
+        get_num_layers_to_build,
+    )
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
+    num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
+    # the final norm as megatron picks it for a single layer spec (transformer_block._get_block_submodules)
+    return TransformerBlockSubmodules(layer_specs=layer_specs[offset:offset + num_layers], layer_norm=LayerNormImpl)
 
 
 def build_model(cfg: Any, config) -> list[torch.nn.Module]:

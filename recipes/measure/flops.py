@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from recipes.recompute import ATTENTION_KIND, gdn_pattern, moe_pattern
+
 
 def layer_forward_flops(cfg: Any) -> dict[str, float]:
     """Forward matmul FLOPs of one transformer layer for one micro-batch, by region.
@@ -21,7 +23,7 @@ def layer_forward_flops(cfg: Any) -> dict[str, float]:
     fraction (what ``recipes.analyze.advise --predict`` ranks by)."""
     layer = attention_layer_forward_flops(cfg)
     m = cfg["model"]
-    if m["family"] != "gdn":
+    if ATTENTION_KIND[m["family"]] != "gdn":
         return layer
     layers, num_gdn = m["num_layers"], num_gdn_layers(cfg)
     share = (layers - num_gdn) / layers
@@ -33,10 +35,8 @@ def num_gdn_layers(cfg: Any, first: int = 0, count: int | None = None) -> int:
     """GatedDeltaNet layers among layers ``first .. first + count - 1`` (all by default) of model=gdn:
     every ``linear_attention_freq``-th layer is attention (megatron's linear attention pattern)."""
     m = cfg["model"]
-    if m["family"] != "gdn":
-        return 0
     count = m["num_layers"] - first if count is None else count
-    return sum((i + 1) % m["linear_attention_freq"] != 0 for i in range(first, first + count))
+    return sum(gdn_pattern(m)[first:first + count])
 
 
 def attention_layer_forward_flops(cfg: Any) -> dict[str, float]:
@@ -47,7 +47,7 @@ def attention_layer_forward_flops(cfg: Any) -> dict[str, float]:
     heads = m["num_attention_heads"]
     glu = 2 if m["gated_linear_unit"] else 1
     out: dict[str, float] = {}
-    if m["family"] == "mla":
+    if ATTENTION_KIND[m["family"]] == "mla":
         dq, dv = m["qk_head_dim"] + m["qk_pos_emb_head_dim"], m["v_head_dim"]
         if m["q_lora_rank"]:
             q_down = 2 * tokens * h * m["q_lora_rank"]
@@ -64,16 +64,17 @@ def attention_layer_forward_flops(cfg: Any) -> dict[str, float]:
         groups = m["num_query_groups"] or heads
         out["attn_proj"] = 2 * tokens * h * (heads + 2 * groups) * d + 2 * tokens * heads * d * h
     out["core_attn"] = 0.5 * 2 * b * heads * s * s * (dq + dv)  # causal: half of QK^T and PV
-    if m["family"] == "moe":
+    moe_share = sum(moe_pattern(m)) / m["num_layers"]  # MoE layers' share (moe_layer_freq); 0 if dense
+    if moe_share < 1:
+        out["mlp"] = (1 - moe_share) * 2 * tokens * h * m["ffn_hidden_size"] * (glu + 1)
+    if moe_share > 0:
         ffn = m["moe_ffn_hidden_size"] or m["ffn_hidden_size"]
         experts = m["moe_router_topk"] * 2 * tokens * h * ffn * (glu + 1)
         shared = 0.0
         if m["moe_shared_expert_intermediate_size"]:
             shared = 2 * tokens * h * m["moe_shared_expert_intermediate_size"] * (glu + 1)
-        out["shared_experts"] = shared
-        out["moe"] = 2 * tokens * h * m["num_moe_experts"] + experts + shared
-    else:
-        out["mlp"] = 2 * tokens * h * m["ffn_hidden_size"] * (glu + 1)
+        out["shared_experts"] = moe_share * shared
+        out["moe"] = moe_share * (2 * tokens * h * m["num_moe_experts"] + experts + shared)
     return out
 
 
@@ -116,12 +117,13 @@ def replayed_layer_flops(cfg: Any, layer: dict[str, float], per_layer: float) ->
             pp = cfg["parallel"]["pipeline_model_parallel_size"]
             per_stage = cfg["model"]["num_layers"] // pp
             k = min(rc["recompute_num_layers"] or 0, per_stage)
-            if cfg["model"]["family"] == "gdn":  # the first k layers of each stage, GDN or attention
+            if ATTENTION_KIND[cfg["model"]["family"]] == "gdn":  # the first k layers of each stage, GDN or attention
                 attention = attention_layer_forward_flops(cfg)
                 attn = attention["attn_proj"] + attention["core_attn"]
                 gdn = sum(num_gdn_layers(cfg, stage * per_stage, k) for stage in range(pp))
                 mixers = (pp * k - gdn) * attn + gdn * gdn_layer_forward_flops(cfg)
-                return (mixers + pp * k * layer["mlp"]) / cfg["model"]["num_layers"]
+                mlp = layer.get("mlp", 0.0) + layer.get("moe", 0.0)  # per average layer
+                return (mixers + pp * k * mlp) / cfg["model"]["num_layers"]
             return per_layer * k / per_stage
         return per_layer
     if rc["recompute_granularity"] != "selective":

@@ -348,7 +348,7 @@ def first_label_to_try(result: dict) -> tuple[str | None, str]:
                   "rematerializes scores, so compare it against the control")
         return "selective/core_attn", f"{share}: recompute core attention{caveat}"
     if top == "attn_proj":
-        if family == "mla":
+        if family in ("mla", "mla_moe"):
             return "selective/mla_up_proj", f"{share}: MLA's expanded Q/K/V up-projections dominate"
         return "full", f"{share}: no selective label discards standard attention projections' inputs"
     if top == "gdn":

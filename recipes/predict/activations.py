@@ -35,7 +35,7 @@ from fractions import Fraction
 
 from recipes.build.model import resolve_precision
 from recipes.errors import ConfigError
-from recipes.recompute import FAMILIES, labels_of
+from recipes.recompute import ATTENTION_KIND, FAMILIES, MLP_KIND, gdn_pattern, labels_of, moe_pattern
 from recipes.validate import validate
 
 #: fla's chunk size: the delta rule works on chunks of this many tokens (``chunk_size=64``).
@@ -69,6 +69,11 @@ class Dims:
     #: departs from 1: a recorded share (``estimate --compare``: a Fraction, so rows are exact) or the
     #: bound ``estimate.moe_imbalance`` for the worst EP rank (before a run).
     routed_share: float | Fraction = 1
+
+    @property
+    def attention_kind(self) -> str:
+        """standard | mla | gdn (``recipes.recompute.ATTENTION_KIND``)."""
+        return ATTENTION_KIND[self.family]
 
 
 def _resolve_device(device: str) -> str:
@@ -104,7 +109,7 @@ def check_modeled(cfg: dict, device: str) -> None:
         (par["context_parallel_size"] > 1, "parallel.context_parallel_size",
          "context parallel needs Transformer Engine attention, which is not modeled", "use 1"),
     ]
-    if m["family"] == "moe":
+    if MLP_KIND[m["family"]] == "moe":
         refuse += [
             (m["moe_token_dispatcher_type"] != "allgather", "model.moe_token_dispatcher_type",
              f"the {m['moe_token_dispatcher_type']} dispatcher is not modeled", "use allgather"),
@@ -117,7 +122,7 @@ def check_modeled(cfg: dict, device: str) -> None:
              "parallel.expert_tensor_parallel_size", "expert tensor parallel > 1 is not modeled "
              "(grouped experts refuse it)", "set parallel.expert_tensor_parallel_size=1"),
         ]
-    if m["family"] == "gdn":  # what was matched against a ledger: TP 1; on CUDA RMSNorm in bf16
+    if ATTENTION_KIND[m["family"]] == "gdn":  # what was matched against a ledger: TP 1; on CUDA RMSNorm in bf16
         refuse += [
             (par["tensor_model_parallel_size"] > 1, "parallel.tensor_model_parallel_size",
              "GatedDeltaNet layers under tensor parallel are not modeled (never measured: in_proj, "
@@ -133,7 +138,7 @@ def check_modeled(cfg: dict, device: str) -> None:
     precision = resolve_precision(cfg["train"]["precision"], device == "cuda")
     if device == "cpu" and precision != "fp32":
         raise ConfigError("train.precision", "CPU runs are modeled in fp32 only", "use precision=auto")
-    if m["family"] == "gdn" and device == "cuda" and precision != "bf16":
+    if ATTENTION_KIND[m["family"]] == "gdn" and device == "cuda" and precision != "bf16":
         raise ConfigError("train.precision", "GatedDeltaNet layers on CUDA are modeled in bf16 only "
                           "(fla's kernels and megatron's compiled helpers were matched in bf16)",
                           "use train.precision=bf16 (auto), or measure it")
@@ -153,7 +158,7 @@ def dims(cfg: dict, device: str = "auto", routed_share: float | Fraction = 1) ->
     tp, cp = par["tensor_model_parallel_size"], par["context_parallel_size"]
     s = t["seq_length"] // cp
     heads, h = m["num_attention_heads"], m["hidden_size"]
-    if m["family"] == "mla":
+    if ATTENTION_KIND[m["family"]] == "mla":
         dq, dv, groups = m["qk_head_dim"] + m["qk_pos_emb_head_dim"], m["v_head_dim"], heads
         rope = m["qk_pos_emb_head_dim"]
     else:
@@ -267,7 +272,7 @@ def attention_terms(d: Dims) -> list[Term]:
     terms: list[Term] = [("other", "input norm checkpoint input", e * sb_sp * d.h)] if ln else (
         norm_terms(d, "input norm", sb_sp, d.h) + [("attn_proj", "qkv input (norm output)", e * sb_sp * d.h)])
     m = d.model
-    if d.family == "mla":
+    if d.attention_kind == "mla":
         terms += mla_projection_terms(d)
         up = "mla_up_proj" in L
         q = k = 0 if up else e * sb * d.np * d.dq  # discarded outputs count 0
@@ -318,14 +323,16 @@ def activation_terms(d: Dims, ffn: int, tokens: int, kind: str = "mlp", what: st
     return terms + [(kind, f"{what}fc2 input", out)]
 
 
-def mlp_terms(d: Dims) -> list[Term]:
-    """Pre-MLP norm and the dense MLP (or the MoE layer) of one layer."""
+def mlp_terms(d: Dims, moe: bool | None = None) -> list[Term]:
+    """Pre-MLP norm and the dense MLP (or, ``moe``, the MoE layer) of one layer; ``moe`` None: the
+    family's MLP kind (every layer MoE in an MoE family)."""
+    moe = MLP_KIND[d.family] == "moe" if moe is None else moe
     L, sb_sp, e, m = d.labels, d.s_sp * d.b, d.e, d.model
     ln = "layernorm" in L
     terms: list[Term] = [("other", "pre-MLP norm checkpoint input", e * sb_sp * d.h)] if ln else (
         norm_terms(d, "pre-MLP norm", sb_sp, d.h))
     norm_out = 0 if ln else e * sb_sp * d.h
-    if d.family == "moe":
+    if moe:
         terms += moe_terms(d, norm_out)
     elif "mlp" in L:
         terms.append(("other", "mlp checkpoint input (norm output)", norm_out))
@@ -394,7 +401,12 @@ def moe_terms(d: Dims, norm_out: int) -> list[Term]:
 def is_gdn_layer(d: Dims, layer: int) -> bool:
     """Whether global layer ``layer`` (0-based) is a GatedDeltaNet layer: megatron's
     ``get_linear_attention_pattern`` makes every ``linear_attention_freq``-th layer attention."""
-    return d.family == "gdn" and (layer + 1) % d.model["linear_attention_freq"] != 0
+    return bool(gdn_pattern(d.model)[layer])
+
+
+def is_moe_layer(d: Dims, layer: int) -> bool:
+    """Whether global layer ``layer`` has an MoE MLP (megatron's ``moe_layer_freq``; dense otherwise)."""
+    return bool(moe_pattern(d.model)[layer])
 
 
 def gdn_terms(d: Dims) -> list[Term]:
@@ -510,10 +522,16 @@ def reference_terms(d: Dims) -> list[Term]:
             ("gdn", "delta rule, chunks 1..n-1: k * exp(decay_last - decay)", e * bh * (n - 1) * C * dk)]
 
 
-def layer_terms(d: Dims, gdn: bool = False) -> list[Term]:
+def layer_terms(d: Dims, gdn: bool = False, moe: bool | None = None) -> list[Term]:
     """Everything one transformer layer keeps for backward (selective or no recompute); ``gdn``:
-    a GatedDeltaNet layer of model=gdn (``is_gdn_layer``), else an attention layer."""
-    return (gdn_terms(d) if gdn else attention_terms(d)) + mlp_terms(d)
+    a GatedDeltaNet layer (``is_gdn_layer``), else an attention layer; ``moe``: an MoE MLP
+    (``is_moe_layer``), else dense (None: the family's kind)."""
+    return (gdn_terms(d) if gdn else attention_terms(d)) + mlp_terms(d, moe)
+
+
+def global_layer_terms(d: Dims, layer: int) -> list[Term]:
+    """``layer_terms`` of global layer ``layer``, its kinds read off the model's layer pattern."""
+    return layer_terms(d, is_gdn_layer(d, layer), is_moe_layer(d, layer))
 
 
 def embedding_terms(d: Dims) -> list[Term]:

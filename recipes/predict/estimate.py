@@ -31,12 +31,25 @@ from recipes.predict.activations import (
     balanced_rows,
     dims,
     embedding_terms,
+    global_layer_terms,
     head_terms,
     is_gdn_layer,
+    is_moe_layer,
     layer_terms,
 )
 from recipes.predict.fit import ALLOCATOR_SLACK, FITS, OVER, TIGHT, slack_for, verdict, with_slack
-from recipes.recompute import FAMILIES, KINDS, options_for, recompute_config
+from recipes.recipe import GPU_BUDGET_GIB, at_full_depth, compose_recipe
+from recipes.recompute import (
+    ATTENTION_KIND,
+    FAMILIES,
+    KINDS,
+    MLP_KIND,
+    chunk_layers,
+    gdn_pattern,
+    moe_pattern,
+    options_for,
+    recompute_config,
+)
 from recipes.results import result_rows
 from recipes.validate import validate
 
@@ -58,17 +71,17 @@ class Chunk:
 
 def build_chunk(cfg: dict, d: Dims, index: int, shares: list | None = None) -> Chunk:
     """The terms of model chunk ``index`` (0 holds the embedding, the last the loss). Chunk
-    ``index`` holds global layers ``index * n ..`` (megatron's layer offset), which says which
-    layers of model=gdn are GatedDeltaNet layers. ``shares``: each layer's routed share (EP: the
-    rows a run recorded), else ``d.routed_share`` for every layer."""
+    ``index`` holds global layers ``chunk_layers(...)[index]`` (megatron's layer offset), which says which
+    layers are GatedDeltaNet or attention, MoE or dense (``global_layer_terms``). ``shares``: each layer's
+    routed share (EP: the rows a run recorded), else ``d.routed_share`` for every layer."""
     par, rc = cfg["parallel"], cfg["recompute"]
     num_chunks = par["pipeline_model_parallel_size"] * (par["virtual_pipeline_model_parallel_size"] or 1)
-    n = cfg["model"]["num_layers"] // num_chunks
-    gdn = [is_gdn_layer(d, index * n + i) for i in range(n)]
+    mine = chunk_layers(cfg["model"], par)[index]
+    n = len(mine)
     per = [d] * n if shares is None else [replace(d, routed_share=f if d.ep > 1 else 1) for f in shares]
     extra = embedding_terms(d) if index == 0 else []
     if not d.full:
-        layers = [layer_terms(per[i], gdn[i]) for i in range(n)]
+        layers = [global_layer_terms(per[i], mine[i]) for i in range(n)]
     else:  # a checkpoint keeps its chunk's input (1/tp of it when distributed over TP)
         k = rc["recompute_num_layers"]
         hidden = d.e * d.s_sp * d.b * d.h // (d.tp if rc["distribute_saved_activations"] else 1)
@@ -76,8 +89,8 @@ def build_chunk(cfg: dict, d: Dims, index: int, shares: list | None = None) -> C
         if rc["recompute_method"] == "uniform":
             layers = [ckpt if i % k == 0 else [] for i in range(n)]
         else:  # block: the first k layers are checkpointed one by one, the rest keep everything
-            layers = [ckpt if i < k else layer_terms(per[i], gdn[i]) for i in range(n)]
-        if d.rope and d.family != "mla":  # GPTModel's rotary freqs, one storage for all checkpoints
+            layers = [ckpt if i < k else global_layer_terms(per[i], mine[i]) for i in range(n)]
+        if d.rope and d.attention_kind != "mla":  # GPTModel's rotary freqs, one storage for all checkpoints
             extra.append(("other", "rotary freqs (fp32, checkpoint input)", 4 * d.s * d.rope))
     if index == num_chunks - 1:
         extra += head_terms(d)
@@ -94,7 +107,7 @@ def num_parameters(cfg: dict, stage: int) -> tuple[int, int]:
     h, heads, V = m["hidden_size"], m["num_attention_heads"], m["vocab_size"]
     norm = (2 if m["normalization"] == "LayerNorm" else 1)
     glu = 2 if m["gated_linear_unit"] else 1
-    if m["family"] == "mla":
+    if ATTENTION_KIND[m["family"]] == "mla":
         dq, ql, kvl = m["qk_head_dim"] + m["qk_pos_emb_head_dim"], m["q_lora_rank"], m["kv_lora_rank"]
         q = (h * ql + ql * heads * dq) // tp if ql else h * heads * dq // tp
         attn = q + (h * (kvl + m["qk_pos_emb_head_dim"]) + kvl * heads * (m["qk_head_dim"] + m["v_head_dim"])
@@ -104,32 +117,34 @@ def num_parameters(cfg: dict, stage: int) -> tuple[int, int]:
         d, groups = m["kv_channels"] or h // heads, m["num_query_groups"] or heads
         attn = (h * (heads + 2 * groups) * d + heads * d * h) // tp
         attn += 2 * norm * d if m["qk_layernorm"] else 0
-    experts = 0
-    if m["family"] == "moe":
+    experts, moe_mlp = 0, 0
+    if m["num_moe_experts"]:
         fe = m["moe_ffn_hidden_size"] or m["ffn_hidden_size"]
         fs = m["moe_shared_expert_intermediate_size"] or 0
-        mlp = m["num_moe_experts"] * h + (glu + 1) * h * fs // tp
+        moe_mlp = m["num_moe_experts"] * h + (glu + 1) * h * fs // tp
         experts = m["num_moe_experts"] // ep * (glu + 1) * h * fe
-    else:
-        mlp = (glu + 1) * h * m["ffn_hidden_size"] // tp
-    layers = m["num_layers"] // pp
+    mlp = (glu + 1) * h * m["ffn_hidden_size"] // tp
     chunks = [v * pp + stage for v in range(vpp)]
-    num_gdn, gdn = 0, 0
-    if m["family"] == "gdn":  # GatedDeltaNet mixers in place of attention (recipes.predict.activations.is_gdn_layer)
-        n, freq = layers // vpp, m["linear_attention_freq"]
-        num_gdn = sum((c * n + i + 1) % freq != 0 for c in chunks for i in range(n))
+    split = chunk_layers(m, par)
+    mine = [i for c in chunks for i in split[c]]  # this rank's global layers
+    layers = len(mine)
+    num_moe = sum(moe_pattern(m)[i] for i in mine)
+    num_gdn = sum(gdn_pattern(m)[i] for i in mine)  # GatedDeltaNet mixers in place of attention
+    gdn = 0
+    if num_gdn:
         nk, nv, dk, dv = (m[k] for k in ("linear_num_key_heads", "linear_num_value_heads",
                                          "linear_key_head_dim", "linear_value_head_dim"))
         conv = 2 * nk * dk + nv * dv  # in_proj, depthwise conv, dt_bias + A_log, out_proj; out_norm over dv
         gdn = (h * (conv + nv * dv + 2 * nv) + conv * m["linear_conv_kernel_dim"] + 2 * nv + nv * dv * h) // tp
         gdn += norm * dv
-    dense = layers * (mlp + 2 * norm * h) + (layers - num_gdn) * attn + num_gdn * gdn
+    dense = (layers * 2 * norm * h + (layers - num_moe) * mlp + num_moe * moe_mlp
+             + (layers - num_gdn) * attn + num_gdn * gdn)
     if 0 in chunks:
         dense += V // tp * h + (cfg["train"]["seq_length"] * h if m["position_embedding_type"] ==
                                 "learned_absolute" else 0)
     if pp * vpp - 1 in chunks:
         dense += norm * h + (V // tp * h if m["untie_embeddings_and_output_weights"] or pp > 1 else 0)
-    return dense, layers * experts
+    return dense, num_moe * experts
 
 
 def static_bytes(cfg: dict, device: str, stage: int = 0) -> dict[str, int]:
@@ -173,7 +188,7 @@ def _sum(terms: list[Term]) -> int:
 
 
 def transient_bytes(d: Dims, has_head: bool, last_layer_recomputed: bool = True, head_freed: int = 0,
-                    last_gdn: bool = False) -> int:
+                    last_gdn: bool = False, last_moe: bool | None = None) -> int:
     """Short-lived memory on top of the saved activations (an approximation, not a ledger term).
 
     The larger of: the loss (bf16 logits / their gradient next to the fp32 softmax, plus the
@@ -184,11 +199,11 @@ def transient_bytes(d: Dims, has_head: bool, last_layer_recomputed: bool = True,
     ``head_freed``: the head's saved bytes (final norm, logits), which the loss and output-layer
     backward have already freed when the last layer's backward runs (measured on the H200: without
     it, full recompute was over-predicted by the logits' size on every family). ``last_gdn``: that
-    last layer is a GatedDeltaNet layer (model=gdn).
+    last layer is a GatedDeltaNet layer (model=gdn); ``last_moe``: it has an MoE MLP (None: the family's kind).
     """
     plain = replace(d, labels=frozenset(), full=False)
-    layer = layer_terms(plain, last_gdn)
-    kept = _sum(layer_terms(d, last_gdn)) if not d.full else 0
+    layer = layer_terms(plain, last_gdn, last_moe)
+    kept = _sum(layer_terms(d, last_gdn, last_moe)) if not d.full else 0
     remat = max(0, _sum(layer) - kept) if last_layer_recomputed else 0
     biggest = max(t[2] for t in layer)
     loss = 0
@@ -211,7 +226,7 @@ def moe_imbalance(cfg: dict) -> float:
     """The routed share to price an expert-parallel rank at before any run: ``estimate.moe_imbalance``
     (a bound for the worst EP rank), 1 without expert parallel. Results recorded before the field
     existed get its default."""
-    if cfg["model"]["family"] != "moe" or cfg["parallel"]["expert_model_parallel_size"] == 1:
+    if MLP_KIND.get(cfg["model"]["family"]) != "moe" or cfg["parallel"]["expert_model_parallel_size"] == 1:
         return 1.0
     return float((cfg.get("estimate") or {}).get("moe_imbalance", EstimateConfig.moe_imbalance))
 
@@ -260,9 +275,9 @@ def predict(cfg: dict, device: str = "auto", stage: int | None = None,
         block = d.full and rc["recompute_method"] == "block" and rc["recompute_num_layers"] < len(
             chunks[-1].layers)
         head_freed = _sum(head_terms(d)) if has_head else 0
-        last = (chunks[-1].index + 1) * len(chunks[-1].layers) - 1  # its backward runs first
+        last = chunk_layers(cfg["model"], par)[chunks[-1].index][-1]  # its backward runs first
         transient = transient_bytes(d, has_head, last_layer_recomputed=not block, head_freed=head_freed,
-                                    last_gdn=is_gdn_layer(d, last))
+                                    last_gdn=is_gdn_layer(d, last), last_moe=is_moe_layer(d, last))
         layers = [layer for c in chunks for layer in c.layers]
         stages.append({
             "stage": st, "num_layers": len(layers),
@@ -276,11 +291,42 @@ def predict(cfg: dict, device: str = "auto", stage: int | None = None,
             "peak_bytes": static_total + in_flight + transient,
         })
     pick = stages[stage] if stage is not None else max(stages, key=lambda s: s["peak_bytes"])
-    ep = par["expert_model_parallel_size"] > 1 and cfg["model"]["family"] == "moe"
+    ep = par["expert_model_parallel_size"] > 1 and MLP_KIND.get(cfg["model"]["family"]) == "moe"
     share = None if not ep else [float(f) for f in routed_share] if per_layer else float(routed_share)
+    worst = max(stages, key=lambda s: s["peak_bytes"])
     return {**pick, "predicted": True, "device": d.device, "precision": "bf16" if d.e == 2 else "fp32",
             "num_microbatches": m_count, "stages": stages, "routed_share": share,
-            "allocator_slack": slack_for(cfg)}
+            "allocator_slack": slack_for(cfg), "worst_stage": worst["stage"],
+            "worst_why": worst_rank_reason(cfg, worst, len(stages))}
+
+
+def worst_rank_reason(cfg: dict, st: dict, pp: int) -> str:
+    """Why pipeline stage ``st`` holds the most: its largest share (micro-batches in flight under 1F1B,
+    static memory, the head) and, for MoE, the routed tokens each expert rank keeps (balanced routing)."""
+    m, par = cfg["model"], cfg["parallel"]
+    static, flight = st["static_bytes"], st["in_flight_activation_bytes"]
+    parts = [f"pipeline stage {st['stage']} of {pp} ({st['num_layers']} layers)"]
+    if flight >= static:
+        parts.append(f"{st['in_flight_microbatches']:.2f} micro-batches in flight (1F1B: the first stage "
+                     f"holds min(PP, micro-batches)) = {flight / GIB:.1f} GiB of activations, more than its "
+                     f"{static / GIB:.1f} GiB of parameters, gradients and optimizer state")
+    else:
+        parts.append(f"parameters, gradients and optimizer state {static / GIB:.1f} GiB "
+                     f"({st['static']['num_parameters'] / 1e9:.2f} B parameters on this rank) above "
+                     f"{flight / GIB:.1f} GiB of in-flight activations ({st['in_flight_microbatches']:.2f} micro-batches)")
+    if st["outside_layers"] and any(t[0] == "logits" for t in st["outside_layers"]):
+        parts.append("it also computes the loss over the vocabulary")
+    vpp, split, pattern = par["virtual_pipeline_model_parallel_size"] or 1, chunk_layers(m, par), moe_pattern(m)
+    moe_layers = sum(pattern[i] for v in range(vpp) for i in split[v * pp + st["stage"]])
+    if moe_layers:
+        ep = par["expert_model_parallel_size"]
+        tokens = cfg["train"]["seq_length"] * cfg["train"]["micro_batch_size"] // (
+            par["tensor_model_parallel_size"] if par["sequence_parallel"] else 1)
+        routed = tokens * m["moe_router_topk"]  # the EP group's tokens x top-k / EP: expected, every EP rank alike
+        parts.append(f"each expert rank's {m['num_moe_experts'] // ep} experts receive ~{routed} routed tokens per "
+                     f"micro-batch in each of its {moe_layers} MoE layers (balanced routing assumed: a hot expert "
+                     "rank holds more)")
+    return "; ".join(parts)
 
 
 def predict_options(cfg: dict, device: str = "cuda") -> tuple[list[tuple[str, dict]], list[tuple[str, str]]]:
@@ -291,7 +337,7 @@ def predict_options(cfg: dict, device: str = "cuda") -> tuple[list[tuple[str, di
     # the config as given is refused with the controller's message: each option's refusal below only
     # says why that option does not apply, and a bad model would make every option "not applicable"
     validate(cfg, num_gpus=0, te_available=False)
-    for option in options_for(cfg["model"]["family"]):
+    for option in options_for(cfg["model"]):
         trial = {**cfg, "recompute": recompute_config(option)}
         try:
             done.append((option, predict(trial, device)))
@@ -315,7 +361,7 @@ def recorded_shares(cfg: dict, device: str, rank: dict) -> tuple[list | None, Fr
     (one per layer of the ledger's micro-batch, the timed steps' worst micro-batch over all layers),
     exact fractions of ``balanced_rows``; (None, None) without expert parallel or a record."""
     routing = rank.get("moe_routing") or {}
-    if cfg["model"]["family"] != "moe" or cfg["parallel"]["expert_model_parallel_size"] == 1 or not routing:
+    if MLP_KIND.get(cfg["model"]["family"]) != "moe" or cfg["parallel"]["expert_model_parallel_size"] == 1 or not routing:
         return None, None
     balanced = balanced_rows(dims(cfg, device))
     ledger = [Fraction(rows, balanced) for rows in routing.get("ledger_rows") or []] or None
@@ -427,6 +473,10 @@ def format_prediction(p: dict, title: str, budget_gib: float | None = None, term
               f"{'activations in flight':34s}{p['in_flight_activation_bytes'] / GIB:8.2f}",
               f"{'transient (approximate)':34s}{p['transient_bytes'] / GIB:8.2f}",
               f"{'predicted peak':34s}{p['peak_bytes'] / GIB:8.2f}"]
+    if len(p["stages"]) > 1:
+        lines.append("peak per pipeline stage (GiB): " + ", ".join(
+            f"pp{st['stage']} {st['peak_bytes'] / GIB:.1f}" for st in p["stages"]))
+    lines.append(f"worst rank: {p['worst_why']}")
     if budget_gib is not None:
         lines.append(budget_line(p["peak_bytes"] / GIB, budget_gib, p["allocator_slack"]))
     return "\n".join(lines)
@@ -455,6 +505,14 @@ def format_options(done: list[tuple[str, dict]], refused: list[tuple[str, str]],
             row += f"{verdict(p['peak_bytes'] / GIB, budget_gib, p['allocator_slack']):>10s}"
         lines.append(row)
     lines += [f"not applicable: {option} ({why})" for option, why in refused]
+    if done and len(done[0][1]["stages"]) > 1:
+        lines += ["", "peak per pipeline stage (GiB; every TP/DP/EP rank of a stage alike), worst marked *"]
+        lines.append(f"{'recompute':32s}" + "".join(f"{f'pp{s}':>8s}" for s in range(len(done[0][1]["stages"]))))
+        for option, p in done:
+            lines.append(f"{option:32s}" + "".join(
+                f"{s['peak_bytes'] / GIB:7.1f}{'*' if s['stage'] == p['worst_stage'] else ' '}" for s in p["stages"]))
+    if done:
+        lines += ["", f"worst rank ({done[0][0]}): {done[0][1]['worst_why']}"]
     return "\n".join(lines)
 
 
@@ -486,8 +544,12 @@ def main(argv: list[str] | None = None) -> int:
         print(format_comparison(rows) if rows else f"no completed result.json under {args.compare}")
         return 0 if rows else 1
     title = " ".join(args.overrides) or "(defaults)"
-    try:
-        cfg = compose_config(args.overrides)
+    try:  # recipe=<name>: its published layout and depth (recipes.recipe), whatever GPUs are here
+        cfg, notes = compose_recipe(at_full_depth(args.overrides), on_gpu=True)
+        for note in notes:
+            print(f"[recipe] {note}")
+        if args.budget_gib is None and cfg.get("recipe"):
+            args.budget_gib = GPU_BUDGET_GIB[cfg["recipe"]["gpu"]]
         if args.all:
             done, refused = predict_options(cfg, args.device)
             print(format_options(done, refused, title, args.budget_gib))

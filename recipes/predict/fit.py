@@ -18,6 +18,8 @@ keep outside it (2.4 GiB on the H200, so 137 GiB there).
 
 from __future__ import annotations
 
+from recipes.recompute import MLP_KIND
+
 #: What the allocator reserves above a predicted (allocated) peak, as a fraction of it.
 ALLOCATOR_SLACK = 0.085
 #: The same for MoE with expert parallel > 1 (measured up to 16.6% on two H200s).
@@ -28,7 +30,7 @@ FITS, TIGHT, OVER = "fits", "tight", "over"
 def slack_for(cfg: dict | None) -> float:
     """The allocator slack a config's predicted peak needs: ``EP_MOE_SLACK`` for MoE with expert
     parallel > 1, else ``ALLOCATOR_SLACK`` (also without a config)."""
-    if cfg and cfg["model"]["family"] == "moe" and cfg["parallel"]["expert_model_parallel_size"] > 1:
+    if cfg and MLP_KIND.get(cfg["model"]["family"]) == "moe" and cfg["parallel"]["expert_model_parallel_size"] > 1:
         return EP_MOE_SLACK
     return ALLOCATOR_SLACK
 

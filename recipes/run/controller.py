@@ -24,6 +24,7 @@ from recipes.data.indexed import validate_data
 from recipes.errors import ConfigError
 from recipes.files import REPO_ROOT, UnreadableFile, write_json_atomic
 from recipes.measure.profile import write_timeline_pngs
+from recipes.recipe import apply_recipe
 from recipes.recompute import option_of
 from recipes.results import NOT_MEASURED, load_result, merge_result
 from recipes.run.console import print_run
@@ -280,7 +281,9 @@ def _run(cfg: DictConfig) -> dict:
     ``refused`` point and the sweep goes on.
     """
     choices = hydra_choices()
-    plain = OmegaConf.to_container(cfg, resolve=True)
+    plain, recipe_notes = apply_recipe(OmegaConf.to_container(cfg, resolve=True))  # recipe=: depth, layout
+    for note in recipe_notes:
+        print(f"[recipe] {note}", flush=True)
     name = run_name(cfg, choices)
     if in_multirun() and cfg.output_dir:  # launch.slurm.check_output_dir refuses it before the first point
         raise ConfigError("output_dir", "a -m sweep gives every point its own directory; output_dir would "
