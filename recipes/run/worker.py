@@ -414,6 +414,8 @@ class Progress:
         self.flops_per_gpu = flops["model"] / torch.distributed.get_world_size()
         self.peak = cfg["measure"]["peak_tflops"] * 1e12
         self.path = Path(run_dir) / "progress.jsonl" if run_dir is not None and self.rank0 else None
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
         self.last_step, self.last_time = first - 1, time.perf_counter()
 
     def log(self, step: int, loss, lr: float | None, grad_norm, last_eval: dict | None) -> None:
