@@ -177,11 +177,19 @@ def _init_adam_state(optimizer: torch.optim.Optimizer) -> None:
                 st["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
 
+#: The DistributedOptimizer's checkpoint format. megatron-core 0.19.2 defaults to
+#: 'fully_sharded_model_space', whose flattened ShardedTensors its own torch_dist save refuses
+#: ("ShardedTensor.flattened_range is not supported", seen on two H200s); 'fully_reshardable' (what
+#: Megatron-LM's --dist-ckpt-optim-fully-reshardable picks) stores canonical per-parameter state, so a
+#: checkpoint loads under another TP/PP/DP layout.
+OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+
+
 def optimizer_state(trainer, model_sd: dict, is_loading: bool) -> dict:
     """The optimizer's sharded state: megatron's own, or torch AdamW's mapped like FP32Optimizer."""
     opt = trainer.optimizer
     if hasattr(opt, "sharded_state_dict"):  # megatron's (DistributedOptimizer, chained)
-        return opt.sharded_state_dict(model_sd, is_loading=is_loading)
+        return opt.sharded_state_dict(model_sd, is_loading=is_loading, metadata=OPTIMIZER_METADATA)
     from megatron.core.dist_checkpointing.optimizer import (
         get_param_id_to_sharded_param_map,
         optim_state_to_sharding_state,
