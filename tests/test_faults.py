@@ -77,7 +77,9 @@ def dry_sweep(tmp_path: Path, *extra: str) -> tuple[Path, list[Path]]:
     sweep = tmp_path / "sweep"
     done = train(["-m", "recompute=none,full", *TINY, f"hydra.sweep.dir={sweep}", "dry_run=true", *extra], tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
-    return sweep, sorted(p.parent for p in sweep.glob("*/config.yaml"))
+    points = {yaml.safe_load(p.read_text())["recompute"]["recompute_granularity"]: p.parent
+              for p in sweep.glob("*/config.yaml")}  # names end in a hash: tell points apart by config
+    return sweep, [points["full"], points[None]]
 
 
 def fake_complete(point: Path) -> Path:
@@ -245,7 +247,7 @@ def test_a_point_another_sweep_holds_is_waited_for_then_skipped_and_said(tmp_pat
     from recipes.config import slug
 
     sweep = tmp_path / "sweep"
-    none = sweep / slug("measure.profile=none,recompute=none,size=tiny,measure.start_step=2,train.train_iters=2")
+    none = sweep / slug("measure.profile=none,measure.start_step=2,recompute=none,size=tiny,train.train_iters=2")
     none.mkdir(parents=True)
     with open(none / ".lock", "a+") as held:  # another sweep is running this point
         fcntl.flock(held, fcntl.LOCK_EX)

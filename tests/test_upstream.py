@@ -132,3 +132,36 @@ def test_checkpoint_writer_still_needs_psutil_to_log_memory():
     meta = importlib.metadata.requires("megatron-core") or []
     assert not any(r.split(";")[0].strip().startswith("psutil") for r in meta), \
         "megatron-core declares psutil now: delete the workaround and depend on it"
+
+
+def test_distributed_optimizer_state_dict_still_needs_a_step_without_te():
+    """megatron's DistributedOptimizer.state_dict() still asserts one Adam step value across the
+    state (without Apex/TE), so a fresh optimizer cannot build the state dict a checkpoint loads into
+    (recipes.build.upstream.prime_distributed_optimizer_for_loading). Its construction needs CUDA;
+    the source shows the assumption, and this fails once upstream reads an empty state safely."""
+    import inspect
+
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    source = inspect.getsource(DistributedOptimizer.state_dict)
+    assert "assert len(steps) == 1" in source
+    assert hasattr(DistributedOptimizer, "_init_optimizer_states_with_dummy_values")
+
+
+def test_priming_touches_only_an_empty_distributed_optimizer(monkeypatch):
+    """The workaround runs megatron's own dummy-state step on an inner optimizer with empty state, and
+    never on one that has stepped (its moments would be overwritten) nor with TE present."""
+    import types
+
+    from recipes.build import upstream
+
+    calls = []
+    fresh = types.SimpleNamespace(optimizer=types.SimpleNamespace(state={}),
+                                  _init_optimizer_states_with_dummy_values=lambda: calls.append("fresh"))
+    stepped = types.SimpleNamespace(optimizer=types.SimpleNamespace(state={0: {"step": 1}}),
+                                    _init_optimizer_states_with_dummy_values=lambda: calls.append("stepped"))
+    chained = types.SimpleNamespace(chained_optimizers=[fresh, stepped])
+    monkeypatch.setattr(upstream, "transformer_engine_available", lambda: False)
+    assert upstream.prime_distributed_optimizer_for_loading(chained) == 1 and calls == ["fresh"]
+    monkeypatch.setattr(upstream, "transformer_engine_available", lambda: True)
+    assert upstream.prime_distributed_optimizer_for_loading(chained) == 0

@@ -148,6 +148,24 @@ def allow_checkpoint_save_without_psutil() -> bool:
     return True
 
 
+def prime_distributed_optimizer_for_loading(optimizer) -> int:
+    """Without Apex or Transformer Engine, ``DistributedOptimizer.state_dict()`` reads Adam's ``step``
+    from every parameter's state and asserts there is exactly one value (distrib_optimizer.py,
+    ``assert len(steps) == 1``): before the first step the state is empty, so building the sharded
+    state dict to load a checkpoint into a fresh optimizer fails (seen on two H200s, megatron-core
+    0.19.2, loading a TP2 checkpoint at TP1). megatron's own FSDP path fills the state with dummy
+    values first (``_init_optimizer_states_with_dummy_values``: one zero-gradient step); the same
+    here, on each inner DistributedOptimizer whose state is empty, before the load replaces it.
+    Returns how many it primed."""
+    primed = 0
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        init = getattr(inner, "_init_optimizer_states_with_dummy_values", None)
+        if init is not None and not transformer_engine_available() and not inner.optimizer.state:
+            init()
+            primed += 1
+    return primed
+
+
 def apply_all() -> None:
     """Apply every workaround that applies to this environment (idempotent)."""
     allow_checkpoint_save_without_psutil()

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from recipes.build import upstream
 from recipes.errors import ConfigError
 from recipes.files import write_json_atomic
 
@@ -189,6 +190,8 @@ def optimizer_state(trainer, model_sd: dict, is_loading: bool) -> dict:
     """The optimizer's sharded state: megatron's own, or torch AdamW's mapped like FP32Optimizer."""
     opt = trainer.optimizer
     if hasattr(opt, "sharded_state_dict"):  # megatron's (DistributedOptimizer, chained)
+        if is_loading:
+            upstream.prime_distributed_optimizer_for_loading(opt)
         return opt.sharded_state_dict(model_sd, is_loading=is_loading, metadata=OPTIMIZER_METADATA)
     from megatron.core.dist_checkpointing.optimizer import (
         get_param_id_to_sharded_param_map,
