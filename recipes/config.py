@@ -9,8 +9,10 @@ at compose time. Cross-field rules live in ``recipes.validate``.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 from dataclasses import dataclass, field
+from functools import cache
 from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
@@ -275,6 +277,40 @@ def slug(text: str) -> str:
     room = MAX_DIRNAME - len(digest) - 1
     cut = name.rfind("__", 0, room + 2)  # an item boundary at most `room` characters in
     return f"{name[:cut] if cut > 0 else name[:room]}-{digest}"
+
+
+@cache
+def _defaults() -> dict:
+    return OmegaConf.to_container(OmegaConf.structured(RecipeConfig))
+
+
+def upgrade(config: dict) -> dict:
+    """A stored run config (a result an earlier version wrote) in today's schema: renamed knobs moved
+    (``train.warmup_iters=N`` is ``measure.start_step=N+1``, the same steps), fields added since
+    filled with their defaults, fields removed since dropped. A current config comes back equal."""
+    old = copy.deepcopy(config)
+    train = old.get("train") or {}
+    if "warmup_iters" in train:
+        n = train.pop("warmup_iters")
+        measure = old.setdefault("measure", {})
+        measure.setdefault("start_step", n + 1)
+        measure.setdefault("steps", max(1, train.get("train_iters", n + 1) - n))
+
+    def merge(default: Any, stored: Any) -> Any:
+        if not isinstance(default, dict) or not isinstance(stored, dict):
+            return stored
+        return {k: merge(v, stored[k]) if k in stored else v for k, v in default.items()}
+
+    return merge(copy.deepcopy(_defaults()), old)
+
+
+def upgrade_overrides(overrides: list[str]) -> list[str]:
+    """Command-line overrides recorded by an earlier version (a manifest's), in today's names."""
+    out = []
+    for o in overrides:
+        key, _, value = str(o).partition("=")
+        out.append(f"measure.start_step={int(value) + 1}" if key == "train.warmup_iters" else str(o))
+    return out
 
 
 def register_configs() -> None:

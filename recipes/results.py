@@ -11,6 +11,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from recipes.config import upgrade
 from recipes.files import MIB, UnreadableFile, read_json
 from recipes.recompute import option_of
 
@@ -77,7 +78,10 @@ def load_result(path: Path) -> dict:
     path = Path(path)
     if path.is_dir():
         path = path / "result.json"
-    return read_json(path)
+    result = read_json(path)
+    if isinstance(result, dict) and isinstance(result.get("config"), dict):
+        result["config"] = upgrade(result["config"])  # written by an earlier version: today's schema
+    return result
 
 
 def recompute_of(result: dict) -> str | None:

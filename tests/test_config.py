@@ -100,7 +100,7 @@ REFUSED = [
     (["model=moe", "model.moe_router_topk=9"], "moe_router_topk", "<= num_moe_experts"),
     (["model=moe", "model.moe_token_dispatcher_type=alltoall"], "alltoall", "allgather"),
     (["measure.start_step=9"], "measure.start_step", "between 2 and train.train_iters=8"),
-    (["measure.steps=0"], "measure.steps", "measure.steps>=1"),
+    (["measure.steps=0"], "measure.steps", "positive number"),
     (["train.seq_length=0"], "train.seq_length", "positive number"),
     (["model.num_attention_heads=0"], "model.num_attention_heads", "positive number"),
     (["model.num_layers=0"], "model.num_layers", "positive number"),

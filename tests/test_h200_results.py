@@ -25,6 +25,7 @@ from recipes.analyze.advise import (
     predicted_candidates,
     predicted_next_to_measured,
 )
+from recipes.config import upgrade_overrides
 from recipes.predict import estimate
 from recipes.predict.estimate import compare_result, predict
 from recipes.predict.fit import ALLOCATOR_SLACK, EP_MOE_SLACK, FITS, fits, slack_for, verdict
@@ -130,7 +131,7 @@ def _oom_point() -> tuple[dict, list[str]]:
     sweep = H200 / "confirm_long"
     manifest = json.loads((sweep / "manifest.json").read_text())
     point = next(name for name, entry in manifest.items() if entry["status"] == "oom")
-    return json.loads((sweep / point / "result.json").read_text()), manifest[point]["overrides"]
+    return json.loads((sweep / point / "result.json").read_text()), upgrade_overrides(manifest[point]["overrides"])
 
 
 def test_the_block_that_ran_out_of_memory_is_not_predicted_to_fit():

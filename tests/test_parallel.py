@@ -83,7 +83,7 @@ BAD_LAYOUTS = [
     (("parallel=dp2", "train.global_batch_size=6"), "train.global_batch_size", "do not split"),
     (("parallel=pp2", "model.untie_embeddings_and_output_weights=false"),
      "model.untie_embeddings_and_output_weights", "need CUDA"),
-    (("parallel=ep2",), "parallel.expert_model_parallel_size", "needs model=moe"),
+    (("parallel=ep2",), "parallel.expert_model_parallel_size", "needs an MoE family"),
     (("parallel=ep2", "model=moe", "model.num_moe_experts=3", "model.moe_router_topk=1"),
      "parallel.expert_model_parallel_size", "3 experts do not split over EP=2"),
     (("parallel=tp2_nosp", "model=moe"), "parallel.sequence_parallel", "MoE"),

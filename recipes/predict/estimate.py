@@ -22,7 +22,7 @@ from fractions import Fraction
 
 from recipes.build.model import resolve_precision
 from recipes.build.parallel import pipeline_schedule
-from recipes.config import EstimateConfig, compose_config
+from recipes.config import EstimateConfig, compose_config, upgrade
 from recipes.errors import ConfigError
 from recipes.files import GIB
 from recipes.predict.activations import (
@@ -246,6 +246,7 @@ def predict(cfg: dict, device: str = "auto", stage: int | None = None,
     (the worst EP rank, ``moe_imbalance``); a number for every layer; or a list, one per layer of
     ``stage`` in chunk order, as a run records them (``compare_result``). Ignored without EP.
     """
+    cfg = upgrade(cfg)  # a stored result's config: today's schema
     if routed_share is None:
         routed_share = moe_imbalance(cfg)
     per_layer = isinstance(routed_share, list)
@@ -331,6 +332,7 @@ def worst_rank_reason(cfg: dict, st: dict, pp: int) -> str:
 
 def predict_options(cfg: dict, device: str = "cuda") -> tuple[list[tuple[str, dict]], list[tuple[str, str]]]:
     """Every recompute option of the family: (predictions sorted by peak, refused with the reason)."""
+    cfg = upgrade(cfg)
     done, refused = [], []
     if cfg["model"]["family"] not in FAMILIES:
         dims(cfg, device)  # refuses the family by name
@@ -377,6 +379,7 @@ def compare_result(result: dict, name: str | None = None) -> list[dict]:
     ledger at the ledger micro-batch's rows per layer (then exact), its peak at the timed steps'
     worst micro-batch; a rank without a record (results before the worker kept one) at balanced
     routing (share 1), never at the before-a-run bound."""
+    result = {**result, "config": upgrade(result["config"])}
     rows = []
     ranks = {r.get("rank", i): r for i, r in enumerate(result.get("ranks") or [])}
     for r in result_rows(result):
