@@ -324,7 +324,10 @@ def _launch(cfg: DictConfig, plain: dict, name: str, choices: dict, run_dir: Pat
         if previous.get("status") in COMPLETE and not changed:
             print(f"[skip] {name}: complete result in {run_dir} (rerun=true to run again)")
             return previous
-        if changed and not in_multirun():  # output_dir=<a run directory>: never overwritten silently
+        # output_dir=<a run directory>: never overwritten silently, unless this run continues it from its
+        # checkpoints (checkpoint.resume: the worker refuses a checkpoint of another model, naming what differs)
+        continues = bool(plain["checkpoint"]["resume"]) and previous.get("status") not in COMPLETE
+        if changed and not in_multirun() and not continues:
             raise ConfigError("output_dir", f"{run_dir} holds a run with other {', '.join(changed)} "
                               f"(status {previous.get('status')})", "add rerun=true to replace it, or choose "
                               "another output_dir")
