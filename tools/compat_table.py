@@ -12,7 +12,6 @@ changed, so edit its row here.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,13 +19,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere: import the repository's recipes
 
+import generated  # noqa: E402  (tools/, beside this script)
+from generated import replace_section  # noqa: E402
+
 from recipes.config import compose_config  # noqa: E402
 from recipes.errors import ConfigError  # noqa: E402
 from recipes.validate import validate  # noqa: E402
 
 DOC = ROOT / "docs" / "compatibility.md"
 BEGIN = "<!-- BEGIN GENERATED: compatibility -->"
-END = "<!-- END GENERATED -->"
 
 
 @dataclass(frozen=True)
@@ -180,28 +181,13 @@ def table() -> str:
 
 def render(doc: str) -> str:
     """The doc with the section between the markers replaced by the current table."""
-    head, sep, rest = doc.partition(BEGIN)
-    _, sep2, tail = rest.partition(END)
-    if not (sep and sep2):
-        raise SystemExit(f"{DOC.relative_to(ROOT)} lacks the markers {BEGIN} ... {END}")
-    return f"{head}{BEGIN}\n{table()}\n{END}{tail}"
+    return replace_section(doc, BEGIN, table(), DOC)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="exit 1 if the doc is not up to date")
-    args = parser.parse_args(argv)
-    old = DOC.read_text()
-    new = render(old)
-    if args.check:
-        if new != old:
-            print(f"{DOC.relative_to(ROOT)} is out of date with recipes/validate.py: run `make docs`", file=sys.stderr)
-            return 1
-        print(f"{DOC.relative_to(ROOT)}: the compatibility table matches the rules ({len(ROWS)} rows)")
-        return 0
-    DOC.write_text(new)
-    print(f"wrote {DOC.relative_to(ROOT)} ({len(ROWS)} rows)")
-    return 0
+    return generated.main(DOC, render, "is out of date with recipes/validate.py: run `make docs`",
+                          f"the compatibility table matches the rules ({len(ROWS)} rows)", f" ({len(ROWS)} rows)",
+                          argv, __doc__.splitlines()[0])
 
 
 if __name__ == "__main__":

@@ -13,12 +13,14 @@ source disagree. Nothing here is measured.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere: import the repository's recipes
+
+import generated  # noqa: E402  (tools/, beside this script)
+from generated import END, replace_section  # noqa: E402
 
 from recipes.analyze.advise import advise_before_running  # noqa: E402
 from recipes.files import CONF_DIR, GIB  # noqa: E402
@@ -28,7 +30,6 @@ from recipes.recipe import GPU_BUDGET_GIB, GPU_NAME, at_full_depth, compose_reci
 
 DOC = ROOT / "docs" / "recipes.md"
 BEGIN = "<!-- BEGIN GENERATED: recipes -->"
-END = "<!-- END GENERATED -->"
 
 
 def recipe_names() -> list[str]:
@@ -80,32 +81,19 @@ def section() -> str:
     intro = ("PREDICTED by `tools/recipes_table.py` (nothing measured). Budgets: what PyTorch's allocator may hold, "
              f"H100 {GPU_BUDGET_GIB['h100']:g} GiB and H200 {GPU_BUDGET_GIB['h200']:g} GiB; fits = with the "
              "allocator's slack, tight = only without it (`recipes.predict.fit.verdict`). Rows sorted by peak.")
-    return "\n".join([BEGIN, intro, "", *lines, "", *[f"- {s}" for s in sentences], END])
+    return "\n".join([intro, "", *lines, "", *[f"- {s}" for s in sentences]])
 
 
 def render(text: str) -> str:
     if BEGIN not in text:
-        return text.rstrip("\n") + "\n\n## Predicted peak per recipe and recompute option\n\n" + section() + "\n"
-    head, rest = text.split(BEGIN, 1)
-    return head + section() + rest.split(END, 1)[1]
+        text = text.rstrip("\n") + f"\n\n## Predicted peak per recipe and recompute option\n\n{BEGIN}\n{END}\n"
+    return replace_section(text, BEGIN, section(), DOC)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="exit 1 if docs/recipes.md is out of date")
-    args = parser.parse_args(argv)
-    current = DOC.read_text()
-    new = render(current)
-    if args.check:
-        if new != current:
-            print(f"{DOC.relative_to(ROOT)} is out of date with the recipes and the estimator: run "
-                  "`python tools/recipes_table.py`", file=sys.stderr)
-            return 1
-        print(f"{DOC.relative_to(ROOT)}: the recipe table matches the estimator")
-        return 0
-    DOC.write_text(new)
-    print(f"wrote {DOC.relative_to(ROOT)}")
-    return 0
+    return generated.main(DOC, render, "is out of date with the recipes and the estimator: run "
+                          "`python tools/recipes_table.py`", "the recipe table matches the estimator", "",
+                          argv, __doc__.splitlines()[0])
 
 
 if __name__ == "__main__":
