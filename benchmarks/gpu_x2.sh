@@ -35,6 +35,22 @@ step_long_moe() { sweep long_moe model=moe size=h200_long parallel=ep2 \
   recompute=selective/layernorm,selective/moe_act $LONG_ARGS; }
 step_long_dense() { sweep long_dense model=standard_attn size=h200_long parallel=tp2 recompute=none,control $LONG_ARGS; }
 
+# A checkpoint saved under TP2 loaded under TP1 (docs/h200x2-results.md): the TP1 run resumes from
+# step 3 and trains steps 4-6; its losses are printed next to the TP2 run's for the same steps.
+CK="size=h200 profile=none measure.start_step=2 train.train_iters=6 train.lr=1e-4 train.log_interval=1
+  checkpoint=default checkpoint.interval=3 checkpoint.keep_last=2"
+step_ckpt() { rm -rf results/ck_tp2 results/ck_tp1
+  $PY train.py $CK parallel=tp2 output_dir=results/ck_tp2 2>&1 | grep -v "Warning\|warn(" | tee results/ck_tp2.log | tail -15
+  $PY train.py $CK parallel=single checkpoint.resume=results/ck_tp2/checkpoints/step_00000003 \
+    output_dir=results/ck_tp1 2>&1 | grep -v "Warning\|warn(" | tee results/ck_tp1.log | tail -15
+  $PY - <<'PY'
+import json
+a, b = (json.load(open(f"results/ck_{t}/result.json")) for t in ("tp2", "tp1"))
+print("losses at TP2 (straight):          ", a.get("loss"))
+print("losses at TP1 (from TP2's step 3):  ", b.get("loss"), "from step", b.get("training", {}).get("start_step"))
+PY
+  rm -rf results/ck_tp2/checkpoints results/ck_tp1/checkpoints; }
+
 step_analyse() {  # no GPU: predicted next to measured per rank, the reports, the advisor's choices
   local q="Warning\|warn(\|absl"
   for d in results/x2_*/; do d=${d%/}; [ -f "$d/multirun.yaml" ] || continue

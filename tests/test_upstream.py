@@ -165,3 +165,51 @@ def test_priming_touches_only_an_empty_distributed_optimizer(monkeypatch):
     assert upstream.prime_distributed_optimizer_for_loading(chained) == 1 and calls == ["fresh"]
     monkeypatch.setattr(upstream, "transformer_engine_available", lambda: True)
     assert upstream.prime_distributed_optimizer_for_loading(chained) == 0
+
+
+def _fake_distributed_optimizer():
+    """The attributes ``_set_main_param_and_optimizer_states`` reads, on a CPU (the real class needs
+    CUDA): one main parameter whose torch-Adam state holds ``step`` as a tensor."""
+    import types
+
+    import torch
+
+    main = torch.zeros(4)
+    state = {main: {"step": torch.tensor(3.0), "exp_avg": torch.zeros(4), "exp_avg_sq": torch.zeros(4)}}
+    model_param = torch.nn.Parameter(torch.zeros(4))
+    fake = types.SimpleNamespace(
+        model_param_group_index_map={model_param: (0, 0)},
+        config=types.SimpleNamespace(use_precision_aware_optimizer_no_fp8_or_ds_fp8=False),
+        optimizer=types.SimpleNamespace(param_groups=[{"params": [main]}], state=state))
+    loaded = {"param": torch.ones(4), "exp_avg": torch.full((4,), 2.0), "exp_avg_sq": torch.full((4,), 5.0)}
+    return fake, model_param, loaded, main, state[main]
+
+
+def test_reshardable_optimizer_load_still_needs_step_in_loaded_tensors():
+    """megatron's ``_set_main_param_and_optimizer_states`` still raises KeyError: 'step' when torch's
+    Adam keeps ``step`` as a state tensor and the fully_reshardable load leaves it out
+    (recipes.build.upstream.load_reshardable_optimizer_with_torch_adam_step). Fails once upstream
+    skips keys it was not given."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    method = getattr(DistributedOptimizer, "_recipes_original_set_main_param",
+                     DistributedOptimizer._set_main_param_and_optimizer_states)
+    fake, model_param, loaded, _, _ = _fake_distributed_optimizer()
+    with pytest.raises(KeyError, match="step"):
+        method(fake, model_param, loaded)
+
+
+def test_reshardable_optimizer_load_copies_the_state_and_keeps_the_step(monkeypatch):
+    """With the workaround the loaded parameter and moments are copied and ``step`` (set from the
+    param groups by load_state_dict) is left as it is."""
+    import torch
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    from recipes.build import upstream
+
+    monkeypatch.setattr(upstream, "transformer_engine_available", lambda: False)
+    assert upstream.load_reshardable_optimizer_with_torch_adam_step()
+    fake, model_param, loaded, main, state = _fake_distributed_optimizer()
+    DistributedOptimizer._set_main_param_and_optimizer_states(fake, model_param, loaded)
+    assert torch.equal(main, loaded["param"]) and torch.equal(state["exp_avg_sq"], loaded["exp_avg_sq"])
+    assert float(state["step"]) == 3.0

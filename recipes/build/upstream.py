@@ -166,9 +166,43 @@ def prime_distributed_optimizer_for_loading(optimizer) -> int:
     return primed
 
 
+class _StepLoadedSeparately(dict):
+    """A loaded parameter's state tensors, reading any absent key as "not a tensor" (skipped)."""
+
+    def __missing__(self, key):
+        return None
+
+
+def load_reshardable_optimizer_with_torch_adam_step() -> bool:
+    """Loading a ``fully_reshardable`` DistributedOptimizer checkpoint with torch's Adam (no Apex or
+    Transformer Engine) raises ``KeyError: 'step'`` in ``_set_main_param_and_optimizer_states``
+    (distrib_optimizer.py): it copies every tensor of the parameter's optimizer state from the loaded
+    tensors, torch's Adam keeps ``step`` there as a tensor, and
+    ``load_parameter_state_from_fully_reshardable`` leaves ``step`` out ("Handle torch Adam 'step'
+    state separately": ``load_state_dict`` sets it from the param groups just before). Seen on two
+    H200s, megatron-core 0.19.2, loading a TP2 checkpoint at TP1. The fix lets an absent key count as
+    "not a tensor", which that method already skips. Returns True when applied."""
+    if "adam_step_load" in _FIXED:
+        return True
+    if transformer_engine_available():
+        return False
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    original = DistributedOptimizer._set_main_param_and_optimizer_states
+
+    def _set_main_param_and_optimizer_states(self, model_param, tensors):
+        return original(self, model_param, _StepLoadedSeparately(tensors))
+
+    DistributedOptimizer._set_main_param_and_optimizer_states = _set_main_param_and_optimizer_states
+    DistributedOptimizer._recipes_original_set_main_param = original
+    _FIXED.add("adam_step_load")
+    return True
+
+
 def apply_all() -> None:
     """Apply every workaround that applies to this environment (idempotent)."""
     allow_checkpoint_save_without_psutil()
+    load_reshardable_optimizer_with_torch_adam_step()
     fix_checkpoint_without_output_fp8_default()
     allow_sequence_parallel_torch_norm()
     release_allgather_dispatcher_probs()
