@@ -46,8 +46,10 @@ step_ckpt() { rm -rf results/ck_tp2 results/ck_tp1
   $PY - <<'PY'
 import json
 a, b = (json.load(open(f"results/ck_{t}/result.json")) for t in ("tp2", "tp1"))
-print("losses at TP2 (straight):          ", a.get("loss"))
-print("losses at TP1 (from TP2's step 3):  ", b.get("loss"), "from step", b.get("training", {}).get("start_step"))
+la, lb = a["ranks"][0]["loss"], b["ranks"][0]["loss"]  # the TP1 run trained steps 4-6
+print("step  loss at TP2 (straight)  loss at TP1 (resumed from TP2's step 3)")
+for step, (x, y) in enumerate(zip(la[-len(lb):], lb), start=len(la) - len(lb) + 1):
+    print(f"{step:>4}  {x:>24.6f}  {y:>40.6f}")
 PY
   rm -rf results/ck_tp2/checkpoints results/ck_tp1/checkpoints; }
 
