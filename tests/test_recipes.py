@@ -49,7 +49,7 @@ def test_deepseek_v3_structure():
     assert layer_kinds(reduced["model"]) == [("mla", "dense")] + [("mla", "moe")] * 3
 
 
-@pytest.mark.parametrize("name", ["llama3_8b", "deepseek_v3", "qwen3_next_80b_a3b"])
+@pytest.mark.parametrize("name", ["llama3_8b", "deepseek_v3", "qwen3_next_80b_a3b", "moonlight_16b_a3b"])
 def test_reduced_recipe_trains_here(megatron_world, name):
     cfg, notes = compose_recipe([f"recipe={name}", "train.train_iters=3", "measure.start_step=2",
                                  "measure.profile=none"], on_gpu=False)
@@ -139,3 +139,17 @@ def test_bad_recipe_submissions_are_refused_before_submitting(tmp_path, override
     proc = _slurm_dry_run(tmp_path, *overrides)
     assert proc.returncode == 2 and f"{option}:" in proc.stderr and "fix:" in proc.stderr, proc.stderr[-2000:]
     assert not (tmp_path / "slurm_dry_run.sbatch").exists()
+
+
+def test_a_recipe_run_is_named_after_the_recipe():
+    """A recipe sets the model, so its runs (console, report rows, W&B) carry the recipe's name, not the
+    default model group's."""
+    from omegaconf import OmegaConf
+
+    from recipes.config import compose_config
+    from recipes.run.controller import run_name
+
+    cfg = OmegaConf.create(compose_config(["recipe=qwen3_next_80b_a3b"]))
+    choices = {"model": "standard_attn", "attention": "sdpa", "recipe": "qwen3_next_80b_a3b"}
+    assert run_name(cfg, choices).startswith("qwen3_next_80b_a3b sdpa ")
+    assert run_name(cfg, {**choices, "recipe": None}).startswith("standard_attn sdpa ")

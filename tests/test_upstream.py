@@ -213,3 +213,52 @@ def test_reshardable_optimizer_load_copies_the_state_and_keeps_the_step(monkeypa
     DistributedOptimizer._set_main_param_and_optimizer_states(fake, model_param, loaded)
     assert torch.equal(main, loaded["param"]) and torch.equal(state["exp_avg_sq"], loaded["exp_avg_sq"])
     assert float(state["step"]) == 3.0
+
+
+def _mla_without_q_lora():
+    """An MLA config without q-LoRA but with qk_layernorm (Moonlight's), and the local spec's attention
+    submodules for it."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    config = MLATransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4, q_lora_rank=None,
+                                  kv_lora_rank=32, qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=16,
+                                  qk_layernorm=True, normalization="RMSNorm", transformer_impl="local")
+    spec = get_gpt_layer_local_spec(multi_latent_attention=True, qk_layernorm=True, normalization="RMSNorm")
+    return config, spec.submodules.self_attention.submodules
+
+
+def test_mla_without_q_lora_still_needs_te_on_the_local_spec():
+    """megatron-core's QKNormConfigResolver still refuses MLA without q-LoRA on the local spec: first the
+    spec's q_layernorm, then (without it) the missing fused layernorm+linear
+    (recipes.build.upstream.build_mla_without_q_lora_on_local_spec). Fails once upstream builds it."""
+    import dataclasses
+
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.mla_qk_norm_config import QKNormConfigResolver as R
+
+    class Pristine(R):
+        resolve = getattr(R, "_recipes_original_resolve", R.resolve)
+        _mla_fused_linear_or_default = getattr(R, "_recipes_original_fused", R._mla_fused_linear_or_default)
+
+    config, submodules = _mla_without_q_lora()
+    with pytest.raises(ValueError, match="q_lora_rank is None"):
+        Pristine(config, submodules).resolve()
+    with pytest.raises(RuntimeError, match="requires TransformerEngine"):
+        Pristine(config, dataclasses.replace(submodules, q_layernorm=IdentityOp)).resolve()
+
+
+def test_mla_without_q_lora_builds_a_plain_q_projection(monkeypatch):
+    """With the workaround: linear_q_proj is the spec's plain projection, no q norm, the kv norm kept."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.mla_qk_norm_config import QKNormConfigResolver
+
+    from recipes.build import upstream
+
+    monkeypatch.setattr(upstream, "transformer_engine_available", lambda: False)
+    assert upstream.build_mla_without_q_lora_on_local_spec()
+    config, submodules = _mla_without_q_lora()
+    resolved = QKNormConfigResolver(config, submodules).resolve()
+    assert resolved["linear_q_proj"] is ColumnParallelLinear and resolved["q_layernorm"] is IdentityOp
+    assert resolved["kv_layernorm"] is submodules.kv_layernorm

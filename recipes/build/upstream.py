@@ -199,10 +199,52 @@ def load_reshardable_optimizer_with_torch_adam_step() -> bool:
     return True
 
 
+def build_mla_without_q_lora_on_local_spec() -> bool:
+    """MLA without a q down-projection (``q_lora_rank`` null: Moonlight, DeepSeek-V2-Lite) and with
+    ``qk_layernorm`` cannot be built on the local spec: megatron-core 0.19.2's ``QKNormConfigResolver``
+    (transformer/mla_qk_norm_config.py) refuses the local spec's q_layernorm ("is non-trivial, but
+    q_lora_rank is None") and, without it, asks for Transformer Engine's fused layernorm+linear as
+    ``linear_q_proj`` ("qk_layernorm requires TransformerEngine"). The published models have no q norm
+    there (only ``kv_a_layernorm``): without TE the resolver here builds ``linear_q_proj`` as the plain
+    column-parallel projection and no q norm; the kv norm is unchanged. Returns True when applied."""
+    if "mla_no_q_lora" in _FIXED:
+        return True
+    if transformer_engine_available():
+        return False
+    import dataclasses
+
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.mla_qk_norm_config import QKNormConfigResolver
+
+    original_resolve = QKNormConfigResolver.resolve
+    original_fused = QKNormConfigResolver._mla_fused_linear_or_default
+
+    def _no_q_lora_here(self) -> bool:
+        return not self.has_q_lora and not self.is_dsa and self.fused_norm_linear_impl is None
+
+    def resolve(self):
+        if _no_q_lora_here(self) and self.config.qk_layernorm:
+            self.submodules = dataclasses.replace(self.submodules, q_layernorm=IdentityOp)
+        return original_resolve(self)
+
+    def _mla_fused_linear_or_default(self, module_spec, module_name):
+        if module_name == "linear_q_proj" and _no_q_lora_here(self):
+            return module_spec or self.linear_impl
+        return original_fused(self, module_spec, module_name)
+
+    QKNormConfigResolver.resolve = resolve
+    QKNormConfigResolver._mla_fused_linear_or_default = _mla_fused_linear_or_default
+    QKNormConfigResolver._recipes_original_resolve = original_resolve
+    QKNormConfigResolver._recipes_original_fused = original_fused
+    _FIXED.add("mla_no_q_lora")
+    return True
+
+
 def apply_all() -> None:
     """Apply every workaround that applies to this environment (idempotent)."""
     allow_checkpoint_save_without_psutil()
     load_reshardable_optimizer_with_torch_adam_step()
+    build_mla_without_q_lora_on_local_spec()
     fix_checkpoint_without_output_fp8_default()
     allow_sequence_parallel_torch_norm()
     release_allgather_dispatcher_probs()

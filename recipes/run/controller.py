@@ -123,11 +123,12 @@ def run_directory(cfg: DictConfig) -> Path:
 
 
 def run_name(cfg: DictConfig, choices: dict[str, str]) -> str:
-    """``model attention recompute`` unless the user named the run; the recompute part says what the
-    values recompute (recipes.validate.recompute_option), whatever option they were composed from."""
+    """``model attention recompute`` unless the user named the run (``recipe`` for ``model`` when one is
+    named: it sets the model); the recompute part says what the values recompute
+    (recipes.validate.recompute_option), whatever option they were composed from."""
     if cfg.name:
         return cfg.name
-    parts = [choices.get("model", cfg.model.family), choices.get("attention", cfg.attention.backend),
+    parts = [choices.get("recipe") or choices.get("model", cfg.model.family), choices.get("attention", cfg.attention.backend),
              option_of(cfg)]
     return " ".join(str(p) for p in parts)
 
