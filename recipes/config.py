@@ -141,7 +141,8 @@ class LoggerConfig:
     project: str = "recompute-recipes"
     entity: Optional[str] = None
     mode: str = "offline"  # offline | online | disabled
-    group: Optional[str] = None  # defaults to the sweep name / run dir
+    group: Optional[str] = None  # null: the sweep (its path below multirun/), else the run directory's parent
+    job_type: Optional[str] = None  # null: point (a sweep point), train (a single run)
     tags: List[str] = field(default_factory=list)
 
 

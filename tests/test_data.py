@@ -10,8 +10,6 @@ import importlib.util
 import json
 import shutil
 import statistics
-import sys
-import types
 
 import numpy
 import pytest
@@ -204,23 +202,6 @@ def test_progress_reports_rates(tmp_path, capsys):
     lines = [l for l in capsys.readouterr().err.splitlines() if l.startswith("[preprocess]")]
     assert len(lines) == 4 and "docs/s" in lines[0] and "MB/s" in lines[0]
     assert lines[-1].startswith("[preprocess] done: 3 docs")
-
-
-def test_wandb_gets_validation_loss_in_step_order(monkeypatch):
-    """val/loss is logged with train/loss, one call per step (W&B drops steps that go backwards)."""
-    from recipes.analyze.logger import log_run
-
-    calls = []
-    run = types.SimpleNamespace(log=lambda row, step: calls.append((step, row)), summary={},
-                                finish=lambda: None)
-    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=lambda **kw: run))
-    rank = {"rank": 0, "status": "ok", "loss": [3.0, 2.5, 2.0, 1.5],
-            "eval_loss": [{"step": 2, "loss": 2.7}, {"step": 4, "loss": 1.9}]}
-    result = {"name": "n", "run_dir": "/tmp/x/y", "status": "ok", "worst_rank": 0, "ranks": [rank]}
-    log_run({"logger": {"name": "wandb", "project": "p", "entity": None, "mode": "disabled",
-                        "group": None, "tags": []}}, result)
-    assert [s for s, _ in calls] == [0, 1, 2, 3]
-    assert calls[1][1] == {"train/loss": 2.5, "val/loss": 2.7} and calls[3][1]["val/loss"] == 1.9
 
 
 def test_data_parallel_ranks_read_disjoint_samples(monkeypatch):
