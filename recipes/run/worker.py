@@ -37,6 +37,7 @@ from recipes.build import compat, upstream
 from recipes.build.model import build_model, build_transformer_config, num_parameters
 from recipes.build.parallel import pipeline_report, reduce_gradients_cpu
 from recipes.data.datasets import batches, build_datasets
+from recipes.data.indexed import check_tokenizer
 from recipes.errors import ConfigError
 from recipes.files import GIB, write_json_atomic
 from recipes.measure.flops import step_flops
@@ -467,6 +468,7 @@ def train_and_measure(cfg: dict, result: dict, run_dir: Path | None = None,
         torch.cuda.set_per_process_memory_fraction(cfg["measure"]["memory_fraction"])
     t0 = time.perf_counter()
     marks = result.setdefault("timeline", {})
+    check_tokenizer(cfg)  # data.tokenizer agrees with the data (vocabulary, eod) before any compute
     trainer = Trainer(cfg)
     routing = RoutingRecorder(trainer.chunks, lambda: len(trainer.grad_norms))  # MoE: routed rows per rank
     marks["built"] = time.time()
