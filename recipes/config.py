@@ -129,7 +129,7 @@ class DataConfig:
     eval_interval: int = 0  # validation loss every N steps (0 = off)
     eval_iters: int = 2
     num_workers: int = 0
-    tokenizer: Optional[str] = None  # indexed: null = PREFIX.meta.json | byte | path/to/tokenizer.json
+    tokenizer: Optional[str] = None  # indexed: null = PREFIX.meta.json | a tokenizer spec (recipes/data/tokenizer.py)
     cache_dir: Optional[str] = None  # indexed: megatron's index cache (null = ~/.cache/recompute-recipes)
 
 
