@@ -129,7 +129,7 @@ class DataConfig:
     eval_interval: int = 0  # validation loss every N steps (0 = off)
     eval_iters: int = 2
     num_workers: int = 0
-    tokenizer: Optional[str] = None  # indexed: null = PREFIX.meta.json | byte | path/to/tokenizer.json
+    tokenizer: Optional[str] = None  # indexed: null = PREFIX.meta.json | a tokenizer spec (recipes/data/tokenizer.py)
     cache_dir: Optional[str] = None  # indexed: megatron's index cache (null = ~/.cache/recompute-recipes)
 
 
@@ -141,7 +141,8 @@ class LoggerConfig:
     project: str = "recompute-recipes"
     entity: Optional[str] = None
     mode: str = "offline"  # offline | online | disabled
-    group: Optional[str] = None  # defaults to the sweep name / run dir
+    group: Optional[str] = None  # null: the sweep (its path below multirun/), else the run directory's parent
+    job_type: Optional[str] = None  # null: point (a sweep point), train (a single run)
     tags: List[str] = field(default_factory=list)
 
 

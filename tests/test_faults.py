@@ -293,20 +293,6 @@ def test_wandb_online_without_a_network_falls_back_offline_in_bounded_time(monke
     assert logger.online_problem().startswith("no W&B API key")
 
 
-def test_a_logging_failure_is_a_warning_not_a_lost_result(monkeypatch, capsys):
-    import wandb
-
-    from recipes.analyze import logger
-
-    def broken(*args, **kwargs):
-        raise RuntimeError("wandb.init failed: network")
-
-    monkeypatch.setattr(wandb, "init", broken)
-    cfg = {"logger": {"name": "wandb", "mode": "offline", "project": "p", "entity": None, "group": None, "tags": []}}
-    assert logger.log_run(cfg, {"name": "p", "run_dir": "/tmp/x", "status": "ok", "ranks": []}) is False
-    assert "warning: W&B logging failed for p (RuntimeError" in capsys.readouterr().err
-
-
 # --- exit codes and the bad-input tally -----------------------------------------------------------
 
 def test_exit_codes_say_what_happened():

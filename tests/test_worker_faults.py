@@ -18,7 +18,7 @@ def _run(tmp_path, monkeypatch, error: BaseException) -> tuple[int, dict]:
     monkeypatch.setattr(worker, "init_distributed", lambda cfg, marks=None: None)
     monkeypatch.setattr(worker, "rank_coordinates", lambda: {"rank": 0, "tp": 0, "pp": 0, "cp": 0, "ep": 0, "dp": 0})
 
-    def measure(cfg, result, run_dir=None):
+    def measure(cfg, result, run_dir=None, logger=None):
         result["phase"] = "steady"
         raise error
 

@@ -1,27 +1,37 @@
-"""Experiment logging: W&B (offline by default) or nothing.
+"""Experiment logging: W&B (offline by default) or nothing, streamed live from the worker.
 
-The W&B run gets the resolved config plus the Hydra choices, the loss curve, and the summary with
-``/`` keys (``mem/peak_allocated_gib``, ``perf/tokens_per_s``, ``ledger/core_attn_bytes``...). The run
-always finishes, even when logging fails, so one bad point does not break the next.
+Who logs what (one home each):
 
-Logging never costs a result or a report: with ``logger.mode=online`` the credentials and the server are
-checked once per process in bounded time (``usable_logger``), falling back to offline with one warning
-line (W&B online without a network otherwise hangs about 95 s per point, then raises); and any error
-while logging is a warning (``log_run``), never an exception.
+- The controller, once per sweep, before any worker: ``usable_logger`` (with ``logger.mode=online`` the
+  credentials and the server are checked in bounded time, falling back to offline with one warning line;
+  W&B online without a network otherwise hangs about 95 s per point, then raises), then ``write_identity``:
+  the run's W&B name, group and job type, and the Hydra choices, in ``RUN_DIR/wandb.json``.
+- The worker's rank 0: ``open_run`` at its start (config = the resolved config + the Hydra choices), one
+  ``log`` per ``train.log_interval`` (``train/loss``, ``train/lr``, ``train/grad_norm``, ``perf/*``,
+  ``mem/peak_allocated_gib``) and per validation (``val/loss``), at the training step; at its end
+  ``finish`` with the summary (``run_metrics``: every rank's memory under ``rank<N>/``) and its status.
+- The controller again only when the worker could not finish its run (killed, as by the kernel's OOM
+  killer): ``close_unfinished`` records the merged result's summary and status in the same W&B run.
+
+Logging never costs a result: every W&B error is one warning line, never an exception. The other ranks
+get ``NullRun``, the do-nothing twin, as does ``logger=none``.
 """
 
 from __future__ import annotations
 
 import base64
+import hashlib
 import netrc
 import os
 import sys
 import threading
 import urllib.error
 import urllib.request
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+from recipes.files import read_json, write_json_atomic
 from recipes.results import result_rows, worst_row
 
 
@@ -131,50 +141,164 @@ def usable_logger(log: dict) -> dict:
     return {**log, "mode": "offline"}
 
 
-def log_run(cfg: dict, result: dict) -> bool:
-    """Log one finished run to the configured logger (no-op for logger=none). A logging failure is one
-    warning line: the result is already on disk. Returns whether it was logged."""
-    if cfg["logger"]["name"] != "wandb":
-        return False
+# --- the live W&B run -------------------------------------------------------------------------------
+
+#: ``RUN_DIR/wandb.json``: the W&B run of this directory (name, group, job type, the Hydra choices), written
+#: by the controller; the worker adds the run's id (kept across resumes) and whether it finished it.
+IDENTITY = "wandb.json"
+#: progress.jsonl's keys (``recipes.run.worker.Progress``) and the W&B keys they are logged under.
+LIVE_KEYS = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm",
+             "step_time_s": "perf/step_time_s", "tokens_per_s": "perf/tokens_per_s", "mfu": "perf/mfu",
+             "peak_allocated_gib": "mem/peak_allocated_gib"}
+
+
+def run_identity(log: dict, name: str, run_dir: str | Path, multirun: bool) -> dict:
+    """The W&B name, group and job type of the run in ``run_dir``: the point's name and 6 hex digits of its
+    directory's path (two points, or the same point in two sweeps, never share a name; a re-run keeps it),
+    ``logger.group`` else the sweep (``sweep_group``), ``logger.job_type`` else ``point`` in a sweep and
+    ``train`` for a single run."""
+    path = Path(run_dir).resolve()
+    return {"name": f"{name} {hashlib.sha1(str(path).encode()).hexdigest()[:6]}",
+            "group": log.get("group") or sweep_group(str(path.parent)),
+            "job_type": log.get("job_type") or ("point" if multirun else "train")}
+
+
+def read_identity(run_dir: str | Path) -> dict:
     try:
-        _log_run(cfg, result)
-        return True
-    except Exception as err:
-        print(f"warning: W&B logging failed for {result.get('name')} ({type(err).__name__}: "
-              f"{str(err).splitlines()[0] if str(err) else ''}); the result is in {result.get('run_dir')}",
-              file=sys.stderr, flush=True)
+        return read_json(Path(run_dir) / IDENTITY)
+    except (OSError, ValueError):
+        return {}
+
+
+def _update_identity(run_dir: str | Path, **fields: Any) -> None:
+    write_json_atomic(Path(run_dir) / IDENTITY, {**read_identity(run_dir), **fields})
+
+
+def write_identity(run_dir: str | Path, log: dict, name: str, choices: dict, overrides: list[str],
+                   multirun: bool) -> None:
+    """Controller, before the workers start (``logger=wandb`` only): ``RUN_DIR/wandb.json``. The id of the
+    W&B run an earlier process of this directory opened is kept, for a worker that resumes its checkpoint."""
+    if log.get("name") != "wandb":
+        return
+    previous = read_identity(run_dir)
+    _update_identity(run_dir, **run_identity(log, name, run_dir, multirun), choices=choices, overrides=overrides,
+                     id=previous.get("id"), opened=False, finished=False)
+
+
+def interval_metrics(row: dict) -> dict[str, float]:
+    """One progress row (``Progress.log``) as the W&B metrics logged live (``LIVE_KEYS``)."""
+    return {LIVE_KEYS[k]: v for k, v in row.items() if k in LIVE_KEYS and v is not None}
+
+
+def _warn(what: str, name: str, run_dir: str | Path, err: Exception) -> None:
+    first = str(err).splitlines()[0] if str(err) else ""
+    print(f"warning: W&B {what} failed for {name} ({type(err).__name__}: {first}); the result is in {run_dir}",
+          file=sys.stderr, flush=True)
+
+
+class NullRun:
+    """The do-nothing twin of ``WandbRun``: ``logger=none``, every rank but 0, a W&B run that did not open."""
+
+    def __bool__(self) -> bool:
         return False
 
+    def log(self, metrics: dict, step: int, commit: bool | None = None) -> None:
+        pass
 
-def _log_run(cfg: dict, result: dict) -> None:
-    log = usable_logger(cfg["logger"])
+    def finish(self, result: dict, exit_code: int = 0) -> None:
+        pass
+
+
+class WandbRun:
+    """An open W&B run. ``log`` and ``finish`` never raise: a failure is one warning line (the first
+    logging failure stops the live logging; the summary is still tried at the end)."""
+
+    def __init__(self, run, run_dir: str | Path, name: str):
+        self.run, self.run_dir, self.name = run, Path(run_dir), name
+        self.logging = True
+
+    def log(self, metrics: dict, step: int, commit: bool | None = None) -> None:
+        """``metrics`` (None values dropped) at training step ``step``. Calls at one step make one row,
+        written when a later step is logged or ``commit`` (the step's last call: then ``finish``'s summary
+        comes after it, and the summary's window numbers are not overwritten by the last row's)."""
+        metrics = {k: v for k, v in metrics.items() if v is not None}
+        if not metrics or not self.logging:
+            return
+        try:
+            self.run.log(metrics, step=step, commit=commit)
+        except Exception as err:
+            self.logging = False
+            _warn("logging", self.name, self.run_dir, err)
+
+    def finish(self, result: dict, exit_code: int = 0) -> None:
+        """The run's summary (``run_metrics``: the worst rank, and every rank under ``rank<N>/``), its
+        error when it failed, then finish with ``exit_code`` (W&B shows a non-zero one as failed; a
+        preempted run is marked preempting)."""
+        if self.run is None:
+            return
+        try:
+            for key, value in run_metrics(result).items():
+                self.run.summary[key] = value
+            if result.get("status") not in ("ok", None) and result.get("error"):
+                self.run.summary["error"] = str(result["error"]).splitlines()[0]
+            if result.get("status") == "preempted":
+                self.run.mark_preempting()
+            self.run.finish(exit_code=exit_code)
+            _update_identity(self.run_dir, finished=True)
+        except Exception as err:
+            _warn("finishing the run", self.name, self.run_dir, err)
+        finally:
+            self.run = None
+
+
+def _init(log: dict, identity: dict, run_dir: Path, run_id: str | None, config: dict | None):
     os.environ.setdefault("WANDB_SILENT", "true")
     # lazy: only with logger=wandb
     import wandb
 
-    run = wandb.init(
-        project=log["project"],
-        entity=log["entity"],
-        mode=log["mode"],
-        group=log["group"] or sweep_group(os.path.dirname(result["run_dir"])),
-        name=result["name"],
-        tags=list(log["tags"]),
-        dir=result["run_dir"],
-        config={**cfg, "choices": result.get("choices", {})},
-        reinit="finish_previous",
-    )
+    return wandb.init(project=log["project"], entity=log["entity"], mode=log["mode"], group=identity["group"],
+                      name=identity["name"], job_type=identity["job_type"], tags=list(log.get("tags") or []),
+                      dir=str(run_dir), id=run_id, resume="allow" if run_id else None,
+                      config=config, reinit="finish_previous")
+
+
+def open_run(cfg: dict, run_dir: str | Path, rank: int, resuming: bool = False) -> WandbRun | NullRun:
+    """The worker's W&B run: opened on rank 0 with ``logger=wandb`` (else ``NullRun``), under the identity
+    the controller wrote (``RUN_DIR/wandb.json``; without one, the directory's name). ``resuming`` (this
+    process continues a checkpoint) continues the W&B run the earlier process opened. Never raises."""
+    log = cfg["logger"]
+    if log["name"] != "wandb" or rank != 0:
+        return NullRun()
+    run_dir = Path(run_dir)
+    identity = read_identity(run_dir) or run_identity(log, run_dir.name, run_dir, False)
     try:
-        worst = next((r for r in result.get("ranks", []) if r.get("rank") == result.get("worst_rank")), {})
-        rows: dict[int, dict] = {}  # one log call per step: W&B drops steps that go backwards
-        for step, loss in enumerate(worst.get("loss") or []):
-            if loss is not None:
-                rows.setdefault(step, {})["train/loss"] = loss
-        for ev in worst.get("eval_loss") or []:  # after ev["step"] steps = the step logged at step-1
-            if ev.get("loss") is not None:
-                rows.setdefault(ev["step"] - 1, {})["val/loss"] = ev["loss"]
-        for step in sorted(rows):
-            run.log(rows[step], step=step)
-        for key, value in run_metrics(result).items():
-            run.summary[key] = value
-    finally:
-        run.finish()
+        run_dir.mkdir(parents=True, exist_ok=True)
+        config = {**cfg, "choices": identity.get("choices") or {}, "overrides": identity.get("overrides") or [],
+                  "run_dir": str(run_dir)}
+        run = _init(log, identity, run_dir, identity.get("id") if resuming else None, config)
+        _update_identity(run_dir, **{k: identity[k] for k in ("name", "group", "job_type")}, id=run.id,
+                         opened=True, finished=False)
+        return WandbRun(run, run_dir, identity["name"])
+    except Exception as err:
+        _warn("opening the run", identity["name"], run_dir, err)
+        return NullRun()
+
+
+#: A run's exit code for W&B, by status, when the controller closes a run its worker could not.
+_EXIT = {"ok": 0, "stopped": 0, "preempted": 0, "failed": 1, "refused": 2, "oom": 3}
+
+
+def close_unfinished(log: dict, result: dict) -> bool:
+    """Controller, after the result is merged: a W&B run the worker opened but never finished (the worker
+    was killed) gets the result's summary and status now, in the same run. Returns whether it did."""
+    run_dir = result.get("run_dir")
+    identity = read_identity(run_dir) if run_dir else {}
+    if log.get("name") != "wandb" or not identity.get("opened") or identity.get("finished") or not identity.get("id"):
+        return False
+    try:
+        run = _init(log, identity, Path(run_dir), identity["id"], None)
+    except Exception as err:
+        _warn("closing the run", identity.get("name"), run_dir, err)
+        return False
+    WandbRun(run, run_dir, identity["name"]).finish(result, _EXIT.get(result.get("status"), 1))
+    return True

@@ -5,7 +5,8 @@
 Also runs at the end of every ``-m`` sweep (``ReportCallback``, registered in conf/config.yaml).
 Writes ``report.md``, ``report.csv`` and ``report.png`` (peak memory against step time, Pareto
 frontier marked) into the sweep directory, and logs the table and plot to W&B in the sweep's group
-when the sweep ran with ``logger=wandb``. The guide asks for per-rank allocated/reserved peaks, so
+when the sweep ran with ``logger=wandb``: one ``report`` run per sweep directory (its id is derived from
+the directory), so a re-run updates that run instead of adding one. The guide asks for per-rank allocated/reserved peaks, so
 every rank gets a row; the worst rank (highest peak allocated) is the one that decides fit.
 
 Memory is the allocator's peak allocated on a GPU. A CPU run has no allocator peaks, so there the
@@ -425,8 +426,17 @@ def write_report(sweep_dir: Path, wandb_logger: dict | None = None) -> str:
     return md
 
 
+def report_run_id(sweep_dir: Path) -> str:
+    """The W&B id of a sweep's ``report`` run: the same for every report of one sweep directory, so
+    re-running the report (or the sweep) updates that run (offline copies sync into it) instead of
+    adding another."""
+    import hashlib
+
+    return "report-" + hashlib.sha1(str(Path(sweep_dir).resolve()).encode()).hexdigest()[:12]
+
+
 def log_report_to_wandb(sweep_dir: Path, rows: list[dict], png: Path, log: dict) -> None:
-    """The table (wandb.Table) and plot (wandb.Image) as one ``report`` run in the sweep's group."""
+    """The table (wandb.Table) and plot (wandb.Image) in the sweep's ``report`` run, in its group."""
     import os
 
     os.environ.setdefault("WANDB_SILENT", "true")
@@ -435,7 +445,8 @@ def log_report_to_wandb(sweep_dir: Path, rows: list[dict], png: Path, log: dict)
 
     run = wandb.init(project=log.get("project"), entity=log.get("entity"), mode=log.get("mode", "offline"),
                      group=log.get("group") or sweep_group(str(sweep_dir)), name="report",
-                     job_type="report", dir=str(sweep_dir), reinit="finish_previous")
+                     job_type="report", dir=str(sweep_dir), id=report_run_id(sweep_dir), resume="allow",
+                     reinit="finish_previous")
     try:
         data = [[None if r.get(k) is None else (r[k] if isinstance(r[k], (int, float)) else str(r[k]))
                  for k in CSV_KEYS] for r in rows]

@@ -6,7 +6,8 @@ from typing import Any
 
 
 class ByteTokenizer:
-    """Bytes as tokens (0-255) plus an end-of-document token (256): needs no download."""
+    """What ``data=mock`` tells megatron's ``MockGPTDataset``: a 257-token vocabulary whose end-of-document
+    (and pad) id is 256. Text is tokenized by megatron-core's tokenizers (``recipes.data.tokenizer``)."""
 
     vocab_size = 257
     eod = 256

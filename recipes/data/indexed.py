@@ -11,7 +11,11 @@ Two halves, so that bad input is refused before any worker starts:
   ``.bin`` whose size disagrees with its index, a split part with no documents (megatron would loop
   forever on it), a tokenizer vocabulary larger than ``model.vocab_size``, and a token id at or past
   ``model.vocab_size`` (the sidecar's ``max_token_id``, else a scan of at most ``SCAN_BYTES`` of the ``.bin``).
-- ``build_indexed_datasets(cfg, num_samples)`` runs in the worker (``recipes.data.datasets.build_datasets``).
+  ``data.tokenizer`` is only checked to exist here (the byte and null tokenizers are known without loading).
+- ``check_tokenizer(cfg)`` runs in the worker before the model is built: ``data.tokenizer`` loads through
+  megatron-core (``recipes.data.tokenizer``) and must agree with every sidecar on vocabulary size and eod id,
+  and fit ``model.vocab_size``; ``build_indexed_datasets(cfg, num_samples)`` then builds the datasets
+  (``recipes.data.datasets.build_datasets``).
 
 Relative prefixes are resolved against the repository root (the worker's working directory), so the
 controller checks the same files the worker reads. Megatron's sample/shuffle index cache goes to
@@ -20,7 +24,6 @@ controller checks the same files the worker reads. Megatron's sample/shuffle ind
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import struct
@@ -28,12 +31,14 @@ from pathlib import Path
 from typing import Any
 
 from recipes.data.gpt import gpt_dataset_config
+from recipes.data.tokenizer import BYTE_EOD, BYTE_VOCAB, KINDS, check_spec, load_tokenizer
 from recipes.errors import ConfigError
 from recipes.files import REPO_ROOT, UnreadableFile, read_json, write_json_atomic
 
 META_SUFFIX = ".meta.json"
-#: What the byte-level tokenizer declares (``recipes.data.gpt.ByteTokenizer``, kept import-free here).
-BYTE_TOKENIZER = {"name": "byte", "path": None, "sha256": None, "vocab_size": 257, "eod": 256}
+#: What the sidecar records for the byte tokenizer (``recipes.data.tokenizer``; known without loading it).
+BYTE_TOKENIZER = {"name": "byte", "library": "byte-level", "path": None, "sha256": None, "vocab_size": BYTE_VOCAB,
+                  "eod": BYTE_EOD}
 _INDEX_HEADER = b"MMIDIDX\x00\x00"  # megatron.core.datasets.indexed_dataset._INDEX_HEADER
 
 
@@ -177,23 +182,52 @@ def largest_token_id(bin_path: str, dtype, limit: int = SCAN_BYTES) -> tuple[int
     return max(int(c.max()) for c in chunks if c.size), size <= limit
 
 
+def _tokenizer_error(what: str, fix: str) -> ConfigError:
+    return ConfigError("data.tokenizer", what, fix)
+
+
 def declared_tokenizer(spec: str) -> dict:
-    """``data.tokenizer``: ``byte``, or a tokenizer.json (vocabulary read from the JSON, no library)."""
-    if spec == "byte":
+    """``data.tokenizer`` as far as the controller knows it without loading it: the byte and null tokenizers
+    in full; any other kind's files must exist here (its vocabulary and eod are ``check_tokenizer``'s)."""
+    kind, where = check_spec(spec, _tokenizer_error)
+    if kind == "byte":
         return dict(BYTE_TOKENIZER)
-    path = Path(os.path.expanduser(spec))
-    if not path.is_file():
-        raise ConfigError("data.tokenizer", f"{spec}: no such file",
-                          "use data.tokenizer=byte or a path to the tokenizer.json the data was made with")
-    tj = json.loads(path.read_text())
-    vocab = tj.get("model", {}).get("vocab") or {}
-    ids = list(vocab.values()) if isinstance(vocab, dict) else list(range(len(vocab)))
-    ids += [t["id"] for t in tj.get("added_tokens") or []]
-    if not ids:
-        raise ConfigError("data.tokenizer", f"{spec} has no vocabulary (model.vocab, added_tokens)",
-                          "give the Hugging Face tokenizer.json the data was made with")
-    return {"name": "huggingface", "path": str(path.resolve()), "sha256": None,
-            "vocab_size": max(ids) + 1, "eod": None}
+    if kind == "null":
+        vocab = int(where)
+        return {"name": "null", "library": KINDS["null"][0], "path": None, "sha256": None, "vocab_size": vocab,
+                "eod": vocab - 1}
+    return {"name": kind, "library": KINDS[kind][0], "path": where, "sha256": None, "vocab_size": None, "eod": None}
+
+
+_LOADED: dict[str, dict] = {}  # data.tokenizer -> what megatron-core loaded (once per worker)
+
+
+def check_tokenizer(cfg: Any) -> dict | None:
+    """Worker, before the model is built: ``data.tokenizer`` through megatron-core, which must agree with
+    every prefix's sidecar on vocabulary size and end-of-document id (the data was made with it) and fit
+    ``model.vocab_size``. Returns what it loaded (None without ``data=indexed`` and ``data.tokenizer``)."""
+    data = cfg["data"]
+    spec = data.get("tokenizer") if data["name"] == "indexed" else None
+    if not spec:
+        return None
+    if spec not in _LOADED:
+        _LOADED[spec] = load_tokenizer(spec, _tokenizer_error).info
+    info = _LOADED[spec]
+    for raw in parse_blend(list(data["paths"]))[0]:
+        meta = read_meta(resolve_prefix(raw))
+        made = (meta or {}).get("tokenizer") or {}
+        differs = [f"{k} {info[k]} here, {made.get(k)} in the data" for k in ("vocab_size", "eod")
+                   if meta is not None and made.get(k) != info[k]]
+        if differs:
+            raise ConfigError("data.tokenizer", f"{spec} ({info['name']}) disagrees with {meta_path(resolve_prefix(raw))}, "
+                              f"made with {made.get('name')} {made.get('path') or ''}: " + "; ".join(differs),
+                              "drop data.tokenizer (the sidecar's tokenizer is used), give the tokenizer the data "
+                              "was made with, or re-run python -m recipes preprocess with --tokenizer " + spec)
+    if info["vocab_size"] > cfg["model"]["vocab_size"]:
+        raise ConfigError("model.vocab_size", f"data.tokenizer {spec}: the {info['name']} tokenizer has "
+                          f"{info['vocab_size']} tokens but the model's vocabulary is {cfg['model']['vocab_size']}",
+                          f"set model.vocab_size={info['vocab_size']} or more, or use a smaller tokenizer")
+    return info
 
 
 def inspect_data(cfg: Any) -> dict:
@@ -237,11 +271,13 @@ def inspect_data(cfg: Any) -> dict:
         meta = read_meta(prefix)
         if meta is not None:
             found, where = meta["tokenizer"], meta_path(prefix)
-            if declared and declared["vocab_size"] != found["vocab_size"]:
+            known = [k for k in ("vocab_size", "eod") if declared and declared[k] is not None]
+            if any(declared[k] != found.get(k) for k in known):  # the byte and null tokenizers, known here
                 raise ConfigError("data.tokenizer", f"{data['tokenizer']} has {declared['vocab_size']} "
-                                  f"tokens but {where} says the data was made with {found['name']} "
-                                  f"({found['vocab_size']} tokens)", "drop data.tokenizer (the sidecar "
-                                  "is used), or give the tokenizer the data was made with")
+                                  f"tokens (eod {declared['eod']}) but {where} says the data was made with "
+                                  f"{found['name']} ({found['vocab_size']} tokens, eod {found.get('eod')})",
+                                  "drop data.tokenizer (the sidecar is used), or give the tokenizer the data "
+                                  "was made with")
             if not declared and tokenizer is not None and _identity(tokenizer) != _identity(found):
                 raise ConfigError("data.paths", f"{where} was made with {found['name']} (vocab "
                                   f"{found['vocab_size']}), {source} with {tokenizer['name']} (vocab "
@@ -260,7 +296,7 @@ def inspect_data(cfg: Any) -> dict:
             (top, whole), where = largest_token_id(bin_path, found_sizes["dtype"]), bin_path
         tops.append((top, where, whole))
         prefixes.append(prefix)
-    if tokenizer["vocab_size"] > model["vocab_size"]:
+    if tokenizer["vocab_size"] is not None and tokenizer["vocab_size"] > model["vocab_size"]:
         raise ConfigError("model.vocab_size", f"{source}: the {tokenizer['name']} tokenizer has "
                           f"{tokenizer['vocab_size']} tokens but the model's vocabulary is "
                           f"{model['vocab_size']} (ids past it would index outside the embedding)",
@@ -315,7 +351,7 @@ def build_indexed_datasets(cfg: Any, num_samples: list[int]):
     from megatron.core.datasets.gpt_dataset import GPTDataset
 
     found = inspect_data(cfg)
-    config = gpt_dataset_config(cfg, DatasetTokenizer(found["tokenizer"]),
+    config = gpt_dataset_config(cfg, DatasetTokenizer(check_tokenizer(cfg) or found["tokenizer"]),
                                 blend=(found["prefixes"], found["weights"]), split=cfg["data"]["split"])
     cache_dir = cfg["data"].get("cache_dir")
     config.path_to_cache = resolve_prefix(cache_dir) if cache_dir else default_cache_dir()

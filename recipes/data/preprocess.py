@@ -1,13 +1,15 @@
 """Local text -> a megatron indexed dataset (``PREFIX_text_document.bin/.idx``) plus a metadata sidecar.
 
 Megatron users keep corpora tokenized ahead of time; this writes the same format with megatron-core's
-``IndexedDatasetBuilder``, using a tokenizer that needs no download: bytes (the default, 257 ids with an
-end-of-document id 256) or a local Hugging Face ``tokenizer.json`` (needs ``pip install tokenizers``).
+``IndexedDatasetBuilder``, tokenizing with megatron-core's tokenizers (``recipes.data.tokenizer``) from local
+files only: bytes (the default, 257 ids with an end-of-document id 256, no extra package), a Hugging Face
+``tokenizer.json`` or directory (needs ``transformers``), SentencePiece, tiktoken, or megatron's null tokenizer.
 Inputs are text files (one document each), directories of them (recursively; empty and non-UTF-8 files
 are skipped and counted), or JSONL files (``*.jsonl``: one document per line, text under ``--json-key``).
 The output prefix follows Megatron-LM's ``tools/preprocess_data.py``: ``{output_prefix}_{json_key}_document``.
-``PREFIX.meta.json`` records the tokenizer (kind, vocabulary size, eod id, file hash) so training can
-refuse a model whose vocabulary is too small before any worker starts (``recipes.data.indexed.validate_data``).
+``PREFIX.meta.json`` records the tokenizer (kind, megatron library, vocabulary size, eod id, file hash) so
+training can refuse a model whose vocabulary is too small, or a tokenizer that disagrees with the data, before
+any compute (``recipes.data.indexed``).
 
     python -m recipes preprocess notes/ more.txt --output-prefix data/notes --append-eod
     python -m recipes preprocess --stdlib --output-prefix data/stdlib --append-eod     # `make data`
@@ -16,7 +18,6 @@ refuse a model whose vocabulary is too small before any worker starts (``recipes
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import logging
 import os
@@ -29,8 +30,8 @@ from pathlib import Path
 
 import numpy
 
-from recipes.data.gpt import ByteTokenizer
 from recipes.data.indexed import META_SUFFIX, write_meta
+from recipes.data.tokenizer import EOD_CANDIDATES, SPECS, Tokenizer, load_tokenizer
 
 #: The small real corpus (``--stdlib``): standard-library modules present as single files in Python
 #: 3.12 and later (about 1.7 MB, 40 documents), text already on every machine that runs this repository.
@@ -40,8 +41,6 @@ STDLIB_MODULES = (
     "shutil statistics string textwrap threading tokenize traceback typing uuid warnings weakref "
     "json/__init__ json/decoder json/encoder logging/__init__ logging/handlers"
 ).split()
-#: Special tokens taken as end-of-document in a tokenizer.json when --eod-token is not given.
-EOD_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eot_id|>", "[SEP]")
 
 
 class PreprocessError(ValueError):
@@ -57,47 +56,9 @@ def stdlib_files() -> list[Path]:
     return files
 
 
-class ByteLevel:
-    """UTF-8 bytes as token ids (``recipes.data.gpt.ByteTokenizer``), vectorized with numpy."""
-
-    def __init__(self) -> None:
-        self.vocab_size, self.eod = ByteTokenizer.vocab_size, ByteTokenizer.eod
-        self.info = {"name": "byte", "path": None, "sha256": None, "vocab_size": self.vocab_size,
-                     "eod": self.eod}
-
-    def tokenize(self, text: str) -> numpy.ndarray:
-        return numpy.frombuffer(text.encode("utf-8"), dtype=numpy.uint8)
-
-
-class HuggingFace:
-    """A local ``tokenizer.json`` through the ``tokenizers`` library (optional dependency)."""
-
-    def __init__(self, path: str, eod_token: str | None = None) -> None:
-        if not Path(path).is_file():
-            raise PreprocessError(f"--tokenizer {path}: no such file (give a tokenizer.json, or 'byte')")
-        try:
-            from tokenizers import Tokenizer
-        except ImportError:
-            raise PreprocessError(f"--tokenizer {path} needs the Hugging Face tokenizers library: "
-                                  "pip install tokenizers (or use --tokenizer byte)") from None
-        self.tokenizer = Tokenizer.from_file(path)
-        self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
-        names = (eod_token,) if eod_token else EOD_CANDIDATES
-        ids = [self.tokenizer.token_to_id(t) for t in names]
-        self.eod = next((i for i in ids if i is not None), None)
-        if eod_token and self.eod is None:
-            raise PreprocessError(f"--eod-token {eod_token!r} is not in {path}")
-        digest = hashlib.sha256(Path(path).read_bytes()).hexdigest()
-        self.info = {"name": "huggingface", "path": str(Path(path).resolve()), "sha256": digest,
-                     "vocab_size": self.vocab_size, "eod": self.eod}
-
-    def tokenize(self, text: str) -> numpy.ndarray:
-        return numpy.asarray(self.tokenizer.encode(text, add_special_tokens=False).ids, dtype=numpy.int64)
-
-
-def load_tokenizer(spec: str, eod_token: str | None = None) -> ByteLevel | HuggingFace:
-    """``byte`` or a path to a tokenizer.json."""
-    return ByteLevel() if spec == "byte" else HuggingFace(spec, eod_token)
+def preprocess_tokenizer(spec: str, eod_token: str | None = None) -> Tokenizer:
+    """``--tokenizer`` through megatron-core (``recipes.data.tokenizer``); a bad one is a ``PreprocessError``."""
+    return load_tokenizer(spec, lambda what, fix: PreprocessError(f"--tokenizer {what} ({fix})"), eod_token)
 
 
 def iter_documents(inputs: Sequence[str | Path], json_key: str, skipped: dict,
@@ -188,7 +149,7 @@ def preprocess(inputs: Sequence[str | Path], output_prefix: str, tokenizer: str 
     # lazy: megatron takes seconds to import; tools that never build a model skip it
     from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 
-    tok = load_tokenizer(tokenizer, eod_token)
+    tok = preprocess_tokenizer(tokenizer, eod_token)
     if append_eod and tok.eod is None:
         raise PreprocessError(f"--append-eod: {tokenizer} has none of {', '.join(EOD_CANDIDATES)}; "
                               "name its end-of-document token with --eod-token")
@@ -249,9 +210,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="writes OUTPUT_PREFIX_{json_key}_document.bin/.idx and .meta.json")
     parser.add_argument("--stdlib", action="store_true",
                         help=f"add {len(STDLIB_MODULES)} Python standard-library modules (no download)")
-    parser.add_argument("--tokenizer", default="byte", help="byte (default) or path/to/tokenizer.json")
+    parser.add_argument("--tokenizer", default="byte", help=f"{SPECS} (default byte; local files only)")
     parser.add_argument("--append-eod", action="store_true", help="end every document with the eod id")
-    parser.add_argument("--eod-token", default=None, help="the eod token of a tokenizer.json")
+    parser.add_argument("--eod-token", default=None, help="the end-of-document token (default: the tokenizer's eos)")
     parser.add_argument("--json-key", default="text", help="text field of *.jsonl records (default: text)")
     parser.add_argument("--progress-interval", type=float, default=2.0,
                         help="seconds between progress lines on stderr (negative: quiet)")

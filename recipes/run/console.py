@@ -61,7 +61,7 @@ def print_run(result: dict) -> None:
 
 
 #: Worker timeline marks, in order, and the phase each one ends (recipes/run/worker.py).
-_PHASES = [("main_start", "start+imports"), ("megatron_imported", "megatron imports"),
+_PHASES = [("main_start", "start+imports"), ("logger_ready", "W&B init"), ("megatron_imported", "megatron imports"),
            ("device_ready", "device init"), ("process_group_ready", "process group"),
            ("distributed_ready", "parallel state"), ("built", "build"),
            ("warmed_up", "first step"), ("steady_done", "to the window end"), ("profile_done", "profile"),

@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from launch.process import end_group, start_group
 from launch.slurm import node_rank, slurm_rendezvous, wait_for_rank_files
 from launch.torchrun import free_port, torchrun_command
-from recipes.analyze.logger import log_run, usable_logger
+from recipes.analyze.logger import close_unfinished, usable_logger, write_identity
 from recipes.data.indexed import validate_data
 from recipes.errors import ConfigError
 from recipes.files import REPO_ROOT, UnreadableFile, write_json_atomic
@@ -146,6 +146,9 @@ def worker_command(cfg: dict, run_dir: Path) -> list[str]:
 
 def worker_environment(cfg: dict) -> dict[str, str]:
     env = dict(os.environ)
+    # each point's W&B run gets its own service process: not the one this controller may have started
+    # (a killed worker's run would stay open in it, and the controller could not close it)
+    env.pop("WANDB_SERVICE", None)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
     env.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # megatron's TP/SP comm ordering
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // cfg["launcher"]["nproc_per_node"])))
@@ -162,7 +165,7 @@ def worker_environment(cfg: dict) -> dict[str, str]:
 #: which ``run`` calls once the run is recorded.
 RECEIVED: list = []
 #: Worker output lines the controller echoes to its console (the rest only goes to worker.log).
-ECHOED = ("[progress]", "[checkpoint]", "[signal]", "[eval]")
+ECHOED = ("[progress]", "[checkpoint]", "[signal]", "[eval]", "warning: W&B")
 
 
 def run_workers(command: list[str], env: dict[str, str], log) -> subprocess.CompletedProcess:
@@ -305,7 +308,7 @@ def _run(cfg: DictConfig) -> dict:
         write_json_atomic(run_dir / "result.json", result)
         print_run(result)
         return result
-    plain["logger"] = usable_logger(plain["logger"])  # online without a network: offline, said once
+    plain["logger"] = usable_logger(plain["logger"])  # online without a network: offline, said once per sweep
     node = node_rank(plain["launcher"])  # launcher=slurm: every node launches, node 0 records
     lock = PointLock(run_dir, name, cfg.lock_wait_s)
     if node == 0 and plain["launcher"]["name"] == "local" and not lock.acquire():
@@ -342,6 +345,8 @@ def _launch(cfg: DictConfig, plain: dict, name: str, choices: dict, run_dir: Pat
         return {"status": "dry_run", "name": name, "run_dir": str(run_dir)}
     for stale in (run_dir / "ranks").glob("rank*.json") if node == 0 else ():
         stale.unlink()
+    if node == 0:  # logger=wandb: the run's W&B name, group, job type and Hydra choices, for the worker
+        write_identity(run_dir, plain["logger"], name, choices, hydra_overrides(), in_multirun())
     start = time.time()  # the workers' timelines are relative to this launch time
     log_path = run_dir / ("worker.log" if node == 0 else f"worker.node{node}.log")
     command = worker_command(plain, run_dir)
@@ -373,7 +378,7 @@ def _launch(cfg: DictConfig, plain: dict, name: str, choices: dict, run_dir: Pat
         result["log_tail"] = log_path.read_text()[-4000:]
     write_json_atomic(run_dir / "result.json", result)
     print_run(result)
-    log_run(plain, result)  # warns, never raises
+    close_unfinished(plain["logger"], result)  # only a W&B run a killed worker left open; warns, never raises
     while RECEIVED:  # under Slurm's submitit launcher: its own handler requeues the job now
         signum, handler = RECEIVED.pop(0)
         if callable(handler):

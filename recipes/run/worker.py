@@ -32,10 +32,12 @@ from typing import Any
 
 import torch
 
+from recipes.analyze.logger import NullRun, WandbRun, interval_metrics, open_run, read_identity
 from recipes.build import compat, upstream
 from recipes.build.model import build_model, build_transformer_config, num_parameters
 from recipes.build.parallel import pipeline_report, reduce_gradients_cpu
 from recipes.data.datasets import batches, build_datasets
+from recipes.data.indexed import check_tokenizer
 from recipes.errors import ConfigError
 from recipes.files import GIB, write_json_atomic
 from recipes.measure.flops import step_flops
@@ -44,6 +46,7 @@ from recipes.measure.ledger import ActivationLedger, CheckpointCounter
 from recipes.measure.profile import profile_step
 from recipes.measure.routing import RoutingRecorder
 from recipes.recompute import labels_of
+from recipes.results import merge_result
 from recipes.run.checkpoint import checkpoint_root, find_resume, load_checkpoint, save_checkpoint
 from recipes.run.schedule import build_scheduler, current_lr
 
@@ -399,13 +402,15 @@ class Window:
 
 
 class Progress:
-    """One console line every ``train.log_interval`` steps (rank 0), and the same as a JSON line in
-    ``RUN_DIR/progress.jsonl`` (appended across resumes: the training record).
+    """One console line every ``train.log_interval`` steps (rank 0), the same as a JSON line in
+    ``RUN_DIR/progress.jsonl`` (appended across resumes: the training record) and as W&B metrics at
+    that step (``logger=wandb``; ``recipes.analyze.logger.LIVE_KEYS``).
 
     Step time is the wall time since the previous line over the steps in between: reading the loss
     here is the only synchronization, once per interval."""
 
-    def __init__(self, cfg: dict, trainer: Trainer, first: int, run_dir: Path | None):
+    def __init__(self, cfg: dict, trainer: Trainer, first: int, run_dir: Path | None,
+                 logger: WandbRun | NullRun | None = None):
         train = cfg["train"]
         self.interval, self.total = train["log_interval"], train["train_iters"]
         self.rank0 = torch.distributed.get_rank() == 0
@@ -417,6 +422,7 @@ class Progress:
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
         self.last_step, self.last_time = first - 1, time.perf_counter()
+        self.logger = logger or NullRun()
 
     def log(self, step: int, loss, lr: float | None, grad_norm, last_eval: dict | None) -> None:
         loss = None if loss is None else float(loss)  # synchronizes: once per interval
@@ -442,6 +448,7 @@ class Progress:
             parts.append(f"val loss {row['val_loss']:.4f}")
         parts.append(f"ETA {_clock(row['eta_s'])}")
         say("[progress] " + " | ".join(p for p in parts if p))
+        self.logger.log(interval_metrics(row), step, commit=True)  # after this step's val/loss, if any
         if self.path is not None:
             with open(self.path, "a") as f:
                 f.write(json.dumps(row) + "\n")
@@ -452,13 +459,16 @@ def _clock(seconds: float) -> str:
     return f"{minutes // 60}:{minutes % 60:02d}:{secs:02d}"
 
 
-def train_and_measure(cfg: dict, result: dict, run_dir: Path | None = None) -> Trainer:
-    """Train ``train.train_iters`` steps; measure inside the window (``measure.*``); fill ``result``."""
+def train_and_measure(cfg: dict, result: dict, run_dir: Path | None = None,
+                      logger: WandbRun | NullRun | None = None) -> Trainer:
+    """Train ``train.train_iters`` steps; measure inside the window (``measure.*``); fill ``result``.
+    ``logger`` (rank 0's W&B run) gets the progress metrics and the validation loss at their steps."""
     train = cfg["train"]
     if compat.cuda_available() and cfg["measure"]["memory_fraction"]:
         torch.cuda.set_per_process_memory_fraction(cfg["measure"]["memory_fraction"])
     t0 = time.perf_counter()
     marks = result.setdefault("timeline", {})
+    check_tokenizer(cfg)  # data.tokenizer agrees with the data (vocabulary, eod) before any compute
     trainer = Trainer(cfg)
     routing = RoutingRecorder(trainer.chunks, lambda: len(trainer.grad_norms))  # MoE: routed rows per rank
     marks["built"] = time.time()
@@ -485,7 +495,8 @@ def train_and_measure(cfg: dict, result: dict, run_dir: Path | None = None) -> T
         result["window"] = list(window.span) if window.span else None
     ck = cfg["checkpoint"]
     root = checkpoint_root(cfg, run_dir) if ck["save"] else None
-    progress = Progress(cfg, trainer, first, run_dir) if train["log_interval"] else None
+    logger = logger or NullRun()
+    progress = Progress(cfg, trainer, first, run_dir, logger) if train["log_interval"] else None
     exit_interval = train["exit_interval"]
     result["phase"] = "before_window"
     losses: list = []  # device tensors (or None off the last stage) until the end: no host sync
@@ -522,6 +533,7 @@ def train_and_measure(cfg: dict, result: dict, run_dir: Path | None = None) -> T
             result["phase"] = "after_window"
         if eval_interval and trainer.valid_data is not None and step % eval_interval == 0:
             evals.append({"step": step, "loss": trainer.evaluate()})
+            logger.log({"val/loss": evals[-1]["loss"]}, step)  # evaluate() synchronized already
         if progress is not None and (step % progress.interval == 0 or step == train["train_iters"]):
             progress.log(step, losses[-1], lrs[-1], grad_norms[-1], evals[-1] if evals else None)
         stop = None
@@ -725,13 +737,16 @@ def main(run_dir: str) -> int:
     result["device"] = torch.cuda.get_device_name() if compat.cuda_available() else "cpu"
     result["timeline"] = {"main_start": time.time()}
     exit_code = 0
+    logger = open_run(cfg, run, rank, resuming=resumes(cfg, run))  # logger=wandb, rank 0; else a no-op twin
+    if logger:
+        result["timeline"]["logger_ready"] = time.time()
     try:
         STOP.install()  # before the slow part: a signal during start-up stops after the first step
         init_distributed(cfg, result["timeline"])
         STOP.connect()
         result["timeline"]["distributed_ready"] = time.time()
         result["coords"] = rank_coordinates()
-        train_and_measure(cfg, result, run)
+        train_and_measure(cfg, result, run, logger=logger)
         if result.pop("control_abandoned", False):
             exit_code = CONTROL_ABANDONED  # ok, written below; the other ranks may wait in that pass
     except (LabelError, ConfigError) as err:  # a label that wraps nothing; a checkpoint of another model
@@ -753,9 +768,29 @@ def main(run_dir: str) -> int:
     elif exit_code:
         print(f"[rank {rank}] {result['status']}: {result.get('error')}", file=sys.stderr)
     if torch.distributed.is_initialized() and exit_code == 0:
-        torch.distributed.barrier()
+        torch.distributed.barrier()  # every rank's file is written: rank 0's W&B summary has them all
         torch.distributed.destroy_process_group()
+    if logger:
+        ok = result["status"] in ("ok", "stopped", "preempted")
+        logger.finish(run_summary(run, cfg), 0 if ok else exit_code)
     return exit_code
+
+
+def resumes(cfg: dict, run_dir: Path) -> bool:
+    """Whether this process will continue a checkpoint (then its W&B run continues the earlier one)."""
+    try:
+        return find_resume(cfg, run_dir)[0] is not None
+    except Exception:  # a bad checkpoint.resume is refused later, by train_and_measure
+        return False
+
+
+def run_summary(run_dir: Path, cfg: dict) -> dict:
+    """The run as the controller will record it (the rank files written so far, merged), for rank 0's W&B
+    summary: every rank's memory, the worst rank's numbers, the status."""
+    identity = read_identity(run_dir)
+    meta = {"name": identity.get("name"), "choices": identity.get("choices") or {}, "run_dir": str(run_dir),
+            "config": cfg}
+    return merge_result(run_dir, meta, 0, None)
 
 
 if __name__ == "__main__":
