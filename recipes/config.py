@@ -94,6 +94,21 @@ class RecomputeConfig:
 
 
 @dataclass
+class OffloadConfig:
+    """Activation offload to host memory: megatron-core's fine-grained offload (``offload_modules``)
+    and its layer-level ``cpu_offloading`` (Transformer Engine only). ``offload=none`` = off."""
+
+    fine_grained_activation_offloading: bool = False
+    offload_modules: List[str] = field(default_factory=list)  # recipes.offload.MODULES
+    min_offloaded_tensor_size: int = 1048576  # elements: a smaller saved tensor stays on the device
+    activation_offload_fraction: float = 1.0  # the share of offload groups actually moved (megatron's)
+    cpu_offloading: bool = False  # layer-level offload: Transformer Engine's context (refused without it)
+    cpu_offloading_num_layers: int = 0
+    host_memory_gib: Optional[float] = None  # host memory per node for the copies (None: this machine's available)
+    emulate_on_cpu: bool = False  # a CPU run only (tests): copy to a second host buffer through emulated streams
+
+
+@dataclass
 class ParallelConfig:
     """Parallel layout; data parallel = world size / (tp * pp * cp)."""
 
@@ -241,6 +256,7 @@ class RecipeConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     attention: AttentionConfig = field(default_factory=AttentionConfig)
     recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -327,6 +343,7 @@ def register_configs() -> None:
         "model": ModelConfig,
         "attention": AttentionConfig,
         "recompute": RecomputeConfig,
+        "offload": OffloadConfig,
         "parallel": ParallelConfig,
         "launcher": LauncherConfig,
         "data": DataConfig,

@@ -36,6 +36,7 @@ from recipes.predict.activations import (
     is_gdn_layer,
     is_moe_layer,
     layer_terms,
+    validate_for,
 )
 from recipes.predict.fit import ALLOCATOR_SLACK, FITS, OVER, TIGHT, slack_for, verdict, with_slack
 from recipes.recipe import GPU_BUDGET_GIB, at_full_depth, compose_recipe
@@ -51,7 +52,6 @@ from recipes.recompute import (
     recompute_config,
 )
 from recipes.results import result_rows
-from recipes.validate import validate
 
 
 @dataclass
@@ -338,7 +338,7 @@ def predict_options(cfg: dict, device: str = "cuda") -> tuple[list[tuple[str, di
         dims(cfg, device)  # refuses the family by name
     # the config as given is refused with the controller's message: each option's refusal below only
     # says why that option does not apply, and a bad model would make every option "not applicable"
-    validate(cfg, num_gpus=0, te_available=False)
+    validate_for(cfg, device)
     for option in options_for(cfg["model"]):
         trial = {**cfg, "recompute": recompute_config(option)}
         try:

@@ -1,0 +1,190 @@
+"""Activation offload changes no gradient, and it really moves bytes (counts, ledger), on a CPU.
+
+The runs go through megatron-core's own offload manager with its copy streams emulated on the CPU
+(``recipes.build.offload``, ``offload.emulate_on_cpu=true``): a copy on a copy stream lands only when
+something waits for it, and fresh buffers hold NaN, so a missing wait shows in the gradients
+(``tests/test_upstream.py`` shows megatron's own, issue 7398, that way).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import build_trainer, compose, train_in_process
+
+EMULATED = ["offload.emulate_on_cpu=true", "offload.min_offloaded_tensor_size=0"]
+#: min_offloaded_tensor_size above every tensor: the offload points stay in the graph, nothing moves.
+NOTHING_MOVED = ["offload.emulate_on_cpu=true", "offload.min_offloaded_tensor_size=1000000000"]
+STEPS = 3  # the manager's warm-up step, then two planned ones
+
+
+def run_steps(cfg: dict, steps: int = STEPS) -> list[dict]:
+    """Per step: loss, gradients (before the update), what offload moved, the ledger (second step)."""
+    trainer = build_trainer(cfg)
+    out = []
+    try:
+        for i in range(steps):
+            before = trainer.offload_meter.snapshot() if trainer.offload_meter else None
+            loss = trainer.compute_gradients(record_ledger=i == 1)
+            grads = {n: p.grad.detach().clone() for c in trainer.chunks for n, p in c.named_parameters()
+                     if p.grad is not None}
+            moved = trainer.offload_meter.since(before) if before is not None else None
+            out.append({"loss": loss, "grads": grads, "moved": moved,
+                        "ledger": dict(trainer.ledger.bytes_by_kind) if i == 1 else None,
+                        "host": dict(trainer.ledger.host_bytes_by_kind) if i == 1 else None})
+            trainer.optimizer.step()
+    finally:
+        trainer.close()
+    return out
+
+
+def assert_equal_runs(a: list[dict], b: list[dict], what: str) -> None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        assert x["loss"] == y["loss"], f"{what}: step {i + 1} loss differs"
+        assert x["grads"].keys() == y["grads"].keys()
+        for name in x["grads"]:
+            assert torch.equal(x["grads"][name], y["grads"][name]), f"{what}: step {i + 1} gradient of {name}"
+
+
+#: (model overrides, recompute option, offload option)
+CASES = [
+    (["model=standard_attn"], "none", "core_attn-attn_proj"),
+    (["model=standard_attn", "attention=unfused", "model.hidden_dropout=0.1", "model.attention_dropout=0.1"],
+     "none", "qkv_linear-core_attn-attn_proj"),
+    (["model=standard_attn"], "selective/core_attn", "qkv_linear"),
+    (["model=standard_attn"], "none", "attn_norm"),
+    (["model=standard_attn"], "selective/layernorm", "attn_norm-mlp_norm"),
+    (["model=mla"], "selective/mla_up_proj", "core_attn-attn_proj"),
+    (["model=moe"], "none", "expert_fc1-moe_act"),
+    (["model=moe"], "selective/moe_act-layernorm", "expert_fc1-moe_act"),
+    (["model=moe"], "selective/moe", "attn_norm"),
+    (["model=gdn", "model.num_layers=4"], "none", "core_attn-attn_proj"),  # 2 attention layers of 4
+]
+
+
+@pytest.mark.parametrize("model,recompute,offload", CASES, ids=[f"{m[0][6:]}-{r}-{o}" for m, r, o in CASES])
+def test_offload_is_bit_exact_and_moves_bytes(megatron_world, model, recompute, offload):
+    """Loss and every gradient equal the run without offload bit for bit, on every step from the
+    manager's warm-up on; every step copies bytes out and the same bytes back; after the warm-up
+    the manager keeps the last group of each module on the device; the ledger holds fewer device
+    bytes and counts the host copies."""
+    base = [*model, f"recompute={recompute}"]
+    plain = run_steps(compose(*base))
+    off = run_steps(compose(*base, f"offload={offload}", *EMULATED))
+    assert_equal_runs(plain, off, f"offload={offload}")
+    modules = set(offload.split("-"))
+    for step in off:
+        assert step["moved"]["d2h_bytes"] > 0 and step["moved"]["d2h_bytes"] == step["moved"]["h2d_bytes"]
+        assert set(step["moved"]["d2h_bytes_by_module"]) <= modules
+    assert off[1]["moved"]["d2h_tensors"] < off[0]["moved"]["d2h_tensors"], "the warm-up moves every group"
+    assert sum(off[1]["ledger"].values()) < sum(plain[1]["ledger"].values())
+    assert sum(off[1]["host"].values()) == off[1]["moved"]["d2h_bytes"]
+
+
+def test_norm_offload_points_reorder_a_gradient_sum(megatron_world):
+    """``mlp_norm`` (and ``attn_norm-mlp_norm``) are exact only to fp32 rounding against no offload,
+    as ``layernorm`` recompute is, and not because of the copies: with the offload points in the
+    graph and nothing moved the gradients are the same bit for bit. megatron's identity nodes at the
+    points change the order autograd adds a norm input's gradient terms in (layer 0 and the embedding
+    differ by a few ULPs; the loss is identical)."""
+    base = ["model=standard_attn", "offload=mlp_norm"]
+    plain = run_steps(compose("model=standard_attn"))
+    moved = run_steps(compose(*base, *EMULATED))
+    unmoved = run_steps(compose(*base, *NOTHING_MOVED))
+    assert all(s["moved"]["d2h_bytes"] > 0 for s in moved) and all(s["moved"]["d2h_bytes"] == 0 for s in unmoved)
+    assert_equal_runs(unmoved, moved, "offload=mlp_norm against its points with nothing moved")
+    differ = [n for n in plain[0]["grads"] if not torch.equal(plain[0]["grads"][n], moved[0]["grads"][n])]
+    assert differ and all(p["loss"] == m["loss"] for p, m in zip(plain, moved))
+    for p, m in zip(plain, moved):
+        for name, grad in p["grads"].items():
+            torch.testing.assert_close(m["grads"][name], grad, rtol=1e-5, atol=1e-6 * grad.abs().max())
+
+
+def test_grouped_experts_offload_their_activations_not_their_weights(megatron_world):
+    """``expert_fc1`` moves each MoE layer's permuted tokens (rows x hidden); ``moe_act`` what the
+    SwiGLU activation saves: FC1's output as its two halves (each copied as a contiguous rows x ffn),
+    SiLU's output, the gated product (rows x ffn each) and the router probs (rows). The stacked
+    weights, whose views the GEMMs save, stay on the device."""
+    cfg = compose("model=moe", "offload=expert_fc1-moe_act", *EMULATED)
+    m, t = cfg["model"], cfg["train"]
+    rows = t["seq_length"] * t["micro_batch_size"] * m["moe_router_topk"]
+    first = run_steps(cfg, steps=1)[0]["moved"]["d2h_bytes_by_module"]
+    layers, fp32 = m["num_layers"], 4
+    assert first["expert_fc1"] == layers * rows * m["hidden_size"] * fp32
+    assert first["moe_act"] == layers * rows * (4 * m["moe_ffn_hidden_size"] + 1) * fp32
+
+
+def test_a_run_records_what_offload_moved(megatron_world):
+    """The worker's result: the ledger's host bytes after the manager's plan, bytes moved per measured
+    step (the same every step), and the plan; the window starts after two warm-up steps."""
+    cfg = compose("model=standard_attn", "offload=core_attn-attn_proj", *EMULATED, "train.train_iters=5",
+                  "measure.start_step=2", "profile=none")
+    result = train_in_process(cfg)
+    assert result["status"] == "ok" and result["window"] == [3, 5]
+    off = result["offload"]
+    assert off["modules"] == ["core_attn", "attn_proj"] and off["moved_steps_equal"]
+    assert off["moved_per_step"]["d2h_bytes"] == result["ledger"]["host_total_bytes"] > 0
+    assert off["groups_kept"] == {"core_attn": 1, "attn_proj": 1}
+    assert off["groups_moved"] == {"core_attn": 1, "attn_proj": 1}  # tiny: 2 layers
+    assert "link" not in off  # GPU only
+
+
+def test_evaluation_passes_leave_the_offload_plan_alone(megatron_world):
+    """Forward-only evaluation runs with the manager's offload off; training after it stays exact."""
+    base = ["model=standard_attn", "train.train_iters=4", "data.eval_interval=2", "profile=none",
+            "measure.ledger=false"]
+    plain = train_in_process(compose(*base))
+    off = train_in_process(compose(*base, "offload=core_attn-attn_proj", *EMULATED))
+    assert off["loss"] == plain["loss"] and off["eval_loss"] == plain["eval_loss"]
+
+
+# --- the emulated streams themselves ---------------------------------------------------------------
+def test_emulated_copy_lands_only_when_waited_for():
+    """The CPU stand-in: a copy issued on a copy stream is held until an event or stream wait; the
+    compute stream runs at once; fresh buffers are NaN."""
+    from recipes.build.offload import HostEvent, _CudaOnCpu, _TorchForOffloadOnCpu
+
+    cuda, torch_ = _CudaOnCpu(), _TorchForOffloadOnCpu()
+    copy = cuda.Stream()
+    dst, src = torch_.empty(4), torch.arange(4.0)
+    assert dst.isnan().all()
+    with cuda.stream(copy):
+        dst.copy_(src)
+        event = HostEvent()
+        event.record(copy)
+    assert dst.isnan().all(), "the copy landed before anything waited for it"
+    cuda.current_stream().wait_event(event)
+    assert torch.equal(dst, src)
+    with cuda.stream(cuda.current_stream()):
+        dst.copy_(src * 2)
+    assert torch.equal(dst, src * 2)
+
+
+def test_exposed_time_is_copy_time_without_compute():
+    from recipes.measure.offload import exposed_time, trace_intervals
+
+    assert exposed_time([(0, 4)], [(1, 2), (3, 5)]) == {"busy": 4, "exposed": 2}
+    assert exposed_time([(0, 1), (0.5, 2)], []) == {"busy": 2, "exposed": 2}
+    assert exposed_time([(2, 3)], [(0, 10)])["exposed"] == 0
+    trace = {"traceEvents": [
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoH (Device -> Pinned)", "ts": 0, "dur": 10},
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD (Pinned -> Device)", "ts": 20, "dur": 5},
+        {"ph": "X", "cat": "kernel", "name": "gemm", "ts": 5, "dur": 20},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 50}]}
+    copies, compute = trace_intervals(trace)
+    assert copies == {"d2h": [(0.0, 1e-5)], "h2d": [(2e-5, 2.5e-5)]} and compute == [(5e-6, 2.5e-5)]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU answer; a GPU run records the numbers")
+def test_gpu_measurements_are_none_on_a_cpu():
+    from recipes.measure.offload import copy_overlap, host_link_bandwidth
+
+    assert host_link_bandwidth() is None and copy_overlap(lambda: None) is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: pinned copies and CUDA streams")
+def test_host_link_bandwidth_on_a_gpu():
+    from recipes.measure.offload import host_link_bandwidth
+
+    link = host_link_bandwidth(1 << 26, repeats=2)
+    assert link["d2h_gb_s"] > 1 and link["h2d_gb_s"] > 1
