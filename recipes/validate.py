@@ -316,7 +316,8 @@ def _validate_offload(cfg, num_gpus: int, te_available: bool, planned_host_bytes
         where = "offload.host_memory_gib" if given is not None else "this machine's available memory"
         _check(host is None or per_node <= host, option,
                f"the copies are predicted at {per_node / GIB:.1f} GiB of host memory per node "
-               f"({planned_host_bytes / GIB:.1f} GiB per rank x {launch['nproc_per_node']} ranks), above "
+               f"({planned_host_bytes / GIB:.1f} GiB per rank x {launch['nproc_per_node']} "
+               f"rank{'s' if launch['nproc_per_node'] > 1 else ''}), above "
                f"{where} ({(host or 0) / GIB:.1f} GiB)",
                "offload fewer modules (a smaller conf/offload option), use recompute instead, free host "
                "memory, or set offload.host_memory_gib to the nodes' memory if they are not this machine")
