@@ -315,12 +315,15 @@ def _validate_offload(cfg, num_gpus: int, te_available: bool, planned_host_bytes
         host = int(given * GIB) if given is not None else host_memory_available()
         where = "offload.host_memory_gib" if given is not None else "this machine's available memory"
         _check(host is None or per_node <= host, option,
-               f"the copies are predicted at {per_node / GIB:.1f} GiB of host memory per node "
-               f"({planned_host_bytes / GIB:.1f} GiB per rank x {launch['nproc_per_node']} "
-               f"rank{'s' if launch['nproc_per_node'] > 1 else ''}), above "
-               f"{where} ({(host or 0) / GIB:.1f} GiB)",
+               f"the copies are predicted at {_size(per_node)} of host memory per node "
+               f"({_size(planned_host_bytes)} per rank x {launch['nproc_per_node']} "
+               f"rank{'s' if launch['nproc_per_node'] > 1 else ''}), above {where} ({_size(host or 0)})",
                "offload fewer modules (a smaller conf/offload option), use recompute instead, free host "
                "memory, or set offload.host_memory_gib to the nodes' memory if they are not this machine")
+
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / GIB:.1f} GiB" if nbytes >= GIB / 10 else f"{nbytes / 2**20:.1f} MiB"
 
 
 def _validate_parallel(cfg, num_gpus: int) -> None:

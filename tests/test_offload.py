@@ -12,6 +12,8 @@ import pytest
 import torch
 from conftest import build_trainer, compose, train_in_process
 
+from recipes.errors import ConfigError
+
 EMULATED = ["offload.emulate_on_cpu=true", "offload.min_offloaded_tensor_size=0"]
 #: min_offloaded_tensor_size above every tensor: the offload points stay in the graph, nothing moves.
 NOTHING_MOVED = ["offload.emulate_on_cpu=true", "offload.min_offloaded_tensor_size=1000000000"]
@@ -188,3 +190,66 @@ def test_host_link_bandwidth_on_a_gpu():
 
     link = host_link_bandwidth(1 << 26, repeats=2)
     assert link["d2h_gb_s"] > 1 and link["h2d_gb_s"] > 1
+
+
+#: (model overrides, recompute, offload, whether the host bytes are modeled exactly too)
+ESTIMATED = [
+    (["model=standard_attn"], "none", "core_attn-attn_proj", True),
+    (["model=standard_attn"], "none", "core_attn", True),  # the projection keeps SDPA's output on the device
+    (["model=standard_attn", "attention=unfused"], "none", "qkv_linear-core_attn-attn_proj", True),
+    (["model=standard_attn", "attention=unfused", "model.attention_dropout=0.1", "model.hidden_dropout=0.1"],
+     "none", "core_attn-attn_proj", True),
+    (["model=standard_attn"], "none", "attn_norm-mlp_norm", True),
+    (["model=standard_attn", "model.normalization=LayerNorm"], "none", "attn_norm-mlp_norm", True),
+    (["model=standard_attn"], "selective/layernorm", "attn_norm-mlp_norm", True),
+    (["model=moe"], "none", "expert_fc1-moe_act", True),
+    (["model=moe"], "selective/moe_act", "expert_fc1-moe_act", True),
+    (["model=mla"], "none", "core_attn-attn_proj", True),
+    (["model=mla"], "none", "qkv_linear-core_attn-attn_proj", False),  # RoPE's slices are copied again
+    (["model=gdn", "model.num_layers=4"], "none", "core_attn-attn_proj", True),
+]
+
+
+@pytest.mark.parametrize("model,recompute,offload,host_exact", ESTIMATED,
+                         ids=[f"{m[-1][6:]}-{r}-{o}" for m, r, o, _ in ESTIMATED])
+def test_estimator_predicts_device_and_host_bytes(megatron_world, model, recompute, offload, host_exact):
+    """recipes.predict.estimate with offload, against the ledger of the manager's first planned step:
+    the device bytes by kind exactly; the host copies by kind exactly where modeled (every save is
+    copied: a tensor two ops save goes twice; a saved view goes as its own elements)."""
+    from recipes.predict.estimate import predict
+
+    cfg = compose(*model, f"recompute={recompute}", f"offload={offload}", *EMULATED)
+    measured = run_steps(cfg, steps=2)[1]
+    p = predict(cfg, device="cpu")
+    assert p["activation_bytes_by_kind"] == measured["ledger"]
+    if host_exact:
+        assert p["host_bytes_by_kind"] == measured["host"]
+    else:
+        assert 0 < p["host_bytes"] <= sum(measured["host"].values())
+
+
+def test_exposed_transfer_model():
+    """Copies hide under the next layer's forward (out) and backward (back, 2 x forward)."""
+    from recipes.predict.offload import exposed_transfer_s
+
+    hidden = exposed_transfer_s([10**9], forward_s=0.05, link_gb_s=50.0, microbatches=1)  # 20 ms a copy
+    assert hidden == {"copy_s": pytest.approx(0.04), "exposed_s": 0.0}
+    slow = exposed_transfer_s([10**9, 10**9], forward_s=0.005, link_gb_s=50.0, microbatches=2)
+    assert slow["exposed_s"] == pytest.approx(2 * 2 * (0.015 + 0.010))
+
+
+def test_host_memory_is_checked_against_the_prediction(megatron_world):
+    """The controller's check: the estimator's host bytes (micro-batches in flight) against the host
+    memory given; the prediction is what the run copies."""
+    from recipes.predict.estimate import planned_host_bytes
+    from recipes.validate import validate
+
+    cfg = compose("model=standard_attn", "offload=core_attn-attn_proj", *EMULATED)
+    planned = planned_host_bytes(cfg, "cpu")
+    assert planned == run_steps(cfg, steps=2)[1]["moved"]["d2h_bytes"]
+    validate(cfg, num_gpus=0, te_available=False, planned_host_bytes=planned)  # this machine has room
+    small = compose("model=standard_attn", "offload=core_attn-attn_proj", *EMULATED,
+                    f"offload.host_memory_gib={planned / 2**30 / 2}")
+    with pytest.raises(ConfigError, match="predicted at 0.1 MiB of host memory per node"):
+        validate(small, num_gpus=0, te_available=False, planned_host_bytes=planned)
+    assert planned_host_bytes(compose("model=standard_attn")) is None

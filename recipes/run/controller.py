@@ -24,6 +24,7 @@ from recipes.data.indexed import validate_data
 from recipes.errors import ConfigError
 from recipes.files import REPO_ROOT, UnreadableFile, write_json_atomic
 from recipes.measure.profile import write_timeline_pngs
+from recipes.predict.estimate import planned_host_bytes
 from recipes.recipe import apply_recipe
 from recipes.recompute import option_of
 from recipes.results import NOT_MEASURED, load_result, merge_result
@@ -295,6 +296,7 @@ def _run(cfg: DictConfig) -> dict:
         print(sweep_progress(name), flush=True)
     try:
         validate(plain)  # before any worker starts
+        validate(plain, planned_host_bytes=planned_host_bytes(plain))  # activation offload's host copies
         validate_data(plain)  # files, .idx header and .bin size, tokenizer sidecar (cheap)
     except ConfigError as err:
         if not in_multirun():
