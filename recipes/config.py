@@ -217,6 +217,15 @@ class EstimateConfig:
     # 1.50x at its peak step. Used for EP > 1 before a run; `estimate --compare` uses each rank's
     # recorded rows instead. Dropless routing caps it at every token (ep x balanced for top-k <= local experts).
     moe_imbalance: float = 1.5
+    # The planner's time unit (recipes.analyze.plan): recompute's replayed FLOPs and a layer's forward
+    # run at this share of measure.peak_tflops (a dense step at the h200 size reached 38.4% MFU on
+    # one H200, docs/h200-results.md); activation offload copies at this pinned host-link bandwidth,
+    # GB/s each way (PCIe 5.0 x16's order; a GPU offload run records the real one: offload.link).
+    mfu: float = 0.38
+    host_link_gb_s: float = 50.0
+    # Elementwise replays (moe_act, layernorm, gdn_norm_out) are memory traffic: GB/s of device
+    # memory they run at (the H200's HBM3e peaks at 4800).
+    hbm_gb_s: float = 3000.0
 
 
 @dataclass

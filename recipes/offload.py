@@ -157,6 +157,10 @@ def rule_problem(modules: list[str], recompute_labels: frozenset | None, model: 
         return (name, f"{'/'.join(inside)} sit inside the whole-MoE checkpoint of recompute=selective/moe, "
                 "which keeps nothing inside it (megatron-core asserts)",
                 "use recompute=selective/moe_act with offload, or drop the expert modules from offload")
+    if "layernorm" in recompute_labels and "qkv_linear" in modules and _get(model, "family") in ("standard_attn", "moe"):
+        return (name, "layernorm recompute discards the input norm's output, the one tensor qkv_linear offloads "
+                "in standard attention: it would copy it to the host and save nothing",
+                "use offload=attn_norm (the norm's input, which the layernorm checkpoint keeps) with layernorm recompute")
     if "mla_up_proj" in recompute_labels and "qkv_linear" in modules:
         return (name, "MLA's up-projection checkpoint sits inside the qkv_linear offload point, and its "
                 "replay reads its saved tensors before the manager has a backward group (megatron-core "

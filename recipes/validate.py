@@ -454,6 +454,11 @@ def _validate_run(cfg) -> None:
     _check(frac is None or 0 < frac <= 1, "measure.memory_fraction", f"{frac} is not in (0, 1]",
            "use a fraction such as 0.5, or null")
     imbalance = (cfg.get("estimate") or {}).get("moe_imbalance", 1.0)  # results written before it existed
+    est = cfg.get("estimate") or {}
+    for key, example in (("mfu", "0.38"), ("host_link_gb_s", "50"), ("hbm_gb_s", "3000")):
+        value = est.get(key, 1.0)
+        _check(value > 0 and (key != "mfu" or value <= 1), f"estimate.{key}", f"{value} is not "
+               + ("in (0, 1]" if key == "mfu" else "> 0"), f"set estimate.{key}={example}")
     _check(imbalance >= 1.0, "estimate.moe_imbalance", f"{imbalance} is below balanced routing (1.0): it "
            "bounds the worst expert-parallel rank", "use 1.0 (balanced) or more; the default 1.5 was measured")
     _check(data["name"] in ("mock", "indexed"), "data", f"unknown data {data['name']!r}",

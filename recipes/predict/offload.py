@@ -142,12 +142,17 @@ def layer_forward_s(cfg: dict, tflops: float) -> float:
     return flops / cfg["parallel"]["tensor_model_parallel_size"] / (tflops * 1e12)
 
 
-def recompute_s(cfg: dict, tflops: float, layers: int, microbatches: int) -> float:
-    """Seconds per step the run's recompute replays (its replayed forward FLOPs at ``tflops``)."""
+def recompute_s(cfg: dict, tflops: float, layers: int, microbatches: int, elementwise_bytes: int = 0,
+                hbm_gb_s: float = 3000.0) -> float:
+    """Seconds per step the run's recompute replays: its replayed forward FLOPs at ``tflops``, and
+    the elementwise replays (``moe_act``, ``layernorm``, ``gdn_norm_out``: no matmul) as memory
+    traffic, reading their inputs and writing the ``elementwise_bytes`` they rematerialize (one
+    micro-batch, the rank's layers) at ``hbm_gb_s``."""
     layer = layer_forward_flops(cfg)
     per_layer = sum(layer.get(k, 0.0) for k in ("attn_proj", "core_attn", "mlp", "moe"))
     replay = replayed_layer_flops(cfg, layer, per_layer) / cfg["parallel"]["tensor_model_parallel_size"]
-    return layers * microbatches * replay / (tflops * 1e12)
+    memory = 2 * elementwise_bytes / (hbm_gb_s * 1e9)
+    return microbatches * (layers * replay / (tflops * 1e12) + memory)
 
 
 def exposed_transfer_s(host_per_layer: list[int], forward_s: float, link_gb_s: float,

@@ -24,6 +24,7 @@ from recipes.data.indexed import validate_data
 from recipes.errors import ConfigError
 from recipes.files import REPO_ROOT, UnreadableFile, write_json_atomic
 from recipes.measure.profile import write_timeline_pngs
+from recipes.offload import option_of as offload_option_of
 from recipes.predict.estimate import planned_host_bytes
 from recipes.recipe import apply_recipe
 from recipes.recompute import option_of
@@ -124,14 +125,15 @@ def run_directory(cfg: DictConfig) -> Path:
 
 
 def run_name(cfg: DictConfig, choices: dict[str, str]) -> str:
-    """``model attention recompute`` unless the user named the run (``recipe`` for ``model`` when one is
-    named: it sets the model); the recompute part says what the values recompute
-    (recipes.validate.recompute_option), whatever option they were composed from."""
+    """``model attention recompute [offload=...]`` unless the user named the run (``recipe`` for ``model``
+    when one is named: it sets the model); the recompute part says what the values recompute
+    (recipes.recompute.option_of), whatever option they were composed from."""
     if cfg.name:
         return cfg.name
     parts = [choices.get("recipe") or choices.get("model", cfg.model.family), choices.get("attention", cfg.attention.backend),
              option_of(cfg)]
-    return " ".join(str(p) for p in parts)
+    offload = offload_option_of(cfg)
+    return " ".join(str(p) for p in parts) + (f" offload={offload}" if offload != "none" else "")
 
 
 def worker_command(cfg: dict, run_dir: Path) -> list[str]:
