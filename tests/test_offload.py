@@ -253,3 +253,31 @@ def test_host_memory_is_checked_against_the_prediction(megatron_world):
     with pytest.raises(ConfigError, match="predicted at 0.1 MiB of host memory per node"):
         validate(small, num_gpus=0, te_available=False, planned_host_bytes=planned)
     assert planned_host_bytes(compose("model=standard_attn")) is None
+
+
+def test_a_sweep_with_offload_end_to_end_and_its_table(tmp_path):
+    """``train.py -m`` on a CPU (emulated copy streams): the point is named by its offload, records
+    what it moved, and benchmarks/offload_table.py tabulates it against none."""
+    import json
+    import subprocess
+    import sys
+
+    from conftest import REPO
+    from test_sweep import _env
+
+    sweep = tmp_path / "sweep"
+    args = [sys.executable, str(REPO / "train.py"), "-m", "model=standard_attn", "size=tiny", "profile=none",
+            "offload=none,core_attn-attn_proj", "offload.emulate_on_cpu=true", "offload.min_offloaded_tensor_size=0",
+            "train.train_iters=4", "measure.start_step=3", f"hydra.sweep.dir={sweep}"]
+    done = subprocess.run(args, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    results = {r["name"]: r for r in (json.loads(p.read_text()) for p in sweep.glob("*/result.json"))}
+    off = results["standard_attn sdpa none offload=core_attn-attn_proj"]
+    assert off["status"] == "ok" and off["ranks"][0]["offload"]["moved_per_step"]["d2h_bytes"] > 0
+    table = subprocess.run([sys.executable, str(REPO / "benchmarks" / "offload_table.py"), str(sweep)],
+                           capture_output=True, text=True, timeout=120)
+    assert table.returncode == 0, table.stderr
+    lines = table.stdout.splitlines()
+    assert lines[0].startswith("| model | size | point |") and len(lines) == 4
+    row = next(line for line in lines if "offload=core_attn-attn_proj" in line)
+    assert "| ok |" in row and "| reference |" in next(line for line in lines if "| recompute=none |" in line)

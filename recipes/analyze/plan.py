@@ -52,24 +52,26 @@ def fewest_block_layers(cfg: dict, rc: dict, budget_gib: float) -> tuple[dict, d
     return trial, p
 
 
-def elementwise_bytes(cfg: dict, p: dict) -> int:
-    """What the option's elementwise labels (no matmul to replay) rematerialize per micro-batch: the
-    bytes they save, against the same config without them."""
+def elementwise_bytes(cfg: dict) -> int:
+    """What the recompute option's elementwise labels (no matmul to replay) rematerialize per
+    micro-batch: the bytes they save, against the same config without them, offload off."""
     labels = selective_labels(option_of(cfg)) or frozenset()
     if not labels & ELEMENTWISE:
         return 0
+    plain = {**cfg, "offload": {**cfg["offload"], "fine_grained_activation_offloading": False, "offload_modules": []}}
     rc = {**cfg["recompute"], "recompute_modules": [x for x in cfg["recompute"]["recompute_modules"]
                                                     if x not in ELEMENTWISE]}
-    return max(0, predict({**cfg, "recompute": rc}, "cuda")["activation_bytes"] - p["activation_bytes"])
+    without = predict({**plain, "recompute": rc}, "cuda")["activation_bytes"]
+    return max(0, without - predict(plain, "cuda")["activation_bytes"])
 
 
-def price(cfg: dict, p: dict, tflops: float, link_gb_s: float) -> dict:
-    """A predicted config's added step time: recompute's replay and offload's exposed copies (s)."""
+def price(cfg: dict, p: dict, tflops: float, link_gb_s: float, remat_bytes: int = 0) -> dict:
+    """A predicted config's added step time: recompute's replay (``remat_bytes``: what its elementwise
+    labels rematerialize, ``elementwise_bytes``) and offload's exposed copies, in seconds."""
     par = cfg["parallel"]
     layers = cfg["model"]["num_layers"] // par["pipeline_model_parallel_size"]
     m = num_microbatches(cfg)
-    replay = recompute_s(cfg, tflops, layers, m, elementwise_bytes(cfg, p),
-                         (cfg.get("estimate") or {}).get("hbm_gb_s", 3000.0))
+    replay = recompute_s(cfg, tflops, layers, m, remat_bytes, (cfg.get("estimate") or {}).get("hbm_gb_s", 3000.0))
     copies = exposed_transfer_s(p["host_bytes_per_layer"], layer_forward_s(cfg, tflops), link_gb_s, m)
     return {"recompute_s": replay, "offload_exposed_s": copies["exposed_s"], "offload_copy_s": copies["copy_s"],
             "cost_s": replay + copies["exposed_s"]}
@@ -86,6 +88,7 @@ def plan(cfg: dict, budget_gib: float, tflops: float | None = None, link_gb_s: f
     rows, refused = [], []
     for rc_option in options_for(model):
         labels = None if is_full(rc_option) else selective_labels(rc_option)
+        remat = elementwise_bytes({**cfg, "recompute": recompute_config(rc_option)}) if labels else 0
         for off_option in offload_options(model):
             modules = option_modules(off_option)
             problem = rule_problem(modules, labels, model, pp) if modules else None
@@ -106,7 +109,7 @@ def plan(cfg: dict, budget_gib: float, tflops: float | None = None, link_gb_s: f
             mark = verdict(peak, budget_gib, slack)
             rows.append({"recompute": rc_option, "offload": off_option, "predicted_peak_gib": peak,
                          "fits": mark == FITS, "tight": mark == TIGHT, "host_gib": p["in_flight_host_bytes"] / GIB,
-                         **price(trial, p, tflops, link_gb_s),
+                         **price(trial, p, tflops, link_gb_s, remat),
                          **({"recompute_num_layers": trial["recompute"]["recompute_num_layers"]}
                             if rc_option == "full/block" else {})})
     ranked = sorted((r for r in rows if r["fits"]), key=_order)
