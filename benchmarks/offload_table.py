@@ -67,7 +67,7 @@ def row(result: dict) -> dict:
             "step_ms": timing["step_time_s"] * 1e3 if timing.get("step_time_s") else None,
             "copy_ms": transfer["copy_busy_s"] * 1e3 if transfer.get("copy_busy_s") is not None else None,
             "exposed_ms": transfer["exposed_s"] * 1e3 if transfer.get("exposed_s") is not None else None,
-            "link": (link.get("d2h_gb_s"), link.get("h2d_gb_s")) if link else None,
+            "link": (link["d2h_gb_s"], link["h2d_gb_s"]) if link.get("d2h_gb_s") else None,
             "predicted_ms": predicted["cost_s"] * 1e3 if predicted else None}
 
 

@@ -189,7 +189,7 @@ def sweep_plan(sweep_dir: Path, budget_gib: float) -> dict | None:
     base = min(ok, key=lambda r: (offload_option_of(r["config"]) != "none", recompute_order(recompute_of(r))))
     rate = worst_row(base).model_tflops_per_gpu
     links = [min(link["d2h_gb_s"], link["h2d_gb_s"]) for r in ok for rank in r.get("ranks") or []
-             if (link := (rank.get("offload") or {}).get("link"))]
+             if (link := (rank.get("offload") or {}).get("link")) and link.get("d2h_gb_s")]
     try:
         p = plan(base["config"], budget_gib, rate, min(links) if links else None)
     except ConfigError:

@@ -40,7 +40,7 @@ from recipes.predict.activations import (
     validate_for,
 )
 from recipes.predict.fit import ALLOCATOR_SLACK, FITS, OVER, TIGHT, slack_for, verdict, with_slack
-from recipes.predict.offload import HostTerm, chunk_offload
+from recipes.predict.offload import HostTerm, chunk_offload, exposed_transfer_s, layer_forward_s
 from recipes.recipe import GPU_BUDGET_GIB, at_full_depth, compose_recipe
 from recipes.recompute import (
     ATTENTION_KIND,
@@ -315,6 +315,11 @@ def predict(cfg: dict, device: str = "auto", stage: int | None = None,
             "host_bytes_per_layer": host_layers,
         })
     pick = stages[stage] if stage is not None else max(stages, key=lambda s: s["peak_bytes"])
+    if pick["host_bytes"]:  # the copies' time per step at the assumed rate and link (estimate.*)
+        est = cfg.get("estimate") or {}
+        tflops, link = est.get("mfu", 0.38) * cfg["measure"]["peak_tflops"], est.get("host_link_gb_s", 50.0)
+        pick = {**pick, "offload_transfer": {**exposed_transfer_s(pick["host_bytes_per_layer"], layer_forward_s(
+            cfg, tflops), link, m_count), "tflops": tflops, "host_link_gb_s": link}}
     ep = par["expert_model_parallel_size"] > 1 and MLP_KIND.get(cfg["model"]["family"]) == "moe"
     share = None if not ep else [float(f) for f in routed_share] if per_layer else float(routed_share)
     worst = max(stages, key=lambda s: s["peak_bytes"])
@@ -525,6 +530,11 @@ def format_prediction(p: dict, title: str, budget_gib: float | None = None, term
                   f"held on the host (micro-batches in flight) {p['in_flight_host_bytes'] / GIB:.2f} GiB; "
                   f"moved per step {p['host_bytes'] * p['num_microbatches'] / GIB:.2f} GiB each way "
                   "(the last layer of each offloaded module stays on the device)"]
+        t = p.get("offload_transfer")
+        if t:
+            lines.append(f"offload time per step: copies {t['copy_s'] * 1e3:.1f} ms, exposed (not hidden by "
+                         f"compute) {t['exposed_s'] * 1e3:.1f} ms at a {t['host_link_gb_s']:g} GB/s link and "
+                         f"{t['tflops']:.0f} TFLOP/s (estimate.host_link_gb_s, estimate.mfu)")
     if len(p["stages"]) > 1:
         lines.append("peak per pipeline stage (GiB): " + ", ".join(
             f"pp{st['stage']} {st['peak_bytes'] / GIB:.1f}" for st in p["stages"]))

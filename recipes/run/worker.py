@@ -668,12 +668,18 @@ def offload_measurements(trainer: Trainer, window: Window, step_time_s: float) -
     bandwidth and one extra step profiled for how much of the copying compute did not hide."""
     moved = window.moved[len(window.moved) // 2] if window.moved else {}
     out = {"moved_per_step": moved, "moved_steps_equal": all(m == moved for m in window.moved)}
-    if trainer.on_gpu:
-        out["link"] = host_link_bandwidth()
-        overlap = copy_overlap(trainer.step)  # one more step, off the step count (as the profiled step)
-        trainer.optimizer.zero_grad()
-        if overlap:
+    if trainer.on_gpu:  # measurements about the run, not of it: a failure is recorded, not raised
+        try:
+            out["link"] = host_link_bandwidth()
+        except Exception as err:  # e.g. no room for the 256 MiB test buffers at the memory's edge
+            out["link"] = {"error": f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"}
+        try:
+            overlap = copy_overlap(trainer.step)  # one more step, off the step count (as the profiled step)
             overlap["step_time_s"] = step_time_s
+        except Exception as err:  # the profiler (CUPTI) unavailable, or an OOM in the extra step
+            overlap = {"error": f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"}
+        finally:
+            trainer.optimizer.zero_grad()
         out["transfer"] = overlap
     return out
 
