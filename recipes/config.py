@@ -94,6 +94,21 @@ class RecomputeConfig:
 
 
 @dataclass
+class OffloadConfig:
+    """Activation offload to host memory: megatron-core's fine-grained offload (``offload_modules``)
+    and its layer-level ``cpu_offloading`` (Transformer Engine only). ``offload=none`` = off."""
+
+    fine_grained_activation_offloading: bool = False
+    offload_modules: List[str] = field(default_factory=list)  # recipes.offload.MODULES
+    min_offloaded_tensor_size: int = 1048576  # elements: a smaller saved tensor stays on the device
+    activation_offload_fraction: float = 1.0  # the share of offload groups actually moved (megatron's)
+    cpu_offloading: bool = False  # layer-level offload: Transformer Engine's context (refused without it)
+    cpu_offloading_num_layers: int = 0
+    host_memory_gib: Optional[float] = None  # host memory per node for the copies (None: this machine's available)
+    emulate_on_cpu: bool = False  # a CPU run only (tests): copy to a second host buffer through emulated streams
+
+
+@dataclass
 class ParallelConfig:
     """Parallel layout; data parallel = world size / (tp * pp * cp)."""
 
@@ -203,6 +218,15 @@ class EstimateConfig:
     # 1.50x at its peak step. Used for EP > 1 before a run; `estimate --compare` uses each rank's
     # recorded rows instead. Dropless routing caps it at every token (ep x balanced for top-k <= local experts).
     moe_imbalance: float = 1.5
+    # The planner's time unit (recipes.analyze.plan): recompute's replayed FLOPs and a layer's forward
+    # run at this share of measure.peak_tflops (a dense step at the h200 size reached 38.4% MFU on
+    # one H200, docs/h200-results.md); activation offload copies at this pinned host-link bandwidth,
+    # GB/s each way (PCIe 5.0 x16's order; a GPU offload run records the real one: offload.link).
+    mfu: float = 0.38
+    host_link_gb_s: float = 50.0
+    # Elementwise replays (moe_act, layernorm, gdn_norm_out) are memory traffic: GB/s of device
+    # memory they run at (the H200's HBM3e peaks at 4800).
+    hbm_gb_s: float = 3000.0
 
 
 @dataclass
@@ -242,6 +266,7 @@ class RecipeConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     attention: AttentionConfig = field(default_factory=AttentionConfig)
     recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -328,6 +353,7 @@ def register_configs() -> None:
         "model": ModelConfig,
         "attention": AttentionConfig,
         "recompute": RecomputeConfig,
+        "offload": OffloadConfig,
         "parallel": ParallelConfig,
         "launcher": LauncherConfig,
         "data": DataConfig,

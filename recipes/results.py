@@ -13,6 +13,7 @@ from pathlib import Path
 
 from recipes.config import upgrade
 from recipes.files import MIB, UnreadableFile, read_json
+from recipes.offload import option_of as offload_option_of
 from recipes.recompute import option_of
 
 SCHEMA_VERSION = 1
@@ -108,6 +109,7 @@ class RankRow:
     attention: str | None
     recompute: str | None  # what the recorded config recomputes (``recompute_of``)
     rank: int | None = None
+    offload: str = "none"  # what it offloads (``recipes.offload.option_of``)
     worst: bool = False  # the rank that decides whether the point fits
     coords: dict = field(default_factory=dict)
     host: str | None = None
@@ -160,6 +162,7 @@ def rank_row(result: dict, rank: dict) -> RankRow:
     return RankRow(
         point=result.get("name"), run_dir=result.get("run_dir"), point_status=result.get("status"), status=status,
         model=choices.get("model"), attention=choices.get("attention"), recompute=recompute_of(result),
+        offload=offload_option_of(result.get("config") or {}),
         rank=rank.get("rank"), worst=rank.get("rank") is not None and rank.get("rank") == result.get("worst_rank"),
         coords=rank.get("coords") or {}, host=rank.get("host"), device=rank.get("device"),
         error=rank.get("error") or (result.get("error") if status != "ok" else None),

@@ -13,6 +13,8 @@ from typing import Any
 
 from recipes.config import RecipeConfig
 from recipes.errors import ConfigError
+from recipes.files import GIB
+from recipes.offload import layer_offload_problem, option_of, rule_problem
 from recipes.recompute import ATTENTION_KIND, BACKENDS, FAMILIES, LABELS, MLP_KIND, chunk_layers, labels_of, layer_kinds
 
 
@@ -32,8 +34,12 @@ def _check(cond: bool, option: str, problem: str, fix: str) -> None:
         raise ConfigError(option, problem, fix)
 
 
-def validate(cfg: Any, num_gpus: int | None = None, te_available: bool | None = None) -> None:
-    """Refuse configurations that would crash, silently do nothing, or measure the wrong thing."""
+def validate(cfg: Any, num_gpus: int | None = None, te_available: bool | None = None,
+             planned_host_bytes: int | None = None) -> None:
+    """Refuse configurations that would crash, silently do nothing, or measure the wrong thing.
+
+    ``planned_host_bytes``: the host memory one rank's activation offload is predicted to hold (the
+    controller passes the estimator's), checked against the node's host memory."""
     if num_gpus is None:
         import torch
 
@@ -45,6 +51,7 @@ def validate(cfg: Any, num_gpus: int | None = None, te_available: bool | None = 
     _validate_model(cfg)
     _validate_attention(cfg, te_available)
     _validate_recompute(cfg)
+    _validate_offload(cfg, num_gpus, te_available, planned_host_bytes)
     _validate_parallel(cfg, num_gpus)
     _validate_run(cfg)
 
@@ -248,6 +255,75 @@ def _validate_recompute(cfg) -> None:
                           "communication overlap", "set parallel.overlap_moe_expert_parallel_comm=false")
 
 
+def host_memory_available() -> int | None:
+    """Bytes of host memory available on this machine now (``MemAvailable``), or None if unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _validate_offload(cfg, num_gpus: int, te_available: bool, planned_host_bytes: int | None) -> None:
+    """Activation offload: megatron-core's rules, the silent no-ops, the machine, the host's memory."""
+    off, rc, m = cfg.get("offload") or {}, cfg["recompute"], cfg["model"]
+    if not off:  # a result written before offload existed
+        return
+    modules = list(off["offload_modules"] or [])
+    fine = off["fine_grained_activation_offloading"]
+    _check(fine or not modules, "offload.offload_modules",
+           "modules are listed but fine-grained offload is off: they would be ignored",
+           "use offload=<option> (conf/offload/), or set offload.fine_grained_activation_offloading=true")
+    _check(not fine or modules, "offload.offload_modules", "fine-grained offload is on with no modules (megatron-core "
+           "asserts)", "use offload=none, or offload=<option> such as core_attn-attn_proj")
+    _check(off["min_offloaded_tensor_size"] >= 0, "offload.min_offloaded_tensor_size",
+           f"{off['min_offloaded_tensor_size']} is negative", "use 0 (offload every saved tensor) or more elements")
+    _check(0.0 <= off["activation_offload_fraction"] <= 1.0, "offload.activation_offload_fraction",
+           f"{off['activation_offload_fraction']} is not in [0, 1]", "use a fraction in [0, 1], e.g. 1.0")
+    recompute_on = rc["recompute_granularity"] is not None
+    problem = layer_offload_problem(off["cpu_offloading"], te_available, recompute_on,
+                                    cfg["parallel"]["pipeline_model_parallel_size"], fine)
+    if problem:
+        raise ConfigError(*problem)
+    if not modules:  # offload.emulate_on_cpu without offload changes nothing (a sweep over offload=none,...)
+        return
+    labels = None if rc["recompute_granularity"] == "full" else frozenset(labels_of(cfg))
+    problem = rule_problem(modules, labels, m, cfg["parallel"]["pipeline_model_parallel_size"])
+    if problem:
+        raise ConfigError(*problem)
+    option = f"offload={option_of(cfg)}"
+    if num_gpus:
+        _check(not off["emulate_on_cpu"], "offload.emulate_on_cpu", "emulated copy streams are for a CPU "
+               "run's tests; this machine has a GPU, where the offload is real", "set offload.emulate_on_cpu=false")
+    else:
+        _check(off["emulate_on_cpu"], option, "a CPU-only run has no device memory to relieve: offloading "
+               "would copy CPU memory to CPU memory", "run it on a GPU, or set offload.emulate_on_cpu=true to "
+               "test the offload path on a CPU (copies to a second buffer through emulated streams)")
+    if cfg["measure"]["ledger"]:
+        _check(cfg["train"]["train_iters"] >= 3, "train.train_iters", "with offload the first step plans it "
+               "(megatron's warm-up) and the second records the ledger: 2 steps measure nothing",
+               "set train.train_iters>=3, or measure.ledger=false")
+    if planned_host_bytes:
+        launch = cfg["launcher"]
+        per_node = planned_host_bytes * launch["nproc_per_node"]
+        given = off["host_memory_gib"]
+        host = int(given * GIB) if given is not None else host_memory_available()
+        where = "offload.host_memory_gib" if given is not None else "this machine's available memory"
+        _check(host is None or per_node <= host, option,
+               f"the copies are predicted at {_size(per_node)} of host memory per node "
+               f"({_size(planned_host_bytes)} per rank x {launch['nproc_per_node']} "
+               f"rank{'s' if launch['nproc_per_node'] > 1 else ''}), above {where} ({_size(host or 0)})",
+               "offload fewer modules (a smaller conf/offload option), use recompute instead, free host "
+               "memory, or set offload.host_memory_gib to the nodes' memory if they are not this machine")
+
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / GIB:.1f} GiB" if nbytes >= GIB / 10 else f"{nbytes / 2**20:.1f} MiB"
+
+
 def _validate_parallel(cfg, num_gpus: int) -> None:
     """The layout against the launcher's world size, the batch and the model (before any launch)."""
     par, m, launch, train = cfg["parallel"], cfg["model"], cfg["launcher"], cfg["train"]
@@ -376,6 +452,11 @@ def _validate_run(cfg) -> None:
     _check(frac is None or 0 < frac <= 1, "measure.memory_fraction", f"{frac} is not in (0, 1]",
            "use a fraction such as 0.5, or null")
     imbalance = (cfg.get("estimate") or {}).get("moe_imbalance", 1.0)  # results written before it existed
+    est = cfg.get("estimate") or {}
+    for key, example in (("mfu", "0.38"), ("host_link_gb_s", "50"), ("hbm_gb_s", "3000")):
+        value = est.get(key, 1.0)
+        _check(value > 0 and (key != "mfu" or value <= 1), f"estimate.{key}", f"{value} is not "
+               + ("in (0, 1]" if key == "mfu" else "> 0"), f"set estimate.{key}={example}")
     _check(imbalance >= 1.0, "estimate.moe_imbalance", f"{imbalance} is below balanced routing (1.0): it "
            "bounds the worst expert-parallel rank", "use 1.0 (balanced) or more; the default 1.5 was measured")
     _check(data["name"] in ("mock", "indexed"), "data", f"unknown data {data['name']!r}",

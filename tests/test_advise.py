@@ -355,4 +355,87 @@ def test_predicted_full_block_takes_the_fewest_layers_that_fit():
     fewer = predict({**cfg, "recompute": {**recompute_config("full/block"), "recompute_num_layers": k - 1}}, "cuda")
     assert not fits(fewer["peak_bytes"] / 2**30, 137.0)
     text = advise.explain_prediction(advice)
-    assert f"recompute=full/block recompute.recompute_num_layers={k}" in text and "runner-up (recompute=selective/mlp" in text
+    assert f"recompute=full/block recompute.recompute_num_layers={k}" in text and "runner-up recompute=selective/mlp" in text
+    # the planner over recompute x offload agrees here: no offload makes the 32 layers fit cheaper
+    plan = advice["plan"]
+    assert plan["choice"]["recompute"] == "full/block" and plan["choice"]["offload"] == "none"
+    assert plan["runner_up"]["recompute"] == "selective/mlp" and "runner-up: recompute=selective/mlp" in text
+
+
+# --- one planner over recompute and activation offload --------------------------------------------
+def test_the_planner_prices_recompute_and_offload_in_one_unit():
+    """Dense at the h200 size, 21.5 GiB: no recompute does not fit; offloading core attention's tensors
+    (which core_attn recompute cannot drop under SDPA) fits with its copies hidden under compute, so it
+    is the choice; the runner-up is another plan, not the choice plus more; combinations megatron-core
+    refuses are never priced."""
+    from recipes.analyze.plan import plan
+    from recipes.config import compose_config
+
+    p = plan(compose_config(["model=standard_attn", "size=h200"]), 21.5)
+    by = {(r["recompute"], r["offload"]): r for r in p["rows"]}
+    assert not by[("none", "none")]["fits"] and by[("none", "core_attn")]["fits"]
+    assert (p["choice"]["recompute"], p["choice"]["offload"]) == ("none", "core_attn")
+    assert p["choice"]["offload_exposed_s"] == 0 < p["choice"]["offload_copy_s"]
+    assert p["runner_up"] is not None and p["runner_up"] is not p["choice"]
+    assert ("selective/core_attn", "core_attn") not in by and ("full", "attn_norm") not in by
+    assert all(fits(r["predicted_peak_gib"], 21.5, p["allocator_slack"]) for r in p["rows"] if r["fits"])
+    assert any("core attention recompute replaces the offload point" in r["why"] for r in p["refused"])
+    # a slower link exposes copies: offload rows get dearer, recompute rows do not
+    slow = plan(compose_config(["model=standard_attn", "size=h200"]), 21.5, link_gb_s=2.0)
+    slow_by = {(r["recompute"], r["offload"]): r for r in slow["rows"]}
+    assert slow_by[("none", "core_attn")]["cost_s"] > by[("none", "core_attn")]["cost_s"]
+    assert slow_by[("selective/mlp", "none")]["cost_s"] == pytest.approx(by[("selective/mlp", "none")]["cost_s"])
+
+
+def test_predicted_advice_prints_the_plan_runner_up_and_one_sweep_to_confirm_both():
+    advice = advise.advise_before_running(["model=standard_attn", "size=h200"], 21.5)
+    text = advise.explain_prediction(advice)
+    assert "choice:    recompute=none offload=core_attn" in text and "runner-up: " in text
+    commands = [line.strip() for line in text.splitlines() if line.strip().startswith("python train.py -m")]
+    assert len(commands) == 2 and all(c.endswith("hydra.sweep.dir=multirun/confirm") for c in commands)
+    assert "offload=core_attn" in commands[0] and "python -m recipes advise multirun/confirm --budget-gib 21.5" in text
+
+
+def test_moe_plans_never_offload_inside_a_whole_moe_recompute():
+    from recipes.analyze.plan import plan
+    from recipes.config import compose_config
+
+    p = plan(compose_config(["model=moe", "size=h200"]), 26.0)
+    assert not [r for r in p["rows"] if "selective/moe" in (r["recompute"] + "-").replace("moe_act", "")
+                and any(m in r["offload"] for m in ("expert_fc1", "moe_act"))]
+    assert p["choice"]["recompute"] == "selective/moe_act"  # an elementwise replay: cheaper than any copy here
+
+
+def test_an_offload_point_is_compared_with_the_no_offload_control(tmp_path):
+    """A measured sweep with an offload point: the report gives it the plain control's deltas (it is
+    never a control itself), and the advisor may choose it on measured time."""
+    sweep = tmp_path / "sweep"
+    for recompute, offload, measured in (("none", "none", (20.41, 20.9, 0.0882)),
+                                         ("selective/mlp", "none", (15.41, 16.07, 0.1008)),
+                                         ("none", "core_attn-attn_proj", (19.10, 19.6, 0.0898))):
+        run_dir = sweep / f"recompute={recompute.replace('/', '.')}__offload={offload}"
+        write_json_atomic(run_dir / "ranks" / "rank0.json", rank_result(0, measured))
+        cfg = compose("size=h200", f"recompute={recompute}", f"offload={offload}")
+        name = f"standard_attn sdpa {recompute}" + (f" offload={offload}" if offload != "none" else "")
+        meta = {"name": name, "run_dir": str(run_dir), "config": cfg,
+                "choices": {"model": "standard_attn", "attention": "sdpa", "recompute": recompute, "offload": offload}}
+        write_json_atomic(run_dir / "result.json", merge_result(run_dir, meta, 1, None))
+    rows = {r["point"]: r for r in report.rank_rows(report.find_results(sweep))}
+    off = rows["standard_attn sdpa none offload=core_attn-attn_proj"]
+    assert off["offload"] == "core_attn-attn_proj" and off["control"] == "standard_attn sdpa none"
+    assert off["d_peak_gib"] == pytest.approx(19.10 - 20.41)
+    assert rows["standard_attn sdpa selective/mlp"]["control"] == "standard_attn sdpa none"
+    advice = advise.advise(advise.measured_candidates(sweep), 20.0)
+    assert advice["choice"]["offload"] == "core_attn-attn_proj"  # fits, and faster than mlp
+    assert "2. Choice: activation offload (offload=core_attn-attn_proj" in advise.explain(advice, str(sweep))
+
+
+def test_a_measured_gpu_sweep_gets_the_plan_for_what_it_did_not_run(tmp_path):
+    sweep = make_sweep(tmp_path / "sweep", attentions=("sdpa",))
+    p = advise.sweep_plan(sweep, 20.0)
+    assert p is not None and p["base"].startswith("model=standard_attn")
+    assert ["none", "none"] in [list(m) for m in p["measured"]]
+    advice = advise.advise(advise.measured_candidates(sweep), 20.0)
+    advice["plan"] = p
+    assert "Predicted for the combinations this sweep did not run: plan over recompute x offload" in \
+        advise.explain(advice, str(sweep))

@@ -26,7 +26,7 @@ def _check(cfg: dict) -> None:
 
 
 def test_every_group_option_composes():
-    for group in ("model", "size", "attention", "parallel", "launcher", "data", "logger"):
+    for group in ("model", "size", "attention", "parallel", "launcher", "data", "logger", "offload"):
         for path in (Path(CONF) / group).glob("*.yaml"):
             cfg = compose(f"{group}={path.stem}")
             assert cfg[group] is not None if group != "size" else cfg["size"] is None
@@ -45,13 +45,13 @@ def test_schema_fields_exist_in_megatron():
     """Fields passed through to megatron-core must still exist after an upgrade."""
     from megatron.core.transformer.transformer_config import MLATransformerConfig
 
-    from recipes.build.model import NON_TRANSFORMER_FIELDS
-    from recipes.config import ModelConfig, ParallelConfig, RecomputeConfig
+    from recipes.build.model import NON_TRANSFORMER_FIELDS, NON_TRANSFORMER_OFFLOAD_FIELDS
+    from recipes.config import ModelConfig, OffloadConfig, ParallelConfig, RecomputeConfig
 
     megatron = {f.name for f in dataclasses.fields(MLATransformerConfig)}
-    for cls in (ModelConfig, ParallelConfig, RecomputeConfig):
+    for cls in (ModelConfig, ParallelConfig, RecomputeConfig, OffloadConfig):
         for f in dataclasses.fields(cls):
-            if f.name not in NON_TRANSFORMER_FIELDS:
+            if f.name not in NON_TRANSFORMER_FIELDS | NON_TRANSFORMER_OFFLOAD_FIELDS:
                 assert f.name in megatron, f"{cls.__name__}.{f.name} is not a megatron field"
 
 
@@ -123,6 +123,25 @@ REFUSED = [
     (["+bar=1"], "bar", "drop +bar"),
     (["model.num_attention_heads=3", "model.num_query_groups=null"], "hidden_size", "kv_channels"),
     (["model.num_query_groups=3"], "num_query_groups", "dividing num_attention_heads"),
+    # activation offload (recipes.offload.rule_problem, recipes/validate.py _validate_offload)
+    (["offload.cpu_offloading=true"], "offload.cpu_offloading", "offload=core_attn-attn_proj"),
+    (["model=moe", "recompute=selective/moe", "offload=expert_fc1"], "offload=expert_fc1",
+     "recompute=selective/moe_act"),
+    (["offload.fine_grained_activation_offloading=true", "offload.offload_modules=[attn_proj]"],
+     "offload=attn_proj", "offload=core_attn-attn_proj"),
+    (["offload=core_attn-attn_proj"], "offload=core_attn-attn_proj", "offload.emulate_on_cpu=true"),
+    (["recompute=selective/core_attn", "offload=core_attn"], "offload=core_attn", "offload=qkv_linear"),
+    (["recompute=full", "offload=attn_norm"], "offload=attn_norm", "offload=none with full recompute"),
+    (["model=mla", "recompute=selective/mla_up_proj", "offload=qkv_linear"], "offload=qkv_linear",
+     "offload=core_attn-attn_proj"),
+    (["model=standard_attn", "offload=expert_fc1"], "offload=expert_fc1", "offload=attn_norm"),
+    (["model=moe", "model.experts=sequential", "offload=moe_act"], "offload=moe_act", "model.experts=grouped"),
+    (["model=gdn", "offload=core_attn"], "offload=core_attn", "more layers"),
+    (["offload.fine_grained_activation_offloading=true", "offload.offload_modules=[fused_group_mlp]"],
+     "offload=fused_group_mlp", "Transformer Engine"),
+    (["offload.offload_modules=[core_attn]"], "offload.offload_modules", "offload=<option>"),
+    (["offload=attn_norm", "offload.emulate_on_cpu=true", "train.train_iters=2", "measure.start_step=2"],
+     "train.train_iters", "train_iters>=3"),
 ]
 
 
@@ -137,3 +156,37 @@ def test_bad_combinations_are_refused_with_the_fix(overrides, option, fix):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_defaults_validate(family):
     _check(compose(f"model={family}"))
+
+
+def test_offload_emulation_is_for_a_cpu_only():
+    with pytest.raises(ConfigError, match="offload.emulate_on_cpu=false"):
+        validate(compose("offload=core_attn-attn_proj", "offload.emulate_on_cpu=true"), num_gpus=1,
+                 te_available=False)
+    validate(compose("offload=core_attn-attn_proj"), num_gpus=1, te_available=False)  # a GPU: fine
+
+
+def test_offload_beyond_the_host_memory_is_refused():
+    """The controller passes the estimator's host bytes per rank; per node they must fit."""
+    cfg = compose("offload=core_attn-attn_proj", "offload.host_memory_gib=1", "launcher.nproc_per_node=2",
+                  "parallel=dp2")
+    validate(cfg, num_gpus=2, te_available=False, planned_host_bytes=2**29)  # 2 x 0.5 GiB: fits
+    with pytest.raises(ConfigError) as err:
+        validate(cfg, num_gpus=2, te_available=False, planned_host_bytes=2**29 + 1)
+    assert err.value.option == "offload=core_attn-attn_proj" and "offload.host_memory_gib (1.0 GiB)" in str(err.value)
+    assert "fix: offload fewer modules" in str(err.value)
+
+
+def test_layer_level_offload_rules_with_transformer_engine():
+    te = {"num_gpus": 1, "te_available": True}
+    validate(compose("offload.cpu_offloading=true"), **te)
+    for overrides, problem in ((["recompute=selective/core_attn"], "recompute"), (["parallel=pp2"], "pipeline"),
+                               (["offload=core_attn-attn_proj"], "both")):
+        with pytest.raises(ConfigError, match=problem):
+            validate(compose("offload.cpu_offloading=true", *overrides), num_gpus=2, te_available=True)
+
+
+def test_every_offload_option_composes_and_names_itself():
+    from recipes.offload import conf_options, option_of
+
+    for option in conf_options():
+        assert option_of(compose(f"offload={option}")) == option

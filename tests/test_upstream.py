@@ -262,3 +262,45 @@ def test_mla_without_q_lora_builds_a_plain_q_projection(monkeypatch):
     resolved = QKNormConfigResolver(config, submodules).resolve()
     assert resolved["linear_q_proj"] is ColumnParallelLinear and resolved["q_layernorm"] is IdentityOp
     assert resolved["kv_layernorm"] is submodules.kv_layernorm
+
+
+def test_fine_grained_offload_still_requires_transformer_engine(megatron_world, monkeypatch):
+    """recipes.build.upstream.allow_fine_grained_offload_without_te: megatron's offload manager still
+    raises "TE CPU offload is not available" on entering an offload point without Transformer Engine,
+    though nothing it does needs it. Fails once upstream drops the guard: delete the workaround."""
+    import types
+
+    from megatron.core.extensions import transformer_engine as te_extension
+    from megatron.core.pipeline_parallel.fine_grained_activation_offload import PipelineOffloadManager
+
+    from recipes.build import offload, upstream
+
+    if upstream.transformer_engine_available():
+        pytest.skip("Transformer Engine is installed: megatron's guard is satisfied by TE itself")
+    assert upstream.allow_fine_grained_offload_without_te()
+    offload.emulate_copy_streams_on_cpu()  # the manager allocates streams (CPU stand-ins here)
+    manager = PipelineOffloadManager()
+    manager._cur_forward_chunk = types.SimpleNamespace(do_offload=True)
+    monkeypatch.setattr(te_extension, "cpu_offload", None)  # pristine: no TE
+    with pytest.raises(RuntimeError, match="TE CPU offload is not available"):
+        manager.__enter__()
+    monkeypatch.undo()
+    manager.__enter__()  # the workaround's stand-in satisfies the guard
+    manager.__exit__()
+
+
+def test_offload_inline_reload_still_races_its_copy_out(megatron_world, monkeypatch):
+    """recipes.build.upstream.order_inline_reload_after_offload (Megatron-LM issue 7398): with
+    megatron's pristine ``tensor_pop`` the manager's warm-up step reloads a tensor whose copy to the
+    host has not landed, and its gradients are wrong (here NaN: the emulated host buffer is not yet
+    written). With the workaround the same run is bit-exact (tests/test_offload.py). Fails once
+    upstream orders that reload: delete the workaround."""
+    from megatron.core.pipeline_parallel.fine_grained_activation_offload import ChunkOffloadHandler
+    from test_offload import EMULATED, run_steps
+
+    plain = run_steps(compose("model=standard_attn"), steps=1)[0]
+    monkeypatch.setattr(ChunkOffloadHandler, "tensor_pop", ChunkOffloadHandler._recipes_original_tensor_pop)
+    pristine = run_steps(compose("model=standard_attn", "offload=core_attn-attn_proj", *EMULATED), steps=1)[0]
+    wrong = [n for n, g in plain["grads"].items() if not torch.equal(g, pristine["grads"][n])]
+    assert wrong, "upstream's inline reload waits for its copy now: delete the workaround"
+    assert any(pristine["grads"][n].isnan().any() for n in wrong)

@@ -39,6 +39,7 @@ class Row:
     option: str
     num_gpus: int = 1  # the machine validate assumes: 1 = one GPU, 0 = a CPU
     te_available: bool = False  # whether Transformer Engine imports there
+    planned_host_gib: float | None = None  # the host memory offload is predicted to hold per rank
 
 
 ROWS = (
@@ -131,6 +132,29 @@ ROWS = (
         num_gpus=2,
         te_available=True,
     ),
+    Row("layer-level `cpu_offloading` without Transformer Engine", ("offload.cpu_offloading=true",),
+        "offload.cpu_offloading"),
+    Row("`attn_proj` offload without `core_attn`",
+        ("offload.fine_grained_activation_offloading=true", "offload.offload_modules=[attn_proj]"),
+        "offload=attn_proj"),
+    Row("expert offload (`expert_fc1`, `moe_act`) inside whole-`moe` recompute",
+        ("model=moe", "recompute=selective/moe", "offload=expert_fc1-moe_act"), "offload=expert_fc1-moe_act"),
+    Row("`core_attn` offload under `core_attn` recompute (megatron skips the offload point)",
+        ("recompute=selective/core_attn", "offload=core_attn-attn_proj"), "offload=core_attn-attn_proj"),
+    Row("offload with full recompute", ("recompute=full", "offload=attn_norm"), "offload=attn_norm"),
+    Row("`qkv_linear` offload under `mla_up_proj` recompute",
+        ("model=mla", "recompute=selective/mla_up_proj", "offload=qkv_linear"), "offload=qkv_linear"),
+    Row("an offload point the model does not have", ("model=standard_attn", "offload=expert_fc1"),
+        "offload=expert_fc1"),
+    Row("an offload point in one layer only (megatron keeps the last one on the device)",
+        ("model=gdn", "offload=core_attn"), "offload=core_attn"),
+    Row("expert offload on megatron's `SequentialMLP`",
+        ("model=moe", "model.experts=sequential", "offload=expert_fc1-moe_act"), "offload=expert_fc1-moe_act"),
+    Row("offload on a CPU-only run (nothing to relieve), unless emulated for tests",
+        ("offload=core_attn-attn_proj",), "offload=core_attn-attn_proj", num_gpus=0),
+    Row("offload whose predicted host copies exceed the node's host memory",
+        ("offload=core_attn-attn_proj", "offload.host_memory_gib=1"), "offload=core_attn-attn_proj",
+        planned_host_gib=2.0),
     Row("a size or count below 1 (any of them: heads, layers, hidden, ffn, vocabulary, experts, top-k...)",
         ("model.num_attention_heads=0",), "model.num_attention_heads"),
     Row("a value outside its range (dropouts in [0, 1), lr > 0, weight decay and clipping >= 0...)",
@@ -145,7 +169,8 @@ def refusal(row: Row) -> ConfigError:
     names another option)."""
     cfg = compose_config(list(row.overrides))
     try:
-        validate(cfg, num_gpus=row.num_gpus, te_available=row.te_available)
+        planned = int(row.planned_host_gib * 2**30) if row.planned_host_gib else None
+        validate(cfg, num_gpus=row.num_gpus, te_available=row.te_available, planned_host_bytes=planned)
     except ConfigError as err:
         if err.option != row.option:
             raise SystemExit(
@@ -164,7 +189,8 @@ def _cell(text: str) -> str:
 def machine(row: Row) -> str:
     """The machine a row assumes, in words."""
     where = "a CPU" if row.num_gpus == 0 else f"{row.num_gpus} GPU" + ("s" if row.num_gpus > 1 else "")
-    return where + (", TE installed" if row.te_available else "")
+    planned = f", {row.planned_host_gib:g} GiB of host copies predicted" if row.planned_host_gib else ""
+    return where + (", TE installed" if row.te_available else "") + planned
 
 
 def table() -> str:

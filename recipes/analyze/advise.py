@@ -24,17 +24,18 @@ import json
 import sys
 from pathlib import Path
 
+from recipes.analyze.plan import confirm_commands, describe, fewest_block_layers, plan
 from recipes.analyze.report import NOISY_STEPS, control_gap_pct, find_results, rank_rows
 from recipes.errors import ConfigError
 from recipes.files import GIB
 from recipes.measure.flops import layer_forward_flops, replayed_layer_flops
 from recipes.measure.profile import first_label_to_try, top_contributors
+from recipes.offload import option_of as offload_option_of
 from recipes.predict.estimate import predict, predict_options, recorded_shares, routing_line
-from recipes.predict.fit import FITS, TIGHT, fits, slack_for, verdict, with_slack
+from recipes.predict.fit import FITS, TIGHT, slack_for, verdict, with_slack
 from recipes.recipe import GPU_BUDGET_GIB, at_full_depth, compose_recipe
 from recipes.recompute import NO_RECOMPUTE, is_full, recompute_config, recompute_order, selective_labels
 from recipes.results import first_sentence, recompute_of, worst_row
-from recipes.validate import layers_per_chunk
 
 MIB = 2**20
 #: Fragmentation is flagged when reserved - allocated is at least this fraction of reserved ...
@@ -53,7 +54,7 @@ def measured_candidates(sweep_dir: Path) -> list[dict]:
     for r in rows:
         c = points.setdefault(r["run_dir"] or r["point"], {  # two points may share a name, not a directory
             "point": r["point"], "model": r["model"], "attention": r["attention"], "recompute": r["recompute"],
-            "status": r["point_status"] or r["status"], "source": "measured", "key": r["_key"],
+            "offload": r.get("offload") or "none", "status": r["point_status"] or r["status"], "source": "measured", "key": r["_key"],
             "family_key": r["_family_key"], "ranks": [], "error": r.get("error"),
         })
         c["ranks"].append({k: r.get(k) for k in ("rank", "status", "device", "peak_allocated_gib",
@@ -112,7 +113,7 @@ def predicted_candidates(sweep_dir: Path, budget_gib: float | None = None) -> li
 
     results = find_results(sweep_dir)
     measured = {((r.get("choices") or {}).get("model"), (r.get("choices") or {}).get("attention"), _layout(r),
-                 recompute_of(r)) for r in results}
+                 recompute_of(r)) for r in results if offload_option_of(r.get("config") or {}) == "none"}
     layouts = {_layout(r) for r in results}
     rows = []
     for (model, attention, layout), r in _groups(results).items():
@@ -128,7 +129,7 @@ def predicted_candidates(sweep_dir: Path, budget_gib: float | None = None) -> li
                 continue
             extra = {}
             if option == "full/block" and gpu and budget_gib is not None:
-                rc, p = _fewest_block_layers(r["config"], recompute_config(option), budget_gib)
+                rc, p = fewest_block_layers(r["config"], recompute_config(option), budget_gib)
                 extra = {"recompute_num_layers": rc["recompute_num_layers"]}
             # on a GPU sweep the measured points are judged on reserved: so are the predictions
             nbytes = with_slack(p["peak_bytes"], p["allocator_slack"]) if gpu else p["activation_bytes"]
@@ -175,6 +176,29 @@ def predicted_next_to_measured(sweep_dir: Path) -> list[dict]:
                 row["routing"] = "recorded" if ledger_share else "balanced"
         rows.append(row)
     return rows
+
+
+def sweep_plan(sweep_dir: Path, budget_gib: float) -> dict | None:
+    """The planner (``recipes.analyze.plan``) on a GPU sweep's configuration, at the rate the sweep's
+    no-recompute point achieved (model TFLOP/s per GPU) and the host link an offload point recorded;
+    None for a CPU sweep or one without a completed point."""
+    results = find_results(sweep_dir)
+    ok = [r for r in results if r.get("status") == "ok" and r.get("config") and _on_gpu(r)]
+    if not ok:
+        return None
+    base = min(ok, key=lambda r: (offload_option_of(r["config"]) != "none", recompute_order(recompute_of(r))))
+    rate = worst_row(base).model_tflops_per_gpu
+    links = [min(link["d2h_gb_s"], link["h2d_gb_s"]) for r in ok for rank in r.get("ranks") or []
+             if (link := (rank.get("offload") or {}).get("link")) and link.get("d2h_gb_s")]
+    try:
+        p = plan(base["config"], budget_gib, rate, min(links) if links else None)
+    except ConfigError:
+        return None
+    p["measured"] = sorted({(recompute_of(r), offload_option_of(r["config"])) for r in ok})
+    choices = base.get("choices") or {}
+    p["base"] = " ".join(f"{g}={choices[g]}" for g in ("model", "size", "attention", "parallel")
+                         if choices.get(g) and not (g == "parallel" and choices[g] == "single"))
+    return p
 
 
 def what_drives_the_peak(sweep_dir: Path) -> dict | None:
@@ -225,6 +249,7 @@ def superfluous(fitting: list[dict]) -> dict[str, dict]:
         for d in fitting:
             theirs = selective_labels(d["recompute"])
             if (theirs is not None and d is not c and d["key"] == c["key"] and theirs < mine
+                    and d.get("offload", "none") == c.get("offload", "none")
                     and c["memory_gib"] >= d["memory_gib"] - SAME_MEMORY_GIB):
                 out[c["point"]] = d
                 break
@@ -242,8 +267,9 @@ def noise_floor_pct(candidates: list[dict]) -> float | None:
 
 
 def _pick(fitting: list[dict]) -> dict | None:
-    """No recompute first, then selective labels, full last; least step time within the class."""
-    for allowed in (lambda c: c["recompute"] in NO_RECOMPUTE,
+    """No recompute (nor offload) first, then selective labels and activation offload, full recompute
+    last; least step time within the class (offload competes with the labels on measured time)."""
+    for allowed in (lambda c: c["recompute"] in NO_RECOMPUTE and c.get("offload", "none") == "none",
                     lambda c: not is_full(c["recompute"]),
                     lambda c: True):
         pool = [c for c in fitting if allowed(c) and c.get("step_ms") is not None]
@@ -336,7 +362,7 @@ def advise(candidates: list[dict], budget_gib: float) -> dict:
 
 def _public(c: dict | None) -> dict | None:
     """The keys of a candidate that the JSON output carries."""
-    keys = ("point", "model", "attention", "recompute", "status", "source", "memory_gib", "peak_allocated_gib",
+    keys = ("point", "model", "attention", "recompute", "offload", "status", "source", "memory_gib", "peak_allocated_gib",
             "peak_reserved_gib", "ledger_bytes", "step_ms", "step_noise", "step_spread", "control", "d_peak_gib",
             "d_peak_pct",
             "d_ledger_pct", "d_time_pct", "worst_rank", "fits", "error", "recompute_num_layers", "parallel")
@@ -395,9 +421,17 @@ def explain(advice: dict, sweep_dir: str = "") -> str:
     if c:
         held = f" reserved ({c['peak_allocated_gib']:.2f} GiB allocated)" if gpu else " ledger"
         mem = _mem(c["memory_gib"], gpu) + held
-        if c["recompute"] in NO_RECOMPUTE:
+        offload = c.get("offload", "none")
+        if c["recompute"] in NO_RECOMPUTE and offload != "none":
+            head = (f"2. Choice: activation offload (offload={offload}, recompute={c['recompute']}): `{c['point']}` "
+                    f"at {mem}, within the budget")
+            why = f"it {_delta(c, gpu)}."
+        elif c["recompute"] in NO_RECOMPUTE:
             head = f"2. Choice: no recompute (recompute={c['recompute']}): `{c['point']}` fits at {mem}"
             why = "nothing needs replaying, so any recompute label would only add step time."
+        elif offload != "none":
+            head = f"2. Choice: recompute={c['recompute']} with offload={offload} (`{c['point']}`) at {mem}, within the budget"
+            why = f"it {_delta(c, gpu)}."
         else:
             head = f"2. Choice: recompute={c['recompute']} (`{c['point']}`) at {mem}, within the budget"
             why = f"it {_delta(c, gpu)}."
@@ -463,6 +497,11 @@ def explain(advice: dict, sweep_dir: str = "") -> str:
                                             else "")
                      + f": predicted, not measured ({mem}); "
                      + (f"predicted to fit: worth a run ({_option_overrides(c)})." if fits else "predicted over the budget."))
+    p = advice.get("plan")
+    if p:
+        lines += ["Predicted for the combinations this sweep did not run: " + line[0].lower() + line[1:]
+                  if i == 0 else line for i, line in enumerate(
+                      explain_plan(p, p.get("base", ""), frozenset(tuple(m) for m in p.get("measured", []))))]
     drives = advice.get("drives")
     if drives:
         first = f"try recompute={drives['label']} first" if drives["label"] else "recompute is not the lever"
@@ -502,7 +541,8 @@ def _nothing_fits(advice: dict, gpu: bool) -> str:
     tries += ["more parallelism to split activations across GPUs (parallel.tensor_model_parallel_size=2 with "
               f"parallel.sequence_parallel=true; pipeline or context parallel{experts})",
               "a smaller train.micro_batch_size or train.seq_length",
-              "activation offload (megatron's cpu_offloading: not with recompute, not with pipeline parallel > 1)"]
+              "activation offload (offload=<option>, conf/offload; `python -m recipes advise --predict` prices it "
+              "against recompute)"]
     return (f"2. Nothing fits {_mem(advice['budget_gib'], gpu)}. Closest: recompute={near['recompute']} "
             f"(`{near['point']}`) at {_mem(near['memory_gib'], gpu)}, {_mem(over, gpu)} over. Next: "
             + "; ".join(tries) + ".")
@@ -533,7 +573,7 @@ def advise_before_running(overrides: list[str], budget_gib: float) -> dict:
     for option, p in done:
         rc = recompute_config(option)
         if option == "full/block":
-            rc, p = _fewest_block_layers(cfg, rc, budget_gib)
+            rc, p = fewest_block_layers(cfg, rc, budget_gib)
         replay = replayed_layer_flops({**cfg, "recompute": rc}, layer, per_layer)
         peak, slack = p["peak_bytes"] / GIB, p["allocator_slack"]
         rows.append({"recompute": option, "predicted_peak_gib": peak, "fits": verdict(peak, budget_gib, slack) == FITS,
@@ -546,7 +586,8 @@ def advise_before_running(overrides: list[str], budget_gib: float) -> dict:
     share = done[0][1]["routed_share"] if done else None
     return {"source": "predicted", "budget_gib": budget_gib, "overrides": overrides, "options": rows,
             "allocator_slack": slack_for(cfg), "routed_share": share,
-            "choice": choice, "refused": [{"recompute": o, "why": w} for o, w in refused]}
+            "choice": choice, "refused": [{"recompute": o, "why": w} for o, w in refused],
+            "plan": plan(cfg, budget_gib)}
 
 
 def recipe_budget(overrides: list[str]) -> float | None:
@@ -557,25 +598,38 @@ def recipe_budget(overrides: list[str]) -> float | None:
     return GPU_BUDGET_GIB[cfg["recipe"]["gpu"]]
 
 
-def _fewest_block_layers(cfg: dict, rc: dict, budget_gib: float) -> tuple[dict, dict]:
-    """full/block with the fewest layers per stage (recompute_num_layers) whose predicted peak fits.
-    Its peak falls linearly in the layers recomputed (H200, Run E: 4 of 8 layers land on the midpoint
-    of the control and uniform full recompute in every family), and so does its replay; when no count
-    fits, every layer."""
-
-    for k in range(1, layers_per_chunk(cfg) + 1):
-        trial = {**rc, "recompute_num_layers": k}
-        p = predict({**cfg, "recompute": trial}, "cuda")
-        if fits(p["peak_bytes"] / GIB, budget_gib, p["allocator_slack"]):
-            break
-    return trial, p
-
-
 def _option_overrides(row: dict) -> str:
     """The command-line overrides that select a predicted row (its layout too, in a sweep over layouts)."""
     n = row.get("recompute_num_layers")
     layout = f" {row['parallel']}" if row.get("parallel") else ""
     return f"recompute={row['recompute']}" + (f" recompute.recompute_num_layers={n}" if n else "") + layout
+
+
+def explain_plan(p: dict | None, base: str, measured: frozenset = frozenset()) -> list[str]:
+    """The planner's lines: the fastest fitting recompute x offload combination, the runner-up and the
+    commands that confirm both in one sweep (``measured``: overrides a sweep already ran)."""
+    if not p:
+        return []
+    fitting = sorted((r for r in p["rows"] if r["fits"]), key=lambda r: r["cost_s"])
+    lines = [f"Plan over recompute x offload ({len(p['rows'])} combinations megatron-core allows, "
+             f"{len(fitting)} fit; {len(p['refused'])} refused by its rules), added step time at "
+             f"{p['tflops']:.0f} TFLOP/s and a {p['host_link_gb_s']:g} GB/s host link:"]
+    c, runner = p["choice"], p["runner_up"]
+    if c is None:
+        near = min(p["rows"], key=lambda r: r["predicted_peak_gib"], default=None)
+        return lines + ["  nothing fits" + (f"; closest {describe(near)}" if near else "")]
+    lines.append(f"  choice:    {describe(c)}")
+    if runner:
+        lines.append(f"  runner-up: {describe(runner)}")
+        todo = [r for r in (c, runner) if _plan_key(r) not in measured]
+        if todo:
+            lines.append("Confirm " + ("both" if len(todo) == 2 else "it") + " in one sweep directory:")
+            lines += ["  " + cmd for cmd in confirm_commands(base, todo, p["budget_gib"])]
+    return lines
+
+
+def _plan_key(row: dict) -> tuple:
+    return (row["recompute"], row.get("offload", "none"))
 
 
 def explain_prediction(advice: dict) -> str:
@@ -591,21 +645,14 @@ def explain_prediction(advice: dict) -> str:
         lines.append(f"  {name:<34} {r['predicted_peak_gib']:8.2f} GiB  {mark}  "
                      f"replays {r['replay_fraction']:.0%} of a layer's forward")
     c = advice["choice"]
+    lines += explain_plan(advice.get("plan"), " ".join(advice["overrides"]))
     if c:
-        lines.append(f"Try first: {_option_overrides(c)} (predicted {c['predicted_peak_gib']:.2f} GiB, the "
-                     "fitting option that replays the least work).")
         runner = min((r for r in advice["options"] if r["fits"] and r is not c),
                      key=lambda r: (r["replay_fraction"], recompute_order(r["recompute"])), default=None)
-        base = " ".join(advice["overrides"])
-        if runner:
-            lines.append(f"Confirm it next to the runner-up ({_option_overrides(runner)}, replays "
-                         f"{runner['replay_fraction']:.0%}) in one sweep directory, then advise on it:\n"
-                         f"  python train.py -m {base} {_option_overrides(c)} hydra.sweep.dir=multirun/confirm\n"
-                         f"  python train.py -m {base} {_option_overrides(runner)} hydra.sweep.dir=multirun/confirm\n"
-                         "  python -m recipes advise multirun/confirm --budget-gib "
-                         f"{advice['budget_gib']:g}")
-        else:
-            lines.append(f"Confirm it with a run: python train.py {base} {_option_overrides(c)}.")
+        lines.append(f"Recompute alone: {_option_overrides(c)} (predicted {c['predicted_peak_gib']:.2f} GiB, the "
+                     "fitting option that replays the least work" + (
+                         f"; runner-up {_option_overrides(runner)}, replays {runner['replay_fraction']:.0%})."
+                         if runner else ")."))
     else:
         near = min(advice["options"], key=lambda r: r["predicted_peak_gib"], default=None)
         lines.append("Nothing is predicted to fit" + (f"; closest: {near['recompute']} at "
@@ -652,6 +699,7 @@ def main(argv: list[str] | None = None) -> int:
     candidates = measured_candidates(args.sweep_dir) + predicted_candidates(args.sweep_dir, args.budget_gib)
     advice = advise(candidates, args.budget_gib)
     advice["sweep_dir"] = str(args.sweep_dir)
+    advice["plan"] = sweep_plan(args.sweep_dir, args.budget_gib)
     advice["drives"] = what_drives_the_peak(args.sweep_dir)
     advice["predicted_vs_measured"] = predicted_next_to_measured(args.sweep_dir)
     advice["text"] = explain(advice, str(args.sweep_dir))

@@ -119,8 +119,9 @@ def _without_repeat(config: dict) -> dict:
     return config
 
 
-def match_key(result: dict, varied: tuple[str, ...] = ("recompute",)) -> str:
-    """What must be equal for two points to be compared: everything but the ``varied`` sections."""
+def match_key(result: dict, varied: tuple[str, ...] = ("recompute", "offload")) -> str:
+    """What must be equal for two points to be compared: everything but the ``varied`` sections
+    (recompute and activation offload: the two ways to buy memory, compared against one control)."""
     config = result.get("config")
     if not config:
         choices = result.get("choices", {})
@@ -174,7 +175,8 @@ def merge_repeats(results: list[dict]) -> list[dict]:
 def _row(r: RankRow, name: str) -> dict:
     """A report row: the rank's ``RankRow`` numbers under the report's keys (deltas are added later)."""
     return {
-        "point": name, "model": r.model, "attention": r.attention, "recompute": r.recompute, "run_dir": r.run_dir,
+        "point": name, "model": r.model, "attention": r.attention, "recompute": r.recompute, "offload": r.offload,
+        "run_dir": r.run_dir,
         "point_status": r.point_status, "rank": r.rank, "worst": r.worst, "status": r.status, "error": r.error,
         "device": r.device, "peak_allocated_gib": r.peak_allocated_gib, "peak_reserved_gib": r.peak_reserved_gib,
         "fragmentation_gib": r.fragmentation_gib, "activation_gib": r.activation_gib,
@@ -238,7 +240,7 @@ def rank_rows(results: list[dict]) -> list[dict]:
     rows: list[dict] = []
     results = merge_repeats(results)
     for result, name in zip(results, point_names(results)):
-        keys = {"_key": match_key(result), "_family_key": match_key(result, ("recompute", "attention"))}
+        keys = {"_key": match_key(result), "_family_key": match_key(result, ("recompute", "offload", "attention"))}
         ranks = result_rows(result)
         for r in ranks:
             row = {**_row(r, name), **keys}
@@ -258,7 +260,7 @@ def rank_rows(results: list[dict]) -> list[dict]:
 def _control_row(row: dict, rows: list[dict]) -> dict | None:
     for label in CONTROLS:
         same = [r for r in rows if r["_key"] == row["_key"] and r["recompute"] == label
-                and r["point"] != row["point"] and r["status"] == "ok"]
+                and r.get("offload", "none") == "none" and r["point"] != row["point"] and r["status"] == "ok"]
         if same:
             return next((r for r in same if r["rank"] == row["rank"]), next((r for r in same if r["worst"]), same[0]))
     return None

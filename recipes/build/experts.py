@@ -11,7 +11,11 @@ drop-in replacement for ``SequentialMLP`` (same constructor, same forward call a
   expert (probs multiply the activation output, after the GLU, then cast back);
 - implements ``moe_act`` the way ``TEGroupedMLP`` does: the activation between FC1 and FC2 runs
   under ``CheckpointWithoutOutput``; its output is discarded once FC2 has saved it, and recomputed
-  in backward when FC2's output gradient arrives.
+  in backward when FC2's output gradient arrives;
+- calls megatron's fine-grained offload points ``expert_fc1`` (FC1's input) and ``moe_act`` (the
+  activation's input) where ``TEGroupedMLP`` calls them, so ``offload_modules`` moves the experts'
+  activations to the host (megatron wires them only into its TE experts); the stacked weights are
+  marked not to offload, as megatron marks every parameter, since the GEMMs save views of them.
 
 Parameters are the per-expert ``linear_fc1.weight`` / ``linear_fc2.weight`` of ``SequentialMLP``
 stacked along a leading expert dimension (``weight1``: [E, fc1 out, in], ``weight2``:
@@ -29,6 +33,9 @@ from functools import partial
 import torch
 from megatron.core import tensor_parallel
 from megatron.core.fusions.fused_bias_swiglu import weighted_bias_swiglu_impl
+from megatron.core.pipeline_parallel.fine_grained_activation_offload import (
+    FineGrainedActivationOffloadingInterface as off_interface,
+)
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from megatron.core.tensor_parallel.random import (
@@ -54,9 +61,16 @@ def use_grouped_mm(x: torch.Tensor, *weights: torch.Tensor) -> bool:
     )
 
 
+def _weight_view(view: torch.Tensor) -> torch.Tensor:
+    """A view of a weight that a GEMM saves for backward: never offloaded (megatron marks parameters
+    ``_do_not_offload``; a view is a new tensor that does not carry the mark)."""
+    view._do_not_offload = True
+    return view
+
+
 def grouped_gemm(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """[T, in] x [E, out, in] -> [T, out]; rows offs[e-1]:offs[e] go through expert e."""
-    out = torch._grouped_mm(x, weight.transpose(-2, -1), offs=offs)
+    out = torch._grouped_mm(x, _weight_view(weight.transpose(-2, -1)), offs=offs)
     if out.requires_grad:  # its backward rejects broadcast (stride-0) grads, e.g. from .sum()
         out.register_hook(torch.Tensor.contiguous)
     return out
@@ -64,7 +78,7 @@ def grouped_gemm(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> t
 
 def loop_gemm(x: torch.Tensor, weight: torch.Tensor, splits: list[int]) -> torch.Tensor:
     """The same product as ``grouped_gemm``, one matmul per expert token slice (splits: sizes)."""
-    return torch.cat([torch.matmul(t, w.t()) for t, w in zip(x.split(splits), weight)])
+    return torch.cat([torch.matmul(t, _weight_view(w.t())) for t, w in zip(x.split(splits), weight)])
 
 
 class GroupedExperts(MegatronModule):
@@ -117,6 +131,10 @@ class GroupedExperts(MegatronModule):
         self.activation_recompute = (
             config.recompute_granularity == "selective" and "moe_act" in config.recompute_modules
         )
+        # the fine-grained offload points, as TEGroupedMLP sets them
+        offloading = config.fine_grained_activation_offloading
+        self.offload_expert_fc1 = offloading and "expert_fc1" in config.offload_modules
+        self.offload_moe_act = offloading and "moe_act" in config.offload_modules
 
         in_size = config.moe_latent_size or config.hidden_size
         ffn = config.moe_ffn_hidden_size
@@ -206,16 +224,24 @@ class GroupedExperts(MegatronModule):
         else:
             raise ValueError(f"gemm_impl must be auto, grouped_mm or loop, not {impl!r}")
 
-        fc1_output = gemm(hidden, self.weight1)
-        if self.activation_recompute:
-            checkpoint = tensor_parallel.CheckpointWithoutOutput()
-            act_output = checkpoint.checkpoint(self.activation, fc1_output, permuted_probs)
-        else:
-            act_output = self.activation(fc1_output, permuted_probs)
+        # Offload points and order as TEGroupedMLP: FC1's input leaves after FC1; the activation's
+        # input (FC1's output) after FC2, so that it is back before moe_act's recompute needs it.
+        fc1_offload = off_interface(self.offload_expert_fc1, hidden, "expert_fc1")
+        with fc1_offload as hidden:
+            fc1_output = gemm(hidden, self.weight1)
+        fc1_output = fc1_offload.group_offload(fc1_output, forced_released_tensors=[hidden])
+        act_offload = off_interface(self.offload_moe_act, fc1_output, "moe_act")
+        with act_offload as fc1_output:
+            if self.activation_recompute:
+                checkpoint = tensor_parallel.CheckpointWithoutOutput()
+                act_output = checkpoint.checkpoint(self.activation, fc1_output, permuted_probs)
+            else:
+                act_output = self.activation(fc1_output, permuted_probs)
         output = gemm(act_output, self.weight2)
         if self.activation_recompute:
             # FC2 has saved act_output; free it now, recompute it when FC2's grad arrives.
             checkpoint.discard_output_and_register_recompute(output)
+        output = act_offload.group_offload(output, forced_released_tensors=[fc1_output])
         return output, None
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):

@@ -36,6 +36,8 @@ MOE_PREFIX = "moe_"
 GDN_FIELDS = {"linear_attention_freq", "linear_conv_kernel_dim", "linear_key_head_dim",
               "linear_value_head_dim", "linear_num_key_heads", "linear_num_value_heads"}
 ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu}
+#: OffloadConfig fields that are ours, not TransformerConfig fields.
+NON_TRANSFORMER_OFFLOAD_FIELDS = {"host_memory_gib", "emulate_on_cpu"}
 #: ParallelConfig fields that are not ModelParallelConfig fields.
 NON_MPC_PARALLEL_FIELDS: set[str] = set()
 
@@ -75,6 +77,9 @@ def transformer_config_kwargs(cfg: Any, on_gpu: bool) -> dict:
         recompute_num_layers=rc["recompute_num_layers"],
         distribute_saved_activations=rc["distribute_saved_activations"],
     )
+    off = cfg.get("offload") or {}
+    kwargs.update({k: (list(v) if isinstance(v, list) else v) for k, v in off.items()
+                   if k not in NON_TRANSFORMER_OFFLOAD_FIELDS})
     precision = resolve_precision(cfg["train"]["precision"], on_gpu)
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     kwargs.update(

@@ -240,8 +240,67 @@ def build_mla_without_q_lora_on_local_spec() -> bool:
     return True
 
 
+class _NoTransformerEngineOffload:
+    """What megatron's fine-grained offload manager needs of Transformer Engine's ``cpu_offload``
+    module: the flag it sets around each offload point, which only TE's own layers read."""
+
+    CPUOffloadEnabled = False
+
+
+def allow_fine_grained_offload_without_te() -> bool:
+    """megatron-core 0.19.2's fine-grained activation offload runs only with Transformer Engine:
+    ``PipelineOffloadManager.__enter__``/``__exit__`` (pipeline_parallel/fine_grained_activation_offload.py,
+    ~L779-805) import ``cpu_offload`` from ``megatron.core.extensions.transformer_engine``, set its
+    ``CPUOffloadEnabled`` flag, and raise "TE CPU offload is not available" when it is None. Everything
+    else the manager does is plain PyTorch (saved-tensor hooks, a pinned host pool, copy streams), and
+    on the local spec nothing reads that flag. The fix gives the import a stand-in with the flag, only
+    when Transformer Engine is absent. Returns True when applied."""
+    if "te_offload_flag" in _FIXED:
+        return True
+    if transformer_engine_available():
+        return False
+    from megatron.core.extensions import transformer_engine as te_extension
+
+    if te_extension.cpu_offload is not None:
+        return False
+    te_extension.cpu_offload = _NoTransformerEngineOffload
+    _FIXED.add("te_offload_flag")
+    return True
+
+
+def order_inline_reload_after_offload() -> bool:
+    """``ChunkOffloadHandler.tensor_pop`` reloads a tensor that is still on the host inline, on the
+    current (compute) stream, with no wait for the device-to-host copy that fills its host buffer
+    (``bulk_reload_group`` waits on the group's offload event; this path does not). When backward
+    reaches a group before any prefetch reloaded it, which happens in the manager's first (warm-up)
+    step, the copy back reads the buffer before it is written: wrong gradients, nothing raised
+    (Megatron-LM issue 7398, open; PR 7399). The fix makes the current stream wait on the group's
+    offload event before that inline reload (tests/test_offload.py shows the wrong gradients on a CPU
+    without it). Returns True when applied."""
+    if "inline_reload" in _FIXED:
+        return True
+    from megatron.core.pipeline_parallel import fine_grained_activation_offload as fgo
+
+    cls = fgo.ChunkOffloadHandler
+    original = cls.tensor_pop
+
+    def tensor_pop(self, tensor_tag):
+        if isinstance(tensor_tag, tuple):
+            group = self.offload_groups[tensor_tag[0] - 1]
+            if isinstance(group._tensors.get(tensor_tag), tuple):  # still on the host: copy it back
+                group.wait_offload_event(fgo.torch.cuda.current_stream())  # after its copy out
+        return original(self, tensor_tag)
+
+    cls.tensor_pop = tensor_pop
+    cls._recipes_original_tensor_pop = original
+    _FIXED.add("inline_reload")
+    return True
+
+
 def apply_all() -> None:
     """Apply every workaround that applies to this environment (idempotent)."""
+    allow_fine_grained_offload_without_te()
+    order_inline_reload_after_offload()
     allow_checkpoint_save_without_psutil()
     load_reshardable_optimizer_with_torch_adam_step()
     build_mla_without_q_lora_on_local_spec()

@@ -7,6 +7,11 @@ opened it. ``ActivationLedger`` records the bytes saved for backward during one 
 storages, via ``torch.autograd.graph.saved_tensors_hooks``), attributed to module kinds, read at the
 end of the forward so outputs discarded by output-discarding checkpoints count zero. Both work on a
 CPU, which is how CPU tests measure what recompute saves.
+
+With activation offload the ledger's bytes are what stays on the device (``bytes_by_kind``); what
+offload copied to the host in that forward is ``host_bytes_by_kind`` (by the kind that saved it). The
+offload manager's own saved-tensor hooks hide the tensors saved inside an offload point from the
+ledger's; an ``OffloadMeter`` (``recipes.measure.offload``) shows them to it.
 """
 
 from __future__ import annotations
@@ -164,17 +169,20 @@ class ActivationLedger:
 
     def __init__(self) -> None:
         self.bytes_by_kind: dict[str, int] = {}
+        self.host_bytes_by_kind: dict[str, int] = {}
         # weak references: holding storages would keep alive what autograd frees during the forward
         self._storages: dict[int, tuple[str, weakref.ref]] = {}
         self._stack: list[str] = []
 
     @contextlib.contextmanager
-    def record(self, chunks: list[torch.nn.Module]) -> Iterator[ActivationLedger]:
+    def record(self, chunks: list[torch.nn.Module], meter=None) -> Iterator[ActivationLedger]:
+        """Record the forward run inside; ``meter``: the run's ``OffloadMeter`` when offload is on."""
         kinds: dict[int, str] = {}
         for chunk in chunks:
             kinds.update(module_kinds(chunk))
         param_ptrs = {p.untyped_storage().data_ptr() for c in chunks for p in c.parameters()}
         self._storages, self._stack = {}, []
+        self.host_bytes_by_kind = {k: 0 for k in KINDS}
 
         def pre_hook(module, args):
             kind = kinds.get(id(module))
@@ -196,16 +204,33 @@ class ActivationLedger:
                 self._storages[ptr] = (self._stack[-1] if self._stack else "other", weakref.ref(storage))
             return t
 
+        ledger = self
+
+        class Listener:  # tensors saved inside offload points, and the ones copied to the host
+            @staticmethod
+            def saved(t: torch.Tensor) -> None:
+                pack(t)
+
+            @staticmethod
+            def offloaded(t: torch.Tensor, nbytes: int) -> None:
+                known = ledger._storages.get(t.untyped_storage().data_ptr())
+                kind = known[0] if known else "other"
+                ledger.host_bytes_by_kind[kind] = ledger.host_bytes_by_kind.get(kind, 0) + nbytes
+
         handles = [
             torch.nn.modules.module.register_module_forward_pre_hook(pre_hook),
             torch.nn.modules.module.register_module_forward_hook(post_hook),
         ]
+        if meter is not None:
+            meter.listeners.append(Listener)
         try:
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 yield self
         finally:
             for h in handles:
                 h.remove()
+            if meter is not None:
+                meter.listeners.remove(Listener)
         self.finish()
 
     def finish(self) -> None:
@@ -220,3 +245,7 @@ class ActivationLedger:
     @property
     def total_bytes(self) -> int:
         return sum(self.bytes_by_kind.values())
+
+    @property
+    def host_total_bytes(self) -> int:
+        return sum(self.host_bytes_by_kind.values())

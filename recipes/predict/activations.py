@@ -76,6 +76,13 @@ class Dims:
         return ATTENTION_KIND[self.family]
 
 
+def validate_for(cfg: dict, device: str) -> None:
+    """The validator's structural rules for a run on ``device``: a CPU machine for "cpu", for "cuda" a
+    machine with one GPU per local process (whatever this machine has); "auto" for this machine."""
+    validate(cfg, num_gpus=0 if _resolve_device(device) == "cpu" else max(1, cfg["launcher"]["nproc_per_node"]),
+             te_available=False)
+
+
 def _resolve_device(device: str) -> str:
     if device == "auto":
         import torch
@@ -152,7 +159,7 @@ def dims(cfg: dict, device: str = "auto", routed_share: float | Fraction = 1) ->
     ``Dims.routed_share``; forced to 1 without expert parallel (each rank computes every routed row)."""
     device = _resolve_device(device)
     check_modeled(cfg, device)
-    validate(cfg, num_gpus=0, te_available=False)
+    validate_for(cfg, device)
 
     m, par, t = cfg["model"], cfg["parallel"], cfg["train"]
     tp, cp = par["tensor_model_parallel_size"], par["context_parallel_size"]

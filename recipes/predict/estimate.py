@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from fractions import Fraction
 
 from recipes.build.model import resolve_precision
@@ -25,6 +25,7 @@ from recipes.build.parallel import pipeline_schedule
 from recipes.config import EstimateConfig, compose_config, upgrade
 from recipes.errors import ConfigError
 from recipes.files import GIB
+from recipes.offload import modules_of
 from recipes.predict.activations import (
     Dims,
     Term,
@@ -36,8 +37,10 @@ from recipes.predict.activations import (
     is_gdn_layer,
     is_moe_layer,
     layer_terms,
+    validate_for,
 )
 from recipes.predict.fit import ALLOCATOR_SLACK, FITS, OVER, TIGHT, slack_for, verdict, with_slack
+from recipes.predict.offload import HostTerm, chunk_offload, exposed_transfer_s, layer_forward_s
 from recipes.recipe import GPU_BUDGET_GIB, at_full_depth, compose_recipe
 from recipes.recompute import (
     ATTENTION_KIND,
@@ -51,7 +54,6 @@ from recipes.recompute import (
     recompute_config,
 )
 from recipes.results import result_rows
-from recipes.validate import validate
 
 
 @dataclass
@@ -59,8 +61,15 @@ class Chunk:
     """One model chunk (virtual stage) on a rank: its layers' terms and its other terms."""
 
     index: int  # global chunk index: virtual stage * pp + pipeline stage
-    layers: list[list[Term]]
+    layers: list[list[Term]]  # what stays on the device
     extra: list[Term]
+    host: list[list[HostTerm]] = field(default_factory=list)  # per layer: what offload copied to the host
+
+    def host_by_kind(self) -> dict[str, int]:
+        totals = dict.fromkeys(KINDS, 0)
+        for kind, _, _, copied in [t for layer in self.host for t in layer]:
+            totals[kind] += copied
+        return totals
 
     def by_kind(self) -> dict[str, int]:
         totals = dict.fromkeys(KINDS, 0)
@@ -80,8 +89,10 @@ def build_chunk(cfg: dict, d: Dims, index: int, shares: list | None = None) -> C
     n = len(mine)
     per = [d] * n if shares is None else [replace(d, routed_share=f if d.ep > 1 else 1) for f in shares]
     extra = embedding_terms(d) if index == 0 else []
+    host: list[list[HostTerm]] = []
     if not d.full:
         layers = [global_layer_terms(per[i], mine[i]) for i in range(n)]
+        layers, host = chunk_offload(cfg, d, layers, list(mine), gdn_pattern(cfg["model"]))
     else:  # a checkpoint keeps its chunk's input (1/tp of it when distributed over TP)
         k = rc["recompute_num_layers"]
         hidden = d.e * d.s_sp * d.b * d.h // (d.tp if rc["distribute_saved_activations"] else 1)
@@ -94,7 +105,7 @@ def build_chunk(cfg: dict, d: Dims, index: int, shares: list | None = None) -> C
             extra.append(("other", "rotary freqs (fp32, checkpoint input)", 4 * d.s * d.rope))
     if index == num_chunks - 1:
         extra += head_terms(d)
-    return Chunk(index, layers, extra)
+    return Chunk(index, layers, extra, host)
 
 
 # --- parameters, gradients, optimizer state ----------------------------------------------------------
@@ -279,6 +290,15 @@ def predict(cfg: dict, device: str = "auto", stage: int | None = None,
         last = chunk_layers(cfg["model"], par)[chunks[-1].index][-1]  # its backward runs first
         transient = transient_bytes(d, has_head, last_layer_recomputed=not block, head_freed=head_freed,
                                     last_gdn=is_gdn_layer(d, last), last_moe=is_moe_layer(d, last))
+        host_layers = [sum(t[3] for t in layer) for c in chunks for layer in c.host]
+        # one layer's groups come back ahead of its backward while the layer after it still holds
+        # its own (megatron prefetches one group ahead): the largest reload sits on top
+        transient += max((sum(t[2] for t in layer) for c in chunks for layer in c.host), default=0)
+        host_by_kind = dict.fromkeys(KINDS, 0)
+        for c in chunks:
+            for kind, nbytes in c.host_by_kind().items():
+                host_by_kind[kind] += nbytes
+        host_chunk = [sum(c.host_by_kind().values()) for c in chunks]
         layers = [layer for c in chunks for layer in c.layers]
         stages.append({
             "stage": st, "num_layers": len(layers),
@@ -290,8 +310,16 @@ def predict(cfg: dict, device: str = "auto", stage: int | None = None,
             "in_flight_activation_bytes": in_flight,
             "static": static, "static_bytes": static_total, "transient_bytes": transient,
             "peak_bytes": static_total + in_flight + transient,
+            "host_bytes_by_kind": host_by_kind, "host_bytes": sum(host_by_kind.values()),
+            "in_flight_host_bytes": sum(host_chunk[v] for v in order),
+            "host_bytes_per_layer": host_layers,
         })
     pick = stages[stage] if stage is not None else max(stages, key=lambda s: s["peak_bytes"])
+    if pick["host_bytes"]:  # the copies' time per step at the assumed rate and link (estimate.*)
+        est = cfg.get("estimate") or {}
+        tflops, link = est.get("mfu", 0.38) * cfg["measure"]["peak_tflops"], est.get("host_link_gb_s", 50.0)
+        pick = {**pick, "offload_transfer": {**exposed_transfer_s(pick["host_bytes_per_layer"], layer_forward_s(
+            cfg, tflops), link, m_count), "tflops": tflops, "host_link_gb_s": link}}
     ep = par["expert_model_parallel_size"] > 1 and MLP_KIND.get(cfg["model"]["family"]) == "moe"
     share = None if not ep else [float(f) for f in routed_share] if per_layer else float(routed_share)
     worst = max(stages, key=lambda s: s["peak_bytes"])
@@ -299,6 +327,19 @@ def predict(cfg: dict, device: str = "auto", stage: int | None = None,
             "num_microbatches": m_count, "stages": stages, "routed_share": share,
             "allocator_slack": slack_for(cfg), "worst_stage": worst["stage"],
             "worst_why": worst_rank_reason(cfg, worst, len(stages))}
+
+
+def planned_host_bytes(cfg: dict, device: str = "auto") -> int | None:
+    """The host memory one rank's activation offload is predicted to hold (its micro-batches in
+    flight, the worst pipeline stage), for the validator's host-memory check; None without offload
+    or for a configuration the estimator does not model (the run itself then decides)."""
+    if not modules_of(cfg):
+        return None
+    try:
+        p = predict(cfg, device)
+    except ConfigError:
+        return None
+    return max(st["in_flight_host_bytes"] for st in p["stages"])
 
 
 def worst_rank_reason(cfg: dict, st: dict, pp: int) -> str:
@@ -338,7 +379,7 @@ def predict_options(cfg: dict, device: str = "cuda") -> tuple[list[tuple[str, di
         dims(cfg, device)  # refuses the family by name
     # the config as given is refused with the controller's message: each option's refusal below only
     # says why that option does not apply, and a bad model would make every option "not applicable"
-    validate(cfg, num_gpus=0, te_available=False)
+    validate_for(cfg, device)
     for option in options_for(cfg["model"]):
         trial = {**cfg, "recompute": recompute_config(option)}
         try:
@@ -391,7 +432,10 @@ def compare_result(result: dict, name: str | None = None) -> list[dict]:
         p = predict(cfg, device, stage=stage, routed_share=ledger_share or 1)
         peak = p if peak_share is None else predict(cfg, device, stage=stage, routed_share=peak_share)
         ep = p["routed_share"] is not None
+        measured_host = ((ranks.get(r.rank) or {}).get("ledger") or {}).get("host_total_bytes")
         rows.append({"name": name or result.get("name"), "recompute": r.recompute, "rank": r.rank, "device": device,
+                     "predicted_host_bytes": p["host_bytes"] if measured_host is not None else None,
+                     "measured_host_bytes": measured_host,
                      "predicted_ledger_bytes": p["activation_bytes"], "measured_ledger_bytes": r.ledger_bytes,
                      "predicted_peak_gib": peak["peak_bytes"] / GIB, "measured_peak_gib": r.peak_allocated_gib,
                      "routing": None if not ep else "recorded" if ledger_share else "balanced",
@@ -422,8 +466,12 @@ def format_comparison(rows: list[dict]) -> str:
             share = f"  {r['ledger_share']:.3f}x / {r['peak_share']:.3f}x (recorded)"
         elif r.get("routing"):
             share = "  1x (balanced: no routing recorded)"
+        host = ""
+        if r.get("measured_host_bytes") is not None:
+            host = (f"  host MiB {r['predicted_host_bytes'] / 2**20:.1f} predicted / "
+                    f"{r['measured_host_bytes'] / 2**20:.1f} measured")
         lines.append(f"{str(r['name']):{width}s}{str(r.get('recompute')):{rc}s}{r['rank']:5d}{pl / 2**20:16.1f}{ml / 2**20:10.1f}"
-                     f"{(pl - ml) / ml:+8.1%}" + peak + share)
+                     f"{(pl - ml) / ml:+8.1%}" + peak + share + host)
     return "\n".join(lines)
 
 
@@ -476,6 +524,17 @@ def format_prediction(p: dict, title: str, budget_gib: float | None = None, term
               f"{'activations in flight':34s}{p['in_flight_activation_bytes'] / GIB:8.2f}",
               f"{'transient (approximate)':34s}{p['transient_bytes'] / GIB:8.2f}",
               f"{'predicted peak':34s}{p['peak_bytes'] / GIB:8.2f}"]
+    if p.get("host_bytes"):
+        kinds = ", ".join(f"{k} {v / GIB:.2f}" for k, v in p["host_bytes_by_kind"].items() if v)
+        lines += [f"offload: copied to host memory per micro-batch {p['host_bytes'] / GIB:.2f} GiB ({kinds}); "
+                  f"held on the host (micro-batches in flight) {p['in_flight_host_bytes'] / GIB:.2f} GiB; "
+                  f"moved per step {p['host_bytes'] * p['num_microbatches'] / GIB:.2f} GiB each way "
+                  "(the last layer of each offloaded module stays on the device)"]
+        t = p.get("offload_transfer")
+        if t:
+            lines.append(f"offload time per step: copies {t['copy_s'] * 1e3:.1f} ms, exposed (not hidden by "
+                         f"compute) {t['exposed_s'] * 1e3:.1f} ms at a {t['host_link_gb_s']:g} GB/s link and "
+                         f"{t['tflops']:.0f} TFLOP/s (estimate.host_link_gb_s, estimate.mfu)")
     if len(p["stages"]) > 1:
         lines.append("peak per pipeline stage (GiB): " + ", ".join(
             f"pp{st['stage']} {st['peak_bytes'] / GIB:.1f}" for st in p["stages"]))

@@ -24,6 +24,8 @@ from recipes.data.indexed import validate_data
 from recipes.errors import ConfigError
 from recipes.files import REPO_ROOT, UnreadableFile, write_json_atomic
 from recipes.measure.profile import write_timeline_pngs
+from recipes.offload import option_of as offload_option_of
+from recipes.predict.estimate import planned_host_bytes
 from recipes.recipe import apply_recipe
 from recipes.recompute import option_of
 from recipes.results import NOT_MEASURED, load_result, merge_result
@@ -123,14 +125,15 @@ def run_directory(cfg: DictConfig) -> Path:
 
 
 def run_name(cfg: DictConfig, choices: dict[str, str]) -> str:
-    """``model attention recompute`` unless the user named the run (``recipe`` for ``model`` when one is
-    named: it sets the model); the recompute part says what the values recompute
-    (recipes.validate.recompute_option), whatever option they were composed from."""
+    """``model attention recompute [offload=...]`` unless the user named the run (``recipe`` for ``model``
+    when one is named: it sets the model); the recompute part says what the values recompute
+    (recipes.recompute.option_of), whatever option they were composed from."""
     if cfg.name:
         return cfg.name
     parts = [choices.get("recipe") or choices.get("model", cfg.model.family), choices.get("attention", cfg.attention.backend),
              option_of(cfg)]
-    return " ".join(str(p) for p in parts)
+    offload = offload_option_of(cfg)
+    return " ".join(str(p) for p in parts) + (f" offload={offload}" if offload != "none" else "")
 
 
 def worker_command(cfg: dict, run_dir: Path) -> list[str]:
@@ -298,6 +301,7 @@ def _run(cfg: DictConfig) -> dict:
         print(sweep_progress(name), flush=True)
     try:
         validate(plain)  # before any worker starts
+        validate(plain, planned_host_bytes=planned_host_bytes(plain))  # activation offload's host copies
         validate_data(plain)  # files, .idx header and .bin size, tokenizer sidecar (cheap)
     except ConfigError as err:
         if not in_multirun():

@@ -35,6 +35,7 @@ import torch
 from recipes.analyze.logger import NullRun, WandbRun, interval_metrics, open_run, read_identity
 from recipes.build import compat, upstream
 from recipes.build.model import build_model, build_transformer_config, num_parameters
+from recipes.build.offload import emulate_copy_streams_on_cpu, offload_paused, reset_offload_manager
 from recipes.build.parallel import pipeline_report, reduce_gradients_cpu
 from recipes.data.datasets import batches, build_datasets
 from recipes.data.indexed import check_tokenizer
@@ -43,8 +44,10 @@ from recipes.files import GIB, write_json_atomic
 from recipes.measure.flops import step_flops
 from recipes.measure.labels import LabelError, check_resolved, label_findings, labels_disabled, resolve_labels
 from recipes.measure.ledger import ActivationLedger, CheckpointCounter
+from recipes.measure.offload import OffloadMeter, copy_overlap, host_link_bandwidth, plan_summary
 from recipes.measure.profile import profile_step
 from recipes.measure.routing import RoutingRecorder
+from recipes.offload import modules_of
 from recipes.recompute import labels_of
 from recipes.results import merge_result
 from recipes.run.checkpoint import checkpoint_root, find_resume, load_checkpoint, save_checkpoint
@@ -154,6 +157,13 @@ class Trainer:
 
         self.cfg = cfg
         self.on_gpu = compat.cuda_available()
+        self.offloading = bool(modules_of(cfg))
+        self.offload_meter = None
+        if self.offloading:  # a fresh offload manager plans during this model's first step
+            if not self.on_gpu:
+                emulate_copy_streams_on_cpu()  # offload.emulate_on_cpu (validate refuses it otherwise)
+            self.offload_meter = OffloadMeter().install()
+            reset_offload_manager()
         self.config = build_transformer_config(cfg, self.on_gpu)
         self.chunks = build_model(cfg, self.config)
         self.dp_size = ps.get_data_parallel_world_size()
@@ -222,7 +232,7 @@ class Trainer:
         chunk = next((i for i, c in enumerate(self.chunks) if c is model), None)
         if chunk in self._ledger_pending:
             self._ledger_pending.discard(chunk)  # the first micro-batch through each model chunk
-            with self.chunk_ledgers[chunk].record([model]):
+            with self.chunk_ledgers[chunk].record([model], meter=self.offload_meter):
                 output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
         else:
             output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
@@ -266,8 +276,11 @@ class Trainer:
         return dict(self.ledger.bytes_by_kind)
 
     def close(self) -> None:
-        """Undo the checkpoint counter's patches (tests build several trainers in one process)."""
+        """Undo the checkpoint counter's and offload meter's patches (tests build several trainers
+        in one process)."""
         self.counter.uninstall()
+        if self.offload_meter is not None:
+            self.offload_meter.uninstall()
 
     def compute_gradients(self, record_ledger: bool = False, sync_loss: bool = True):
         """Forward and backward over all micro-batches and the gradient reduction; no update.
@@ -283,6 +296,10 @@ class Trainer:
             self.ledger.bytes_by_kind = {
                 k: sum(l.bytes_by_kind.get(k, 0) for l in self.chunk_ledgers)
                 for k in self.chunk_ledgers[0].bytes_by_kind
+            }
+            self.ledger.host_bytes_by_kind = {
+                k: sum(l.host_bytes_by_kind.get(k, 0) for l in self.chunk_ledgers)
+                for k in self.chunk_ledgers[0].host_bytes_by_kind
             }
         if losses:
             loss = torch.stack([l["lm loss"] for l in losses]).mean()
@@ -310,7 +327,7 @@ class Trainer:
         for c in self.chunks:
             c.eval()
         values = []
-        with torch.no_grad():
+        with torch.no_grad(), offload_paused(self.offloading):
             for _ in range(self.cfg["data"]["eval_iters"]):
                 losses = self._schedule(self.valid_data, forward_only=True)
                 values += [float(l["lm loss"]) for l in losses or []]
@@ -379,14 +396,23 @@ def measure_window(cfg: dict, first_step: int) -> tuple[int, int] | None:
     measurements), and one resumed inside it measures the same number of steps after its own first."""
     train_iters, meas = cfg["train"]["train_iters"], cfg["measure"]
     start, end = meas["start_step"], meas["start_step"] + meas["steps"] - 1
+    warm = warmup_steps(cfg)
     if first_step > 1 and first_step > end:
         return None
     if first_step == 1:  # a run shorter than the window measures its last step (validate refuses it)
-        start = max(2, min(start, train_iters))
-    if first_step >= start:  # the first step of any process warms up (allocator, kernels, ledger)
-        start, end = first_step + 1, first_step + meas["steps"]
+        start = max(1 + warm, min(start, train_iters))
+    if first_step + warm - 1 >= start:  # the first step of any process warms up (allocator, kernels, ledger)
+        start, end = first_step + warm, first_step + warm - 1 + meas["steps"]
     end = min(end, train_iters)
     return (start, end) if start <= end else None
+
+
+def warmup_steps(cfg: dict) -> int:
+    """Steps a process runs before its measured window: one (allocator, kernels, and the ledger), and
+    with activation offload a second, which records the ledger once megatron's offload manager has
+    planned its groups in the first (its warm-up moves every group; later steps keep the last one of
+    each module on the device)."""
+    return 2 if modules_of(cfg) and cfg["measure"]["ledger"] else 1
 
 
 class Window:
@@ -396,6 +422,7 @@ class Window:
         self.span = span
         self.times: list[float] = []
         self.static: dict = {}
+        self.moved: list[dict] = []  # activation offload: what each measured step copied (OffloadMeter)
 
     def __contains__(self, step: int) -> bool:
         return self.span is not None and self.span[0] <= step <= self.span[1]
@@ -490,6 +517,7 @@ def train_and_measure(cfg: dict, result: dict, run_dir: Path | None = None,
     result["checkpoint_notes"] = notes
     first = trainer.step_count + 1
     window = Window(measure_window(cfg, first))
+    ledger_step = first + warmup_steps(cfg) - 1  # with offload, once the manager has planned
     result["first_step"] = first
     if window.span or "window" not in result:
         result["window"] = list(window.span) if window.span else None
@@ -515,16 +543,21 @@ def train_and_measure(cfg: dict, result: dict, run_dir: Path | None = None,
         timed = step in window
         if timed:
             _sync()
+            moved = trainer.offload_meter.snapshot() if trainer.offloading else None
             started = time.perf_counter()
         lrs.append(current_lr(trainer.optimizer))
-        record = step == first and window.span is not None and cfg["measure"]["ledger"]
+        record = step == ledger_step and window.span is not None and cfg["measure"]["ledger"]
         losses.append(trainer.train_step(record_ledger=record))
         grad_norms.append(trainer.grad_norms[-1])
         if timed:
             _sync()
             window.times.append(time.perf_counter() - started)
+            if moved is not None:
+                window.moved.append(trainer.offload_meter.since(moved))
         if step == first and window.span is not None:
             _after_first_step(trainer, cfg, result, t0)
+        if step == ledger_step and step != first and window.span is not None:
+            _record_ledger(trainer, cfg, result)
         if window.span and step == window.span[1]:
             _measure(trainer, cfg, result, window, labels, run_dir)
             # the recorder counts this process's steps from 0 (its first step records the ledger)
@@ -574,10 +607,21 @@ def _after_first_step(trainer: Trainer, cfg: dict, result: dict, t0: float) -> N
     _sync()
     result["timeline"]["warmed_up"] = time.time()
     result["setup_s"] = time.perf_counter() - t0
+    if warmup_steps(cfg) == 1:
+        _record_ledger(trainer, cfg, result)
+
+
+def _record_ledger(trainer: Trainer, cfg: dict, result: dict) -> None:
+    """The ledger of one micro-batch through every chunk (the step that recorded it) and the pipeline
+    report; with offload also what that forward copied to the host, and the manager's plan."""
     result["ledger"] = {
         "bytes_by_kind": trainer.ledger.bytes_by_kind,
         "total_bytes": trainer.ledger.total_bytes,
     }
+    if trainer.offloading:
+        result["ledger"]["host_bytes_by_kind"] = trainer.ledger.host_bytes_by_kind
+        result["ledger"]["host_total_bytes"] = trainer.ledger.host_total_bytes
+        result["offload"] = {"modules": modules_of(cfg), **plan_summary()}
     chunk_bytes = [l.total_bytes for l in trainer.chunk_ledgers] if cfg["measure"]["ledger"] else []
     result["pipeline"] = pipeline_report(trainer.chunks, trainer.num_microbatches, trainer.config,
                                          chunk_bytes)
@@ -620,12 +664,36 @@ def _measure(trainer: Trainer, cfg: dict, result: dict, window: Window, labels: 
             "fragmentation_gib": mem["peak_reserved_gib"] - mem["peak_allocated_gib"],
             "total_gib": torch.cuda.get_device_properties(0).total_memory / GIB,
         }
+    if trainer.offloading:
+        result.setdefault("offload", {"modules": modules_of(cfg), **plan_summary()})
+        result["offload"].update(offload_measurements(trainer, window, median))
     if cfg["measure"]["profile"] != "none":
         result["profile"] = profile_step(trainer, cfg, run_dir, step_time_s=median)
     marks["profile_done"] = time.time()
     if labels and cfg["measure"]["ledger"]:
         result["_ledger_warnings"] = control_ledgers(trainer, labels, result, run_dir)
     marks["ledgers_done"] = time.time()
+
+
+def offload_measurements(trainer: Trainer, window: Window, step_time_s: float) -> dict:
+    """What offload moved per measured step (the median step's counts) and, on a GPU, the host link's
+    bandwidth and one extra step profiled for how much of the copying compute did not hide."""
+    moved = window.moved[len(window.moved) // 2] if window.moved else {}
+    out = {"moved_per_step": moved, "moved_steps_equal": all(m == moved for m in window.moved)}
+    if trainer.on_gpu:  # measurements about the run, not of it: a failure is recorded, not raised
+        try:
+            out["link"] = host_link_bandwidth()
+        except Exception as err:  # e.g. no room for the 256 MiB test buffers at the memory's edge
+            out["link"] = {"error": f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"}
+        try:
+            overlap = copy_overlap(trainer.step)  # one more step, off the step count (as the profiled step)
+            overlap["step_time_s"] = step_time_s
+        except Exception as err:  # the profiler (CUPTI) unavailable, or an OOM in the extra step
+            overlap = {"error": f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"}
+        finally:
+            trainer.optimizer.zero_grad()
+        out["transfer"] = overlap
+    return out
 
 
 def record_routing(routing: RoutingRecorder, result: dict, ledger_step: int | None, timed: range) -> None:

@@ -1,0 +1,153 @@
+"""One planner over recompute and activation offload: every combination, priced in seconds per step.
+
+Recompute buys memory with replayed forward work; offload buys it with copies to host memory that
+run beside compute. ``plan`` predicts, for a per-rank budget, every recompute option x every offload
+option megatron-core allows together (``recipes.offload.rule_problem``: no expert offload inside a
+whole-``moe`` recompute, no offload with full recompute, ...), its peak with the allocator's slack
+(``recipes.predict.fit``), and its added step time in one unit: the replayed FLOPs at the achieved
+rate, plus the copy time compute does not hide (``recipes.predict.offload``). The choice is the
+fitting combination predicted fastest (ties: no offload, the guide's recompute order, fewer
+modules); the runner-up is the next one, and both are worth one sweep to confirm.
+
+The rate and the link: ``estimate.mfu`` x ``measure.peak_tflops`` and ``estimate.host_link_gb_s``
+before a run; a measured sweep's own achieved TFLOP/s and recorded link bandwidth when it has them.
+"""
+
+from __future__ import annotations
+
+from recipes.config import upgrade
+from recipes.errors import ConfigError
+from recipes.files import GIB
+from recipes.offload import offload_config, option_modules, rule_problem
+from recipes.offload import options_for as offload_options
+from recipes.predict.estimate import num_microbatches, predict
+from recipes.predict.fit import FITS, TIGHT, fits, slack_for, verdict
+from recipes.predict.offload import exposed_transfer_s, layer_forward_s, recompute_s
+from recipes.recompute import is_full, option_of, options_for, recompute_config, recompute_order, selective_labels
+from recipes.validate import layers_per_chunk
+
+#: Added step times closer than this (seconds) are a tie: the simpler plan wins.
+SAME_TIME_S = 1e-4
+#: Labels that replay elementwise work only (no matmul): priced as memory traffic.
+ELEMENTWISE = frozenset({"moe_act", "layernorm", "gdn_norm_out"})
+
+
+def rates(cfg: dict, tflops: float | None = None, link_gb_s: float | None = None) -> tuple[float, float]:
+    """(achieved TFLOP/s per GPU, host-link GB/s): given, else the config's ``estimate`` assumptions."""
+    est = cfg.get("estimate") or {}
+    return (tflops or est.get("mfu", 0.38) * cfg["measure"]["peak_tflops"],
+            link_gb_s or est.get("host_link_gb_s", 50.0))
+
+
+def fewest_block_layers(cfg: dict, rc: dict, budget_gib: float) -> tuple[dict, dict]:
+    """full/block with the fewest layers per stage (recompute_num_layers) whose predicted peak fits.
+    Its peak falls linearly in the layers recomputed (H200, Run E: 4 of 8 layers land on the midpoint
+    of the control and uniform full recompute in every family), and so does its replay; when no count
+    fits, every layer."""
+    for k in range(1, layers_per_chunk(cfg) + 1):
+        trial = {**rc, "recompute_num_layers": k}
+        p = predict({**cfg, "recompute": trial}, "cuda")
+        if fits(p["peak_bytes"] / GIB, budget_gib, p["allocator_slack"]):
+            break
+    return trial, p
+
+
+def elementwise_bytes(cfg: dict) -> int:
+    """What the recompute option's elementwise labels (no matmul to replay) rematerialize per
+    micro-batch: the bytes they save, against the same config without them, offload off."""
+    labels = selective_labels(option_of(cfg)) or frozenset()
+    if not labels & ELEMENTWISE:
+        return 0
+    plain = {**cfg, "offload": {**cfg["offload"], "fine_grained_activation_offloading": False, "offload_modules": []}}
+    rc = {**cfg["recompute"], "recompute_modules": [x for x in cfg["recompute"]["recompute_modules"]
+                                                    if x not in ELEMENTWISE]}
+    without = predict({**plain, "recompute": rc}, "cuda")["activation_bytes"]
+    return max(0, without - predict(plain, "cuda")["activation_bytes"])
+
+
+def price(cfg: dict, p: dict, tflops: float, link_gb_s: float, remat_bytes: int = 0) -> dict:
+    """A predicted config's added step time: recompute's replay (``remat_bytes``: what its elementwise
+    labels rematerialize, ``elementwise_bytes``) and offload's exposed copies, in seconds."""
+    par = cfg["parallel"]
+    layers = cfg["model"]["num_layers"] // par["pipeline_model_parallel_size"]
+    m = num_microbatches(cfg)
+    replay = recompute_s(cfg, tflops, layers, m, remat_bytes, (cfg.get("estimate") or {}).get("hbm_gb_s", 3000.0))
+    copies = exposed_transfer_s(p["host_bytes_per_layer"], layer_forward_s(cfg, tflops), link_gb_s, m)
+    return {"recompute_s": replay, "offload_exposed_s": copies["exposed_s"], "offload_copy_s": copies["copy_s"],
+            "cost_s": replay + copies["exposed_s"]}
+
+
+def plan(cfg: dict, budget_gib: float, tflops: float | None = None, link_gb_s: float | None = None) -> dict:
+    """Every allowed (recompute, offload) combination for ``cfg``'s model and layout: predicted peak,
+    fit, added step time; the fastest fitting combination and the runner-up."""
+    cfg = upgrade(cfg)
+    tflops, link_gb_s = rates(cfg, tflops, link_gb_s)
+    model, pp = cfg["model"], cfg["parallel"]["pipeline_model_parallel_size"]
+    keep = {k: cfg["offload"][k] for k in ("min_offloaded_tensor_size", "activation_offload_fraction",
+                                            "host_memory_gib", "emulate_on_cpu")}
+    rows, refused = [], []
+    for rc_option in options_for(model):
+        labels = None if is_full(rc_option) else selective_labels(rc_option)
+        remat = elementwise_bytes({**cfg, "recompute": recompute_config(rc_option)}) if labels else 0
+        for off_option in offload_options(model):
+            modules = option_modules(off_option)
+            problem = rule_problem(modules, labels, model, pp) if modules else None
+            if problem:
+                refused.append({"recompute": rc_option, "offload": off_option, "why": problem[1]})
+                continue
+            trial = {**cfg, "recompute": recompute_config(rc_option),
+                     "offload": {**offload_config(off_option), **keep}}
+            try:
+                if rc_option == "full/block":
+                    trial["recompute"], p = fewest_block_layers(trial, trial["recompute"], budget_gib)
+                else:
+                    p = predict(trial, "cuda")
+            except ConfigError as err:
+                refused.append({"recompute": rc_option, "offload": off_option, "why": err.problem})
+                continue
+            peak, slack = p["peak_bytes"] / GIB, p["allocator_slack"]
+            mark = verdict(peak, budget_gib, slack)
+            rows.append({"recompute": rc_option, "offload": off_option, "predicted_peak_gib": peak,
+                         "fits": mark == FITS, "tight": mark == TIGHT, "host_gib": p["in_flight_host_bytes"] / GIB,
+                         **price(trial, p, tflops, link_gb_s, remat),
+                         **({"recompute_num_layers": trial["recompute"]["recompute_num_layers"]}
+                            if rc_option == "full/block" else {})})
+    ranked = sorted((r for r in rows if r["fits"]), key=_order)
+    choice = ranked[0] if ranked else None
+    runner = next((r for r in ranked[1:] if not _extends(r, choice)), None)
+    return {"budget_gib": budget_gib, "tflops": tflops, "host_link_gb_s": link_gb_s, "allocator_slack": slack_for(cfg),
+            "rows": rows, "refused": refused, "choice": choice, "runner_up": runner}
+
+
+def _extends(row: dict, choice: dict) -> bool:
+    """A row that does all the choice does and more (more labels or modules): not an alternative."""
+    mine, theirs = selective_labels(row["recompute"]), selective_labels(choice["recompute"])
+    if mine is None or theirs is None:
+        return False
+    return mine >= theirs and set(option_modules(row["offload"])) >= set(option_modules(choice["offload"]))
+
+
+def _order(row: dict) -> tuple:
+    """Fastest first; within the same time, no offload, then the guide's recompute order, fewer modules."""
+    return (round(row["cost_s"] / SAME_TIME_S), row["offload"] != "none", recompute_order(row["recompute"]),
+            len(option_modules(row["offload"])))
+
+
+def overrides_of(row: dict) -> str:
+    """The command-line overrides that select a plan row."""
+    n = row.get("recompute_num_layers")
+    text = f"recompute={row['recompute']}" + (f" recompute.recompute_num_layers={n}" if n else "")
+    return text + (f" offload={row['offload']}" if row.get("offload", "none") != "none" else "")
+
+
+def describe(row: dict) -> str:
+    """``recompute=X offload=Y: 21.30 GiB, +4.1 ms (replay 4.1, copies 0.0 exposed of 9.8)``."""
+    return (f"{overrides_of(row)}: {row['predicted_peak_gib']:.2f} GiB, +{row['cost_s'] * 1e3:.1f} ms per step "
+            f"(replay {row['recompute_s'] * 1e3:.1f} ms, offload copies {row['offload_exposed_s'] * 1e3:.1f} ms "
+            f"exposed of {row['offload_copy_s'] * 1e3:.1f} ms)")
+
+
+def confirm_commands(base: str, rows: list[dict], budget_gib: float, sweep_dir: str = "multirun/confirm") -> list[str]:
+    """Commands that run each row into one sweep directory, then advise on it."""
+    return ([f"python train.py -m {base} {overrides_of(r)} hydra.sweep.dir={sweep_dir}".replace("  ", " ")
+             for r in rows] + [f"python -m recipes advise {sweep_dir} --budget-gib {budget_gib:g}"])

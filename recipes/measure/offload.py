@@ -1,0 +1,205 @@
+"""What activation offload moved, how fast the host link is, and how much of the copying showed.
+
+- ``OffloadMeter`` counts the bytes megatron's offload manager copies to the host (device-to-host) and
+  back (host-to-device), per offload module, by wrapping the manager's copy functions: what a step
+  really moved, not what the plan says. It also tells listeners (the activation ledger) about every
+  tensor saved inside an offload point, which the manager's own saved-tensor hooks hide from the
+  ledger's, and about each one it copies to the host.
+- ``host_link_bandwidth`` times pinned copies between host and device (GB/s each way). GPU only.
+- ``copy_overlap`` reads one profiled step's trace: the time the copy streams were busy, and the part
+  of it with no compute kernel running (the exposed transfer time). GPU only; ``exposed_time`` is
+  the interval arithmetic, tested on a CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from collections import Counter
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+
+class OffloadListener(Protocol):
+    def saved(self, tensor: torch.Tensor) -> None: ...
+
+    def offloaded(self, tensor: torch.Tensor, nbytes: int) -> None: ...
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+class OffloadMeter:
+    """Bytes and tensors the offload manager copied, cumulative; ``snapshot()`` and ``since()`` per step."""
+
+    def __init__(self) -> None:
+        self.d2h_bytes: Counter = Counter()  # per offload module
+        self.h2d_bytes = 0
+        self.d2h_tensors = 0
+        self.h2d_tensors = 0
+        self.listeners: list[OffloadListener] = []
+        self._group = "unknown"
+        self._undo: list = []
+
+    def install(self) -> OffloadMeter:
+        from megatron.core.pipeline_parallel import fine_grained_activation_offload as fgo
+
+        meter, cls = self, fgo.ChunkOffloadHandler
+        offload, reload, bulk, push = cls.offload, cls.reload, cls.bulk_offload_group, cls.tensor_push
+
+        def bulk_offload_group(self_, group):
+            meter._group = group._name
+            return bulk(self_, group)
+
+        def offload_(self_, src_tensor, *args, **kwargs):
+            n = _nbytes(src_tensor)
+            meter.d2h_bytes[meter._group] += n
+            meter.d2h_tensors += 1
+            for listener in meter.listeners:
+                listener.offloaded(src_tensor, n)
+            return offload(self_, src_tensor, *args, **kwargs)
+
+        def reload_(self_, state, *args, **kwargs):
+            meter.h2d_bytes += _nbytes(state[1])
+            meter.h2d_tensors += 1
+            return reload(self_, state, *args, **kwargs)
+
+        def tensor_push(self_, tensor):
+            for listener in meter.listeners:
+                listener.saved(tensor)
+            return push(self_, tensor)
+
+        self._undo = [(cls, "offload", offload), (cls, "reload", reload), (cls, "bulk_offload_group", bulk),
+                      (cls, "tensor_push", push)]
+        cls.offload, cls.reload, cls.bulk_offload_group, cls.tensor_push = (
+            offload_, reload_, bulk_offload_group, tensor_push)
+        return self
+
+    def uninstall(self) -> None:
+        for owner, name, value in self._undo:
+            setattr(owner, name, value)
+        self._undo = []
+
+    def snapshot(self) -> dict:
+        """The counts so far."""
+        return {"d2h_bytes": sum(self.d2h_bytes.values()), "h2d_bytes": self.h2d_bytes,
+                "d2h_tensors": self.d2h_tensors, "h2d_tensors": self.h2d_tensors,
+                "d2h_bytes_by_module": dict(self.d2h_bytes)}
+
+    def since(self, before: dict) -> dict:
+        """The counts since ``before`` (a ``snapshot()``)."""
+        now = self.snapshot()
+        out = {k: now[k] - before[k] for k in ("d2h_bytes", "h2d_bytes", "d2h_tensors", "h2d_tensors")}
+        out["d2h_bytes_by_module"] = {k: v - before["d2h_bytes_by_module"].get(k, 0)
+                                      for k, v in now["d2h_bytes_by_module"].items()
+                                      if v - before["d2h_bytes_by_module"].get(k, 0)}
+        return out
+
+
+def plan_summary() -> dict:
+    """The manager's plan after its warm-up step: the groups it moves and keeps on the device per
+    module (megatron keeps the last group of each module on the device, so that its reload does not
+    stall the first backward)."""
+    from recipes.build.offload import offload_manager
+
+    manager = offload_manager()
+    moved, kept = Counter(), Counter()
+    for chunk in manager._cached_chunks_forward:
+        for group in chunk.offload_groups:
+            (moved if group.offload else kept)[group._name] += 1
+    return {"groups_moved": dict(moved), "groups_kept": dict(kept)}
+
+
+# --- GPU: the host link and the copies' overlap with compute --------------------------------------
+def host_link_bandwidth(nbytes: int = 1 << 28, repeats: int = 5) -> dict | None:
+    """Pinned host <-> device copy bandwidth in GB/s (10^9 bytes per second), the best of ``repeats``
+    copies of ``nbytes`` each way, on this process's GPU; None on a CPU."""
+    if not torch.cuda.is_available():
+        return None
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    out = {}
+    for name, dst, src in (("d2h_gb_s", host, dev), ("h2d_gb_s", dev, host)):
+        best = float("inf")
+        for _ in range(repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            dst.copy_(src, non_blocking=True)
+            end.record()
+            end.synchronize()
+            best = min(best, start.elapsed_time(end) / 1e3)
+        out[name] = nbytes / best / 1e9
+    out["bytes"] = nbytes
+    del host, dev
+    torch.cuda.empty_cache()
+    return out
+
+
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[list[float]] = []
+    for a, b in sorted(intervals):
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    return [(a, b) for a, b in merged]
+
+
+def exposed_time(copies: list[tuple[float, float]], compute: list[tuple[float, float]]) -> dict:
+    """Copy intervals against compute intervals (same clock): ``busy`` is the time some copy ran,
+    ``exposed`` the part of it with no compute running (what the copies can add to a step)."""
+    copy_u, comp_u = _union(copies), _union(compute)
+    busy = sum(b - a for a, b in copy_u)
+    overlap, j = 0.0, 0
+    for a, b in copy_u:
+        while j < len(comp_u) and comp_u[j][1] <= a:
+            j += 1
+        k = j
+        while k < len(comp_u) and comp_u[k][0] < b:
+            overlap += min(b, comp_u[k][1]) - max(a, comp_u[k][0])
+            k += 1
+    return {"busy": busy, "exposed": busy - overlap}
+
+
+def trace_intervals(trace: dict) -> tuple[dict[str, list], list]:
+    """From a chrome trace (torch.profiler's export): the device-to-host and host-to-device memcpy
+    intervals and the compute kernels' intervals, in seconds."""
+    copies: dict[str, list] = {"d2h": [], "h2d": []}
+    compute = []
+    for event in trace.get("traceEvents", []):
+        if event.get("ph") != "X" or "dur" not in event:
+            continue
+        span = (event["ts"] / 1e6, (event["ts"] + event["dur"]) / 1e6)
+        cat, name = event.get("cat", ""), event.get("name", "")
+        if cat == "gpu_memcpy" and "DtoH" in name:
+            copies["d2h"].append(span)
+        elif cat == "gpu_memcpy" and "HtoD" in name:
+            copies["h2d"].append(span)
+        elif cat == "kernel":
+            compute.append(span)
+    return copies, compute
+
+
+def copy_overlap(step) -> dict | None:
+    """Run ``step()`` (one training step) under torch's profiler and return the copy streams' busy
+    and exposed time per direction and together, in seconds; None on a CPU."""
+    if not torch.cuda.is_available():
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        trace = json.loads(path.read_text())
+    copies, compute = trace_intervals(trace)
+    out = {f"{d}_{k}_s": v for d in ("d2h", "h2d") for k, v in exposed_time(copies[d], compute).items()}
+    both = exposed_time(copies["d2h"] + copies["h2d"], compute)
+    out.update(copy_busy_s=both["busy"], exposed_s=both["exposed"], copies=sum(len(v) for v in copies.values()))
+    return out

@@ -1,0 +1,164 @@
+"""Activation offload in the estimator: what leaves the device, what the host holds, what it costs.
+
+Memory. Each offload module (``recipes.offload.MODULES``) is the point megatron wraps in a saved-tensor
+hook context; the ledger terms saved inside it (``recipes.predict.activations``) are the ones it
+moves. ``point_of`` names each term's point from the code that saves it (the input norm's tensors for
+``attn_norm``, core attention's for ``core_attn``, the projection's input for ``attn_proj``, the
+expert activation's for ``moe_act``...). A moved term leaves the device (the manager drops its
+reference once copied, and releases the point's input explicitly) and its elements go to the host:
+a saved view is copied as its own elements (core attention's v is a view of the fused QKV output;
+the GLU's gate half of FC1's output), while the device frees the whole storage. Two points can copy
+one tensor: under fused attention core attention's output is also the projection's input, so with
+``core_attn`` alone it stays on the device (the projection still holds it) and with ``attn_proj`` it
+is copied twice and freed. Tensors below ``offload.min_offloaded_tensor_size`` elements stay.
+
+The plan (megatron's ``post_warmup_callback``): after its first step the manager keeps the last
+layer's group of each module on the device, so that the first backward does not wait for a copy; a
+chunk moves its other layers' groups (modeled per model chunk, as measured for one pipeline stage).
+
+Time. Copies run on their own streams beside compute: a layer's copy to the host overlaps the next
+layer's forward, its copy back the backward of the layer after it (megatron prefetches one group
+ahead). ``exposed_transfer_s`` is the copy time no compute hides, per step, from a link bandwidth and
+each layer's forward time (its FLOPs at an achieved rate); backward takes twice the forward.
+``recompute_s`` prices recompute in the same unit: the forward FLOPs it replays, at the same rate.
+"""
+
+from __future__ import annotations
+
+from recipes.measure.flops import layer_forward_flops, replayed_layer_flops
+from recipes.offload import modules_of
+from recipes.predict.activations import Dims, Term
+
+#: A host term: (kind, what, bytes kept on the device before offload, bytes copied to the host).
+HostTerm = tuple[str, str, int, int]
+
+_NORM_POINT = {"input norm": "attn_norm", "pre-MLP norm": "mlp_norm"}
+_QKV_TERMS = ("qkv input (norm output)", "q_layernorm", "k_layernorm", "q_up input", "kv_up input",
+              "kv_layernorm", "mla_up_proj checkpoint")
+
+
+def point_of(term: Term, d: Dims, gdn_layer: bool) -> str | None:
+    """The offload module whose point saves this term, or None (saved outside every point)."""
+    kind, what, _ = term
+    for prefix, point in _NORM_POINT.items():
+        if what.startswith(prefix):
+            return point
+    if gdn_layer:
+        return None
+    if what.startswith(_QKV_TERMS) or (d.attention_kind == "mla" and what.startswith("RoPE")):
+        return "qkv_linear"  # MLA applies RoPE inside its QKV computation
+    if kind == "core_attn":
+        return "core_attn"
+    if what == "linear_proj input (context)":
+        return "attn_proj"
+    if what == "expert fc1 input (permuted)":
+        return "expert_fc1"
+    if what == "permuted probs" or (what.startswith("expert ") and "fc2 input" not in what):
+        return "moe_act"
+    return None
+
+
+def _element_bytes(what: str, d: Dims) -> int:
+    for tag, size in (("(fp32)", 4), ("(int64)", 8), ("(bool)", 1), ("(int32)", 4)):
+        if tag in what:
+            return size
+    return d.e
+
+
+def host_copy_bytes(term: Term, d: Dims) -> int:
+    """What copying this saved term writes to the host. The manager copies every *save* of a tensor
+    (a tensor two ops save is copied twice), and a saved view as its own elements."""
+    _, what, nbytes = term
+    if what == "v" and nbytes:  # a view of the fused QKV output (standard attention)
+        return d.e * d.s * d.b * d.ng * d.dv if d.attention_kind != "mla" else nbytes
+    if what == "expert fc1 output" and d.model["gated_linear_unit"]:  # the gate half (chunk's view)
+        return nbytes // 2
+    rms_cpu = d.device == "cpu" and d.model["normalization"] == "RMSNorm"
+    if rms_cpu and what.endswith(("norm input", "norm rstd (fp32)")):  # composite: pow and mul save x; rsqrt, mul rstd
+        return 2 * nbytes
+    if what in ("softmax output", "probabilities") and not d.model["attention_dropout"]:
+        return 2 * nbytes  # softmax saves its output and, without dropout between, the matmul with v again
+    return nbytes
+
+
+def stays_on_device(term: Term, d: Dims) -> bool:
+    """A moved term whose storage something else still holds: copied, not freed."""
+    what = term[1]
+    if what == "causal mask (bool)":  # one mask, cached by the core-attention module for every layer
+        return True
+    return what == "permuted probs" and "moe_act" in d.labels  # the moe_act checkpoint keeps its inputs
+
+
+def offload_layers(d: Dims, layers: list[list[Term]], gdn: list[bool], modules: list[str],
+                   min_elements: int) -> tuple[list[list[Term]], list[list[HostTerm]]]:
+    """One chunk's layers with the offloaded terms off the device, and each layer's host terms.
+
+    Per module, every layer with its point except the chunk's last one (the manager keeps that)."""
+    wanted = set(modules)
+    has = {m: [i for i, layer in enumerate(layers) if any(point_of(t, d, gdn[i]) == m for t in layer)]
+           for m in wanted}
+    kept = {m: idx[-1] for m, idx in has.items() if idx}
+    out_layers, hosts = [], []
+    for i, layer in enumerate(layers):
+        device, host = [], []
+        context_copied = not any(t[1] == "linear_proj input (context)" for t in layer)
+        for term in layer:
+            point = point_of(term, d, gdn[i])
+            copy = host_copy_bytes(term, d)
+            moves = (point in wanted and kept.get(point) != i and term[2] > 0
+                     and copy // _element_bytes(term[1], d) >= min_elements)
+            if not moves:
+                device.append(term)
+                continue
+            shared_context = point == "core_attn" and term[1] == "output" and context_copied
+            if stays_on_device(term, d) or shared_context and ("attn_proj" not in wanted or kept.get("attn_proj") == i):
+                device.append(term)  # e.g. the projection still holds core attention's output
+                host.append((term[0], term[1], 0, copy))
+                continue
+            host.append((term[0], term[1], term[2], copy))
+            if shared_context:  # the projection copies it again before it is released
+                host.append((term[0], "linear_proj input (core attention's output)", 0, copy))
+        out_layers.append(device)
+        hosts.append(host)
+    return out_layers, hosts
+
+
+def chunk_offload(cfg: dict, d: Dims, layers: list[list[Term]], global_layers: list[int],
+                  gdn_pattern: list[int]) -> tuple[list[list[Term]], list[list[HostTerm]]]:
+    """``offload_layers`` for a run config's ``offload`` group (the layers unchanged without it)."""
+    modules = modules_of(cfg)
+    if not modules:
+        return layers, [[] for _ in layers]
+    gdn = [bool(gdn_pattern[g]) for g in global_layers]
+    return offload_layers(d, layers, gdn, modules, cfg["offload"]["min_offloaded_tensor_size"])
+
+
+# --- time: recompute and offload in seconds per step ---------------------------------------------------
+def layer_forward_s(cfg: dict, tflops: float) -> float:
+    """One average layer's forward time for one micro-batch at ``tflops`` achieved TFLOP/s per GPU
+    (its matmul FLOPs, ``recipes.measure.flops``; TP splits them)."""
+    layer = layer_forward_flops(cfg)
+    flops = sum(layer.get(k, 0.0) for k in ("attn_proj", "core_attn", "mlp", "moe"))
+    return flops / cfg["parallel"]["tensor_model_parallel_size"] / (tflops * 1e12)
+
+
+def recompute_s(cfg: dict, tflops: float, layers: int, microbatches: int, elementwise_bytes: int = 0,
+                hbm_gb_s: float = 3000.0) -> float:
+    """Seconds per step the run's recompute replays: its replayed forward FLOPs at ``tflops``, and
+    the elementwise replays (``moe_act``, ``layernorm``, ``gdn_norm_out``: no matmul) as memory
+    traffic, reading their inputs and writing the ``elementwise_bytes`` they rematerialize (one
+    micro-batch, the rank's layers) at ``hbm_gb_s``."""
+    layer = layer_forward_flops(cfg)
+    per_layer = sum(layer.get(k, 0.0) for k in ("attn_proj", "core_attn", "mlp", "moe"))
+    replay = replayed_layer_flops(cfg, layer, per_layer) / cfg["parallel"]["tensor_model_parallel_size"]
+    memory = 2 * elementwise_bytes / (hbm_gb_s * 1e9)
+    return microbatches * (layers * replay / (tflops * 1e12) + memory)
+
+
+def exposed_transfer_s(host_per_layer: list[int], forward_s: float, link_gb_s: float,
+                       microbatches: int) -> dict:
+    """Copy time per step and the part compute does not hide: each layer's copy out against the next
+    layer's forward, its copy back against the backward of the layer after it (2 x forward)."""
+    copy = [n / (link_gb_s * 1e9) for n in host_per_layer]
+    exposed = sum(max(0.0, c - forward_s) + max(0.0, c - 2 * forward_s) for c in copy)
+    return {"copy_s": 2 * sum(copy) * microbatches, "exposed_s": exposed * microbatches}

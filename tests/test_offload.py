@@ -1,0 +1,303 @@
+"""Activation offload changes no gradient, and it really moves bytes (counts, ledger), on a CPU.
+
+The runs go through megatron-core's own offload manager with its copy streams emulated on the CPU
+(``recipes.build.offload``, ``offload.emulate_on_cpu=true``): a copy on a copy stream lands only when
+something waits for it, and fresh buffers hold NaN, so a missing wait shows in the gradients
+(``tests/test_upstream.py`` shows megatron's own, issue 7398, that way).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import build_trainer, compose, train_in_process
+
+from recipes.errors import ConfigError
+
+EMULATED = ["offload.emulate_on_cpu=true", "offload.min_offloaded_tensor_size=0"]
+#: min_offloaded_tensor_size above every tensor: the offload points stay in the graph, nothing moves.
+NOTHING_MOVED = ["offload.emulate_on_cpu=true", "offload.min_offloaded_tensor_size=1000000000"]
+STEPS = 3  # the manager's warm-up step, then two planned ones
+
+
+def run_steps(cfg: dict, steps: int = STEPS) -> list[dict]:
+    """Per step: loss, gradients (before the update), what offload moved, the ledger (second step)."""
+    trainer = build_trainer(cfg)
+    out = []
+    try:
+        for i in range(steps):
+            before = trainer.offload_meter.snapshot() if trainer.offload_meter else None
+            loss = trainer.compute_gradients(record_ledger=i == 1)
+            grads = {n: p.grad.detach().clone() for c in trainer.chunks for n, p in c.named_parameters()
+                     if p.grad is not None}
+            moved = trainer.offload_meter.since(before) if before is not None else None
+            out.append({"loss": loss, "grads": grads, "moved": moved,
+                        "ledger": dict(trainer.ledger.bytes_by_kind) if i == 1 else None,
+                        "host": dict(trainer.ledger.host_bytes_by_kind) if i == 1 else None})
+            trainer.optimizer.step()
+    finally:
+        trainer.close()
+    return out
+
+
+def assert_equal_runs(a: list[dict], b: list[dict], what: str) -> None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        assert x["loss"] == y["loss"], f"{what}: step {i + 1} loss differs"
+        assert x["grads"].keys() == y["grads"].keys()
+        for name in x["grads"]:
+            assert torch.equal(x["grads"][name], y["grads"][name]), f"{what}: step {i + 1} gradient of {name}"
+
+
+#: (model overrides, recompute option, offload option)
+CASES = [
+    (["model=standard_attn"], "none", "core_attn-attn_proj"),
+    (["model=standard_attn", "attention=unfused", "model.hidden_dropout=0.1", "model.attention_dropout=0.1"],
+     "none", "qkv_linear-core_attn-attn_proj"),
+    (["model=standard_attn"], "selective/core_attn", "qkv_linear"),
+    (["model=standard_attn"], "none", "attn_norm"),
+    (["model=standard_attn"], "selective/layernorm", "attn_norm-mlp_norm"),
+    (["model=mla"], "selective/mla_up_proj", "core_attn-attn_proj"),
+    (["model=moe"], "none", "expert_fc1-moe_act"),
+    (["model=moe"], "selective/moe_act-layernorm", "expert_fc1-moe_act"),
+    (["model=moe"], "selective/moe", "attn_norm"),
+    (["model=gdn", "model.num_layers=4"], "none", "core_attn-attn_proj"),  # 2 attention layers of 4
+]
+
+
+@pytest.mark.parametrize("model,recompute,offload", CASES, ids=[f"{m[0][6:]}-{r}-{o}" for m, r, o in CASES])
+def test_offload_is_bit_exact_and_moves_bytes(megatron_world, model, recompute, offload):
+    """Loss and every gradient equal the run without offload bit for bit, on every step from the
+    manager's warm-up on; every step copies bytes out and the same bytes back; after the warm-up
+    the manager keeps the last group of each module on the device; the ledger holds fewer device
+    bytes and counts the host copies."""
+    base = [*model, f"recompute={recompute}"]
+    plain = run_steps(compose(*base))
+    off = run_steps(compose(*base, f"offload={offload}", *EMULATED))
+    assert_equal_runs(plain, off, f"offload={offload}")
+    modules = set(offload.split("-"))
+    for step in off:
+        assert step["moved"]["d2h_bytes"] > 0 and step["moved"]["d2h_bytes"] == step["moved"]["h2d_bytes"]
+        assert set(step["moved"]["d2h_bytes_by_module"]) <= modules
+    assert off[1]["moved"]["d2h_tensors"] < off[0]["moved"]["d2h_tensors"], "the warm-up moves every group"
+    assert sum(off[1]["ledger"].values()) < sum(plain[1]["ledger"].values())
+    assert sum(off[1]["host"].values()) == off[1]["moved"]["d2h_bytes"]
+
+
+def test_norm_offload_points_reorder_a_gradient_sum(megatron_world):
+    """``mlp_norm`` (and ``attn_norm-mlp_norm``) are exact only to fp32 rounding against no offload,
+    as ``layernorm`` recompute is, and not because of the copies: with the offload points in the
+    graph and nothing moved the gradients are the same bit for bit. megatron's identity nodes at the
+    points change the order autograd adds a norm input's gradient terms in (layer 0 and the embedding
+    differ by a few ULPs; the loss is identical)."""
+    base = ["model=standard_attn", "offload=mlp_norm"]
+    plain = run_steps(compose("model=standard_attn"))
+    moved = run_steps(compose(*base, *EMULATED))
+    unmoved = run_steps(compose(*base, *NOTHING_MOVED))
+    assert all(s["moved"]["d2h_bytes"] > 0 for s in moved) and all(s["moved"]["d2h_bytes"] == 0 for s in unmoved)
+    assert_equal_runs(unmoved, moved, "offload=mlp_norm against its points with nothing moved")
+    differ = [n for n in plain[0]["grads"] if not torch.equal(plain[0]["grads"][n], moved[0]["grads"][n])]
+    assert differ and all(p["loss"] == m["loss"] for p, m in zip(plain, moved))
+    for p, m in zip(plain, moved):
+        for name, grad in p["grads"].items():
+            torch.testing.assert_close(m["grads"][name], grad, rtol=1e-5, atol=1e-6 * grad.abs().max())
+
+
+def test_grouped_experts_offload_their_activations_not_their_weights(megatron_world):
+    """``expert_fc1`` moves each MoE layer's permuted tokens (rows x hidden); ``moe_act`` what the
+    SwiGLU activation saves: FC1's output as its two halves (each copied as a contiguous rows x ffn),
+    SiLU's output, the gated product (rows x ffn each) and the router probs (rows). The stacked
+    weights, whose views the GEMMs save, stay on the device."""
+    cfg = compose("model=moe", "offload=expert_fc1-moe_act", *EMULATED)
+    m, t = cfg["model"], cfg["train"]
+    rows = t["seq_length"] * t["micro_batch_size"] * m["moe_router_topk"]
+    first = run_steps(cfg, steps=1)[0]["moved"]["d2h_bytes_by_module"]
+    layers, fp32 = m["num_layers"], 4
+    assert first["expert_fc1"] == layers * rows * m["hidden_size"] * fp32
+    assert first["moe_act"] == layers * rows * (4 * m["moe_ffn_hidden_size"] + 1) * fp32
+
+
+def test_a_run_records_what_offload_moved(megatron_world):
+    """The worker's result: the ledger's host bytes after the manager's plan, bytes moved per measured
+    step (the same every step), and the plan; the window starts after two warm-up steps."""
+    cfg = compose("model=standard_attn", "offload=core_attn-attn_proj", *EMULATED, "train.train_iters=5",
+                  "measure.start_step=2", "profile=none")
+    result = train_in_process(cfg)
+    assert result["status"] == "ok" and result["window"] == [3, 5]
+    off = result["offload"]
+    assert off["modules"] == ["core_attn", "attn_proj"] and off["moved_steps_equal"]
+    assert off["moved_per_step"]["d2h_bytes"] == result["ledger"]["host_total_bytes"] > 0
+    assert off["groups_kept"] == {"core_attn": 1, "attn_proj": 1}
+    assert off["groups_moved"] == {"core_attn": 1, "attn_proj": 1}  # tiny: 2 layers
+    assert "link" not in off  # GPU only
+
+
+def test_evaluation_passes_leave_the_offload_plan_alone(megatron_world):
+    """Forward-only evaluation runs with the manager's offload off; training after it stays exact."""
+    base = ["model=standard_attn", "train.train_iters=4", "data.eval_interval=2", "profile=none",
+            "measure.ledger=false"]
+    plain = train_in_process(compose(*base))
+    off = train_in_process(compose(*base, "offload=core_attn-attn_proj", *EMULATED))
+    assert off["loss"] == plain["loss"] and off["eval_loss"] == plain["eval_loss"]
+
+
+# --- the emulated streams themselves ---------------------------------------------------------------
+def test_emulated_copy_lands_only_when_waited_for():
+    """The CPU stand-in: a copy issued on a copy stream is held until an event or stream wait; the
+    compute stream runs at once; fresh buffers are NaN."""
+    from recipes.build.offload import HostEvent, _CudaOnCpu, _TorchForOffloadOnCpu
+
+    cuda, torch_ = _CudaOnCpu(), _TorchForOffloadOnCpu()
+    copy = cuda.Stream()
+    dst, src = torch_.empty(4), torch.arange(4.0)
+    assert dst.isnan().all()
+    with cuda.stream(copy):
+        dst.copy_(src)
+        event = HostEvent()
+        event.record(copy)
+    assert dst.isnan().all(), "the copy landed before anything waited for it"
+    cuda.current_stream().wait_event(event)
+    assert torch.equal(dst, src)
+    with cuda.stream(cuda.current_stream()):
+        dst.copy_(src * 2)
+    assert torch.equal(dst, src * 2)
+
+
+def test_exposed_time_is_copy_time_without_compute():
+    from recipes.measure.offload import exposed_time, trace_intervals
+
+    assert exposed_time([(0, 4)], [(1, 2), (3, 5)]) == {"busy": 4, "exposed": 2}
+    assert exposed_time([(0, 1), (0.5, 2)], []) == {"busy": 2, "exposed": 2}
+    assert exposed_time([(2, 3)], [(0, 10)])["exposed"] == 0
+    trace = {"traceEvents": [
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoH (Device -> Pinned)", "ts": 0, "dur": 10},
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD (Pinned -> Device)", "ts": 20, "dur": 5},
+        {"ph": "X", "cat": "kernel", "name": "gemm", "ts": 5, "dur": 20},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 50}]}
+    copies, compute = trace_intervals(trace)
+    assert copies == {"d2h": [(0.0, 1e-5)], "h2d": [(2e-5, 2.5e-5)]} and compute == [(5e-6, 2.5e-5)]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU answer; a GPU run records the numbers")
+def test_gpu_measurements_are_none_on_a_cpu():
+    from recipes.measure.offload import copy_overlap, host_link_bandwidth
+
+    assert host_link_bandwidth() is None and copy_overlap(lambda: None) is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: pinned copies and CUDA streams")
+def test_host_link_bandwidth_on_a_gpu():
+    from recipes.measure.offload import host_link_bandwidth
+
+    link = host_link_bandwidth(1 << 26, repeats=2)
+    assert link["d2h_gb_s"] > 1 and link["h2d_gb_s"] > 1
+
+
+#: (model overrides, recompute, offload, whether the host bytes are modeled exactly too)
+ESTIMATED = [
+    (["model=standard_attn"], "none", "core_attn-attn_proj", True),
+    (["model=standard_attn"], "none", "core_attn", True),  # the projection keeps SDPA's output on the device
+    (["model=standard_attn", "attention=unfused"], "none", "qkv_linear-core_attn-attn_proj", True),
+    (["model=standard_attn", "attention=unfused", "model.attention_dropout=0.1", "model.hidden_dropout=0.1"],
+     "none", "core_attn-attn_proj", True),
+    (["model=standard_attn"], "none", "attn_norm-mlp_norm", True),
+    (["model=standard_attn", "model.normalization=LayerNorm"], "none", "attn_norm-mlp_norm", True),
+    (["model=standard_attn"], "selective/layernorm", "attn_norm-mlp_norm", True),
+    (["model=moe"], "none", "expert_fc1-moe_act", True),
+    (["model=moe"], "selective/moe_act", "expert_fc1-moe_act", True),
+    (["model=mla"], "none", "core_attn-attn_proj", True),
+    (["model=mla"], "none", "qkv_linear-core_attn-attn_proj", False),  # RoPE's slices are copied again
+    (["model=gdn", "model.num_layers=4"], "none", "core_attn-attn_proj", True),
+]
+
+
+@pytest.mark.parametrize("model,recompute,offload,host_exact", ESTIMATED,
+                         ids=[f"{m[-1][6:]}-{r}-{o}" for m, r, o, _ in ESTIMATED])
+def test_estimator_predicts_device_and_host_bytes(megatron_world, model, recompute, offload, host_exact):
+    """recipes.predict.estimate with offload, against the ledger of the manager's first planned step:
+    the device bytes by kind exactly; the host copies by kind exactly where modeled (every save is
+    copied: a tensor two ops save goes twice; a saved view goes as its own elements)."""
+    from recipes.predict.estimate import predict
+
+    cfg = compose(*model, f"recompute={recompute}", f"offload={offload}", *EMULATED)
+    measured = run_steps(cfg, steps=2)[1]
+    p = predict(cfg, device="cpu")
+    assert p["activation_bytes_by_kind"] == measured["ledger"]
+    if host_exact:
+        assert p["host_bytes_by_kind"] == measured["host"]
+    else:
+        assert 0 < p["host_bytes"] <= sum(measured["host"].values())
+
+
+def test_exposed_transfer_model():
+    """Copies hide under the next layer's forward (out) and backward (back, 2 x forward)."""
+    from recipes.predict.offload import exposed_transfer_s
+
+    hidden = exposed_transfer_s([10**9], forward_s=0.05, link_gb_s=50.0, microbatches=1)  # 20 ms a copy
+    assert hidden == {"copy_s": pytest.approx(0.04), "exposed_s": 0.0}
+    slow = exposed_transfer_s([10**9, 10**9], forward_s=0.005, link_gb_s=50.0, microbatches=2)
+    assert slow["exposed_s"] == pytest.approx(2 * 2 * (0.015 + 0.010))
+
+
+def test_host_memory_is_checked_against_the_prediction(megatron_world):
+    """The controller's check: the estimator's host bytes (micro-batches in flight) against the host
+    memory given; the prediction is what the run copies."""
+    from recipes.predict.estimate import planned_host_bytes
+    from recipes.validate import validate
+
+    cfg = compose("model=standard_attn", "offload=core_attn-attn_proj", *EMULATED)
+    planned = planned_host_bytes(cfg, "cpu")
+    assert planned == run_steps(cfg, steps=2)[1]["moved"]["d2h_bytes"]
+    validate(cfg, num_gpus=0, te_available=False, planned_host_bytes=planned)  # this machine has room
+    small = compose("model=standard_attn", "offload=core_attn-attn_proj", *EMULATED,
+                    f"offload.host_memory_gib={planned / 2**30 / 2}")
+    with pytest.raises(ConfigError, match="predicted at 0.1 MiB of host memory per node"):
+        validate(small, num_gpus=0, te_available=False, planned_host_bytes=planned)
+    assert planned_host_bytes(compose("model=standard_attn")) is None
+
+
+def test_a_sweep_with_offload_end_to_end_and_its_table(tmp_path):
+    """``train.py -m`` on a CPU (emulated copy streams): the point is named by its offload, records
+    what it moved, and benchmarks/offload_table.py tabulates it against none."""
+    import json
+    import subprocess
+    import sys
+
+    from conftest import REPO
+    from test_sweep import _env
+
+    sweep = tmp_path / "sweep"
+    args = [sys.executable, str(REPO / "train.py"), "-m", "model=standard_attn", "size=tiny", "profile=none",
+            "offload=none,core_attn-attn_proj", "offload.emulate_on_cpu=true", "offload.min_offloaded_tensor_size=0",
+            "train.train_iters=4", "measure.start_step=3", f"hydra.sweep.dir={sweep}"]
+    done = subprocess.run(args, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    results = {r["name"]: r for r in (json.loads(p.read_text()) for p in sweep.glob("*/result.json"))}
+    off = results["standard_attn sdpa none offload=core_attn-attn_proj"]
+    assert off["status"] == "ok" and off["ranks"][0]["offload"]["moved_per_step"]["d2h_bytes"] > 0
+    table = subprocess.run([sys.executable, str(REPO / "benchmarks" / "offload_table.py"), str(sweep)],
+                           capture_output=True, text=True, timeout=120)
+    assert table.returncode == 0, table.stderr
+    lines = table.stdout.splitlines()
+    assert lines[0].startswith("| model | size | point |") and len(lines) == 4
+    row = next(line for line in lines if "offload=core_attn-attn_proj" in line)
+    assert "| ok |" in row and "| reference |" in next(line for line in lines if "| recompute=none |" in line)
+
+
+@pytest.mark.slow
+def test_pipeline_parallel_offload_is_exact_and_predicted_per_stage(tmp_path):
+    """Two pipeline stages (gloo), 4 micro-batches: the losses and gradient norms of every step equal
+    the run without offload; each stage's device ledger and host bytes are what the estimator says
+    for it (the ledger's micro-batch is the first to run backward, so it keeps the last group)."""
+    from test_parallel import train_subprocess
+
+    from recipes.predict.estimate import compare_result
+
+    common = ("parallel=pp2", "model.num_layers=4", "train.global_batch_size=8")
+    plain, _ = train_subprocess(tmp_path / "plain", *common)
+    off, _ = train_subprocess(tmp_path / "off", *common, "offload=core_attn-attn_proj", *EMULATED)
+    for a, b in zip(plain["ranks"], off["ranks"]):
+        assert a["loss"] == b["loss"] and a["grad_norm"] == b["grad_norm"]
+        assert b["offload"]["moved_per_step"]["d2h_bytes"] > 0
+    for row in compare_result(off):
+        assert row["predicted_ledger_bytes"] == row["measured_ledger_bytes"]
+        assert row["predicted_host_bytes"] == row["measured_host_bytes"] > 0
