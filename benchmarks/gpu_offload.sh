@@ -10,6 +10,7 @@
 # with the planner's plan.json) and results/offload/table.md: peak allocated, host bytes, step time
 # against none, the copies' time and the part compute did not hide (exposed), the host link.
 # Settings (environment): PY, SIZES (h200 h200_long), MODELS (standard_attn moe), OFFLOAD_ALL,
+# OFFLOAD_standard_attn / OFFLOAD_moe (the offload options to run, comma-separated),
 # BUDGET_standard_attn / BUDGET_moe (GiB for the h200 plan; 21.5 / 26), LONG_BUDGET (137).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -26,8 +27,10 @@ stamp() { echo "== $(date -u +%FT%TZ) $*"; }
 quiet() { grep -v "Warning\|warn(\|warnings.warn\|Activation Offload Summary\|^Rank\|^Total\|^=\+$\|^-\+$" | tail -"$1"; }
 
 guide_label() { case $1 in moe) echo selective/moe_act;; *) echo selective/core_attn;; esac; }
-offload_options() {  # the offload options to run at the h200 size for a model
-  if [ -n "${OFFLOAD_ALL:-}" ]; then
+offload_options() {  # the offload options to run at the h200 size for a model (OFFLOAD_<model>: your list)
+  local own=OFFLOAD_$1
+  if [ -n "${!own:-}" ]; then echo "${!own}"
+  elif [ -n "${OFFLOAD_ALL:-}" ]; then
     $PY -c "from recipes.offload import options_for; print(','.join(o for o in options_for('$1') if o != 'none'))"
   elif [ "$1" = moe ]; then echo expert_fc1,moe_act,expert_fc1-moe_act,core_attn-attn_proj
   else echo attn_norm-mlp_norm,qkv_linear,core_attn,core_attn-attn_proj,qkv_linear-core_attn-attn_proj; fi; }
