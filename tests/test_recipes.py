@@ -102,7 +102,8 @@ def test_advise_predict_picks_the_recompute_for_the_recipes_cluster(capsys):
 
     assert main(["--predict", "recipe=deepseek_v3"]) == 0  # budget: the recipe's GPU
     out = capsys.readouterr().out
-    assert "budget 77.00 GiB" in out and "Try first: recompute=full" in out
+    assert "budget 77.00 GiB" in out and "Recompute alone: recompute=full" in out
+    assert "Plan over recompute x offload" in out and "choice:    recompute=" in out  # recompute and offload
 
 
 def test_the_committed_recipe_table_is_current():

@@ -560,8 +560,8 @@ def train_and_measure(cfg: dict, result: dict, run_dir: Path | None = None,
             _record_ledger(trainer, cfg, result)
         if window.span and step == window.span[1]:
             _measure(trainer, cfg, result, window, labels, run_dir)
-            # the recorder counts this process's steps from 0 (its first step records the ledger)
-            record_routing(routing, result, 0 if cfg["measure"]["ledger"] else None,
+            # the recorder counts this process's steps from 0 (the ledger's is its first, with offload its second)
+            record_routing(routing, result, ledger_step - first if cfg["measure"]["ledger"] else None,
                            range(window.span[0] - first, window.span[1] - first + 1))
             result["phase"] = "after_window"
         if eval_interval and trainer.valid_data is not None and step % eval_interval == 0:
