@@ -61,9 +61,12 @@ def test_sigterm_saves_and_exits_cleanly_then_resumes(tmp_path):
 
 
 @pytest.mark.slow
-def test_resume_is_bit_exact_under_dp2_with_gloo(tmp_path):
-    """Two gloo processes: 12 steps straight == 6, a checkpoint, a new process group, 6 more."""
-    base = ["size=tiny", "parallel=dp2", "measure.profile=none", "measure.start_step=2", "train.train_iters=12",
+@pytest.mark.parametrize("layout", [["parallel=dp2"], ["parallel=tp2"], ["parallel=pp2"],
+                                    ["parallel=ep2", "model=moe"]], ids=lambda o: o[0].split("=")[1])
+def test_resume_is_bit_exact_under_two_gloo_processes(tmp_path, layout):
+    """Two gloo processes (data, tensor, pipeline or expert parallel): 12 steps straight == 6, a
+    checkpoint, a new process group, 6 more; losses and grad norms bit-identical on every rank."""
+    base = ["size=tiny", *layout, "measure.profile=none", "measure.start_step=2", "train.train_iters=12",
             "train.lr=1e-3", "train.lr_decay_style=cosine", "train.lr_warmup_iters=2", "train.log_interval=0"]
 
     def launch(*extra: str, out) -> dict:
@@ -78,16 +81,21 @@ def test_resume_is_bit_exact_under_dp2_with_gloo(tmp_path):
     assert first["status"] == "stopped"
     second = launch("checkpoint=default", out=run)
     assert second["status"] == "ok"
-    for rank in (0, 1):
+    for rank in (0, 1):  # under pp2 the first stage has no loss (None), and both stages a grad norm
         ref, got = straight["ranks"][rank], second["ranks"][rank]
         assert got["resumed_from"]["step"] == 6
         assert got["loss"] == ref["loss"][6:] and got["grad_norm"] == ref["grad_norm"][6:], rank
+        assert any(g is not None for g in got["grad_norm"]), rank
 
 
 @pytest.mark.slow
-def test_a_tp2_checkpoint_loads_at_tp1(tmp_path):
-    """dist_checkpointing reshards: saved under tensor parallel 2, resumed on one process, the next
-    steps' losses equal the tp2 run's within fp32 rounding (model and AdamW moments resharded)."""
+@pytest.mark.parametrize("saved_under", ["tp2", pytest.param("pp2", marks=pytest.mark.xfail(
+    strict=True, reason="open: a pp2 checkpoint loads at tp1 but the next losses differ by up to 0.9% "
+                        "(docs/training.md); strict, so a fix shows up as a failure here"))])
+def test_a_two_process_checkpoint_loads_on_one(tmp_path, saved_under):
+    """dist_checkpointing reshards: saved under tensor or pipeline parallel 2, resumed on one process,
+    the next steps' losses equal the two-process run's within fp32 rounding (model and AdamW moments
+    resharded)."""
     base = ["size=tiny", "measure.profile=none", "measure.start_step=2", "train.train_iters=6", "train.lr=1e-3",
             "train.log_interval=0", "checkpoint=default", "checkpoint.interval=3"]
 
@@ -97,10 +105,11 @@ def test_a_tp2_checkpoint_loads_at_tp1(tmp_path):
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         return load_result(out)
 
-    tp2 = launch("parallel=tp2", out=tmp_path / "tp2")
+    tp2 = launch(f"parallel={saved_under}", out=tmp_path / "tp2")
     saved = tmp_path / "tp2" / "checkpoints" / "step_00000003"
     tp1 = launch("parallel=single", f"checkpoint.resume={saved}", out=tmp_path / "tp1")
     rank = tp1["ranks"][0]
     assert rank["resumed_from"]["step"] == 3 and any("RNG states start from the seed" in n
                                                      for n in rank["checkpoint_notes"])
-    assert rank["loss"] == pytest.approx(tp2["ranks"][0]["loss"][3:], rel=1e-5)
+    last_stage = next(r for r in tp2["ranks"] if r["loss"] and r["loss"][0] is not None)
+    assert rank["loss"] == pytest.approx(last_stage["loss"][3:], rel=1e-5)
