@@ -46,7 +46,8 @@ def main() -> None:
     args = parser.parse_args()
     rows = [json.loads(line) for line in (args.docs / "progress.jsonl").read_text().splitlines() if line]
     parts = segments(rows)
-    long_row = worst_row(load_result(args.docs / "long-result.json"))
+    long_result = load_result(args.docs / "long-result.json")
+    long_row = worst_row(long_result)
     short_row = worst_row(load_result(args.docs / "8step-result.json"))
 
     import matplotlib
@@ -100,7 +101,7 @@ def main() -> None:
     print("|---|---|---|")
     reference = short_row.tokens_per_s
     for what, value in (("8-step sweep point, measured window", reference),
-                        (f"long run, measured window (steps {_window(args.docs)})",
+                        (f"long run, measured window (steps {_window(long_result)})",
                          long_row.tokens_per_s),
                         ("long run, median of logged intervals after the resume", steady_tokens_per_s(parts[-1]))):
         print(f"| {what} | {value:,.0f} | {value / reference:.3f} |")
@@ -110,8 +111,7 @@ def _read(path: Path) -> str:
     return path.read_text() if path.exists() else ""
 
 
-def _window(docs: Path) -> str:
-    result = json.loads((docs / "long-result.json").read_text())
+def _window(result: dict) -> str:
     span = next((r.get("window") for r in result.get("ranks") or [] if r.get("window")), None)
     return f"{span[0]}-{span[1]}" if span else "?"
 
