@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -152,8 +153,9 @@ def test_a_killed_worker_s_run_is_closed_by_the_controller(tmp_path):
     result = {"run_dir": str(tmp_path), "status": "failed", "error": "workers exited with code -9", "ranks": []}
     assert logger.close_unfinished(cfg["logger"], result)
     run_id = logger.read_identity(tmp_path)["id"]
-    killed, closed = sorted(tmp_path.glob("wandb/offline-run-*"))  # W&B buffers: the killed one may be empty
-    assert killed.name.endswith(f"-{run_id}") and closed.name.endswith(f"-{run_id}")  # one W&B run
+    # One W&B run in two directories; W&B appends -1 to the second when both start in the same second.
+    dirs = sorted(path.name for path in tmp_path.glob("wandb/offline-run-*"))  # the killed one may be empty
+    assert len(dirs) == 2 and all(re.fullmatch(rf"offline-run-\d{{8}}_\d{{6}}-{run_id}(-\d+)?", d) for d in dirs), dirs
     (wb,) = [r for r in offline_runs(tmp_path) if r.exit_code is not None]
     assert wb.id == run_id and wb.exit_code == 1 and wb.summary["status"] == "failed"
     assert not logger.close_unfinished(cfg["logger"], result)  # once
