@@ -77,6 +77,19 @@ def test_a_changed_schedule_is_refused(megatron_world, saved):
         train(cfg, saved)
 
 
+def test_another_batch_shape_loads_with_a_note_naming_the_saved_value(megatron_world, saved, tmp_path):
+    """Allowed (the data continues at the saved sample), but said: the next steps are not the saved run's."""
+    cfg = compose("train.train_iters=5", "measure.start_step=5", "measure.profile=none", "checkpoint=default",
+                  f"checkpoint.resume={saved / 'checkpoints' / 'step_00000004'}", "train.global_batch_size=2")
+    same, _ = train(cfg, tmp_path / "same")
+    assert not any("saved with train." in n for n in same["checkpoint_notes"])
+    cfg["train"]["global_batch_size"] = 4
+    other, _ = train(cfg, tmp_path / "other")
+    assert other["resumed_from"]["step"] == 4 and ("saved with train.global_batch_size=2, resumed with 4: the data "
+                                                   "continues at the saved sample") in " ".join(other["checkpoint_notes"])
+    assert "train.global_batch_size=2 continues it exactly" in " ".join(other["checkpoint_notes"])
+
+
 def test_partial_checkpoints_are_named_and_never_used(saved, tmp_path):
     import shutil
 

@@ -4,6 +4,8 @@
   in flight on this pipeline rank. That is why the first stage holds more activations than the
   last (Korthikanti et al. 2022: the first 1F1B stage holds p micro-batches' worth). It mirrors
   ``megatron.core.pipeline_parallel.schedules.get_pp_rank_microbatches``; a test checks the two agree.
+- ``from_last_stage``: a value only the last pipeline stage has (the loss) on every stage, so that
+  rank 0 logs it, as Megatron-LM's last-rank logging does.
 - ``reduce_gradients_cpu``: the CPU stand-in for megatron's DDP + ``finalize_model_grads`` + the
   optimizer's gradient clipping, which hard-code CUDA. It does the same reductions over the same
   process groups (sequence-parallel norms over TP, tied embeddings over the embedding group, dense
@@ -57,6 +59,23 @@ def in_flight_bytes(schedule: dict, chunk_bytes: list[int]) -> int:
     if not chunk_bytes:
         return 0
     return sum(chunk_bytes[c] for c in schedule["chunk_order"])
+
+
+def from_last_stage(value) -> float | None:
+    """``value`` (a float, a 0-d tensor, or None off the last stage) from this rank's last pipeline
+    stage, as a float on every stage of the pipeline; a collective: every stage calls it together.
+    Without pipelining, the value itself."""
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized() or ps.get_pipeline_model_parallel_world_size() == 1:
+        return None if value is None else float(value)
+    from recipes.build import compat
+
+    known = value is not None
+    buf = torch.tensor([float(value) if known else 0.0, float(known)], dtype=torch.float64, device=compat.device())
+    torch.distributed.broadcast(buf, src=ps.get_pipeline_model_parallel_last_rank(),
+                                group=ps.get_pipeline_model_parallel_group())
+    return float(buf[0]) if buf[1] else None
 
 
 def _all_reduce(tensor: torch.Tensor, group) -> None:

@@ -269,7 +269,7 @@ def full_state(trainer, extra: dict, is_loading: bool) -> dict:
 
 def _meta(cfg: dict, trainer) -> dict:
     return {"format": FORMAT, "step": trainer.step_count,
-            "world_size": torch.distributed.get_world_size(),
+            "world_size": torch.distributed.get_world_size(), "global_batch_size": trainer.global_batch_size,
             "config": {k: cfg[k] for k in ("model", "parallel", "train", "data")}}
 
 
@@ -356,6 +356,7 @@ def load_checkpoint(trainer, cfg: dict, path: Path) -> dict:
             raise ConfigError("train.lr*", f"{path} was trained with another schedule: " + "; ".join(diff),
                               "resume with the same train.* schedule, or checkpoint.override_scheduler=true "
                               "to apply this run's schedule from the checkpoint's step on")
+    notes += batch_differences(meta, cfg, trainer.global_batch_size)
     same_world = meta["world_size"] == torch.distributed.get_world_size()
     state = full_state(trainer, {}, is_loading=True)
     if not same_world:
@@ -382,6 +383,19 @@ def load_checkpoint(trainer, cfg: dict, path: Path) -> dict:
         set_rng_state(per_rank["rng"])
         measured = json.loads(per_rank["measured"])
     return {"step": trainer.step_count, "measured": measured, "notes": notes}
+
+
+def batch_differences(meta: dict, cfg: dict, global_batch_size: int) -> list[str]:
+    """Notes for a batch shape other than the checkpoint's: allowed (the data continues at the saved
+    sample, as under Megatron-LM's batch-size ramp-up), but the next steps are not the saved run's."""
+    saved_train = (meta.get("config") or {}).get("train") or {}
+    saved = {"global_batch_size": meta.get("global_batch_size"),
+             **{key: saved_train.get(key) for key in ("micro_batch_size", "seq_length")}}
+    now = {"global_batch_size": global_batch_size, "micro_batch_size": cfg["train"]["micro_batch_size"],
+           "seq_length": cfg["train"]["seq_length"]}
+    return [f"saved with train.{key}={saved[key]}, resumed with {now[key]}: the data continues at the saved "
+            f"sample, but the steps are not the saved run's (train.{key}={saved[key]} continues it exactly)"
+            for key in now if saved[key] is not None and saved[key] != now[key]]
 
 
 def _saved_scheduler(meta: dict, cfg: dict) -> dict | None:

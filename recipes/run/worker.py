@@ -36,7 +36,7 @@ from recipes.analyze.logger import NullRun, WandbRun, interval_metrics, open_run
 from recipes.build import compat, upstream
 from recipes.build.model import build_model, build_transformer_config, num_parameters
 from recipes.build.offload import emulate_copy_streams_on_cpu, offload_paused, reset_offload_manager
-from recipes.build.parallel import pipeline_report, reduce_gradients_cpu
+from recipes.build.parallel import from_last_stage, pipeline_report, reduce_gradients_cpu
 from recipes.data.datasets import batches, build_datasets
 from recipes.data.indexed import check_tokenizer
 from recipes.errors import ConfigError
@@ -168,7 +168,7 @@ class Trainer:
         self.chunks = build_model(cfg, self.config)
         self.dp_size = ps.get_data_parallel_world_size()
         train = cfg["train"]
-        gbs = train["global_batch_size"] or train["micro_batch_size"] * self.dp_size
+        self.global_batch_size = gbs = train["global_batch_size"] or train["micro_batch_size"] * self.dp_size
         self.num_microbatches = gbs // (train["micro_batch_size"] * self.dp_size)
         self.optimizer_kind = self._build_optimizer()
         self.scheduler = build_scheduler(self.optimizer, train)
@@ -333,7 +333,7 @@ class Trainer:
                 values += [float(l["lm loss"]) for l in losses or []]
         for c in self.chunks:
             c.train()
-        return sum(values) / len(values) if values else None
+        return from_last_stage(sum(values) / len(values) if values else None)  # under PP: on every stage
 
     def _finalize_grads(self) -> None:
         """Gradient reduction: megatron's on a GPU; on a CPU the same reductions and global-norm
@@ -452,7 +452,7 @@ class Progress:
         self.logger = logger or NullRun()
 
     def log(self, step: int, loss, lr: float | None, grad_norm, last_eval: dict | None) -> None:
-        loss = None if loss is None else float(loss)  # synchronizes: once per interval
+        loss = from_last_stage(loss)  # synchronizes (and under PP reaches rank 0): once per interval
         now = time.perf_counter()
         step_s = (now - self.last_time) / max(1, step - self.last_step)
         self.last_step, self.last_time = step, now
