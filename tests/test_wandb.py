@@ -134,11 +134,17 @@ def test_an_oom_point_finishes_its_run_with_its_status(tmp_path, monkeypatch):
 
 
 KILLED = """
-import json, os, sys
+import json, os, sys, time
+from pathlib import Path
 from recipes.analyze import logger
+progress = Path(sys.argv[1]) / "progress.jsonl"
+progress.write_text(json.dumps({"step": 1, "loss": 7.0, "time": time.time() - 60}) + "\\n")  # an earlier process
 run = logger.open_run(json.loads(sys.argv[2]), sys.argv[1], rank=0)
-run.log({"train/loss": 6.0}, 1)
-os._exit(9)  # as the kernel's OOM killer ends a worker: no finish
+for step, loss in ((2, 6.0), (3, 5.5)):  # as Progress.log: W&B, then the row
+    run.log({"train/loss": loss}, step, commit=True)
+    with open(progress, "a") as f:
+        f.write(json.dumps({"step": step, "loss": loss, "lr": 1e-3, "time": time.time()}) + "\\n")
+os._exit(9)  # as the kernel's OOM killer ends a worker: no finish, W&B's buffer lost
 """
 
 
@@ -158,6 +164,8 @@ def test_a_killed_worker_s_run_is_closed_by_the_controller(tmp_path):
     assert len(dirs) == 2 and all(re.fullmatch(rf"offline-run-\d{{8}}_\d{{6}}-{run_id}(-\d+)?", d) for d in dirs), dirs
     (wb,) = [r for r in offline_runs(tmp_path) if r.exit_code is not None]
     assert wb.id == run_id and wb.exit_code == 1 and wb.summary["status"] == "failed"
+    # the killed process's rows, re-logged from progress.jsonl (not the earlier process's step 1)
+    assert wb.history == {2: {"train/loss": 6.0, "train/lr": 1e-3}, 3: {"train/loss": 5.5, "train/lr": 1e-3}}
     assert not logger.close_unfinished(cfg["logger"], result)  # once
 
 

@@ -11,7 +11,9 @@ Who logs what (one home each):
   ``mem/peak_allocated_gib``) and per validation (``val/loss``), at the training step; at its end
   ``finish`` with the summary (``run_metrics``: every rank's memory under ``rank<N>/``) and its status.
 - The controller again only when the worker could not finish its run (killed, as by the kernel's OOM
-  killer): ``close_unfinished`` records the merged result's summary and status in the same W&B run.
+  killer): ``close_unfinished`` records the merged result's summary and status in the same W&B run, after
+  re-logging the worker's progress rows from ``RUN_DIR/progress.jsonl`` (a killed process loses what W&B
+  still buffered; the rows W&B already has are left out when it knows the run's last step).
 
 Logging never costs a result: every W&B error is one warning line, never an exception. The other ranks
 get ``NullRun``, the do-nothing twin, as does ``logger=none``.
@@ -21,10 +23,12 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import json
 import netrc
 import os
 import sys
 import threading
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -277,7 +281,7 @@ def open_run(cfg: dict, run_dir: str | Path, rank: int, resuming: bool = False) 
                   "run_dir": str(run_dir)}
         run = _init(log, identity, run_dir, identity.get("id") if resuming else None, config)
         _update_identity(run_dir, **{k: identity[k] for k in ("name", "group", "job_type")}, id=run.id,
-                         opened=True, finished=False)
+                         opened=True, opened_at=time.time(), finished=False)
         return WandbRun(run, run_dir, identity["name"])
     except Exception as err:
         _warn("opening the run", identity["name"], run_dir, err)
@@ -300,5 +304,25 @@ def close_unfinished(log: dict, result: dict) -> bool:
     except Exception as err:
         _warn("closing the run", identity.get("name"), run_dir, err)
         return False
-    WandbRun(run, run_dir, identity["name"]).finish(result, _EXIT.get(result.get("status"), 1))
+    closing = WandbRun(run, run_dir, identity["name"])
+    for row in _unfinished_rows(Path(run_dir), identity.get("opened_at", 0.0), run.step):
+        closing.log({**interval_metrics(row), "val/loss": row.get("val_loss")}, row["step"], commit=True)
+    closing.finish(result, _EXIT.get(result.get("status"), 1))
     return True
+
+
+def _unfinished_rows(run_dir: Path, opened_at: float, next_step: int) -> list[dict]:
+    """The progress rows the killed worker wrote after it opened its W&B run, from ``next_step`` on (the
+    step W&B continues at: online, after the rows it already has; offline it knows none, so 0)."""
+    path = run_dir / "progress.jsonl"
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:  # the last line, cut by the kill
+            continue
+        if row.get("time", 0.0) >= opened_at and row.get("step", -1) >= next_step:
+            rows.append(row)
+    return rows
