@@ -282,6 +282,7 @@ class RecipeConfig:
     rerun: bool = False  # in a sweep, re-run points that already have a complete result
     dry_run: bool = False  # validate and write the config, start no worker
     lock_wait_s: float = 1800.0  # another run holds this point's directory: wait this long, then skip it
+    fork_server: bool = True  # sweep points of one process fork from a server that imported megatron once
 
 
 #: Longest directory name ``slug`` makes: far below the file-name limit of 255 bytes, short enough to read.
@@ -310,11 +311,18 @@ def _defaults() -> dict:
     return OmegaConf.to_container(OmegaConf.structured(RecipeConfig))
 
 
+#: Top-level fields a stored config may lack that changed nothing measured: filled as they ran.
+PREVIOUS_TOP_LEVEL = {"fork_server": False}
+
+
 def upgrade(config: dict) -> dict:
     """A stored run config (a result an earlier version wrote) in today's schema: renamed knobs moved
     (``train.warmup_iters=N`` is ``measure.start_step=N+1``, the same steps), fields added since
-    filled with their defaults, fields removed since dropped. A current config comes back equal."""
+    filled with their defaults (or, for a top-level field that measured nothing, ``PREVIOUS_TOP_LEVEL``),
+    fields removed since dropped. A current config comes back equal."""
     old = copy.deepcopy(config)
+    for key, value in PREVIOUS_TOP_LEVEL.items():
+        old.setdefault(key, value)
     train = old.get("train") or {}
     if "warmup_iters" in train:
         n = train.pop("warmup_iters")

@@ -18,7 +18,8 @@ from recipes.recompute import option_of
 
 SCHEMA_VERSION = 1
 #: Keys that do not change what a point measures: a stored result with other values still counts.
-NOT_MEASURED = ("rerun", "dry_run", "name", "output_dir", "logger", "estimate", "lock_wait_s", "checkpoint")
+NOT_MEASURED = ("rerun", "dry_run", "name", "output_dir", "logger", "estimate", "lock_wait_s", "checkpoint",
+                "fork_server")
 #: Status severity: the run's status is its worst rank's. `stopped` (train.exit_interval) and
 #: `preempted` (a signal) saved a checkpoint and ended early: not complete, a re-run resumes.
 _SEVERITY = {"ok": 0, "stopped": 0.5, "preempted": 0.5, "oom": 1, "failed": 2, "refused": 3}

@@ -60,7 +60,15 @@ def wait_for(condition, proc: subprocess.Popen, timeout: float = 120.0):
 
 
 def worker_pid(run_dir: Path) -> int | None:
-    """The pid of the worker process started for ``run_dir`` (its command line names the directory)."""
+    """The pid of the worker process started for ``run_dir``: the controller's ``worker.pid`` there (a
+    worker forked by the fork server has the server's command line), else the process whose command
+    line names the directory."""
+    try:
+        pid = int((run_dir / "worker.pid").read_text())
+        if Path(f"/proc/{pid}").exists():
+            return pid
+    except (OSError, ValueError):
+        pass
     for proc in Path("/proc").iterdir():
         if proc.name.isdigit():
             try:

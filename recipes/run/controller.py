@@ -16,6 +16,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from launch.forkserver import ForkServer, env_key
 from launch.process import end_group, start_group
 from launch.slurm import node_rank, slurm_rendezvous, wait_for_rank_files
 from launch.torchrun import free_port, torchrun_command
@@ -147,6 +148,45 @@ def worker_command(cfg: dict, run_dir: Path) -> list[str]:
     return torchrun_command(launch, program)
 
 
+#: What the fork server imports before it forks a sweep point's worker: the worker and the megatron
+#: modules it loads (upstream.apply_all imports the transformer, MoE and optimizer ones), none of which
+#: touches CUDA; the rest a worker imports on its own.
+WORKER_PRELOAD = ["recipes.run.worker", "recipes.build.upstream:apply_all", "recipes.build.attention",
+                  "recipes.build.experts", "recipes.build.dispatch", "megatron.core.models.gpt",
+                  "megatron.core.pipeline_parallel", "megatron.core.distributed", "megatron.core.datasets.gpt_dataset"]
+#: In a run directory while its workers run: the pid the controller started (the worker, or torchrun).
+WORKER_PID = "worker.pid"
+#: This controller's fork server (one per environment; started at the first point that uses it).
+FORK_SERVER: dict = {"server": None, "failed": None}
+
+
+def uses_fork_server(cfg: dict) -> bool:
+    """Sweep points of one process on this machine fork from the server (``fork_server``, default on)."""
+    launch = cfg["launcher"]
+    return (bool(cfg.get("fork_server")) and in_multirun() and launch["name"] == "local"
+            and launch["nproc_per_node"] * launch["nnodes"] == 1 and FORK_SERVER["failed"] is None)
+
+
+def fork_server(env: dict[str, str]) -> ForkServer | None:
+    """The fork server for ``env`` (a new one when the environment changed, e.g. a point with
+    ``measure.expandable_segments``), or None, said once, when it cannot serve."""
+    server = FORK_SERVER["server"]
+    if server is not None and server.env_key != env_key(env):
+        server.close()
+        server = FORK_SERVER["server"] = None
+    if server is None:
+        try:
+            server = FORK_SERVER["server"] = ForkServer(WORKER_PRELOAD, env, str(REPO_ROOT))
+        except (RuntimeError, OSError) as err:
+            FORK_SERVER["failed"] = str(err)
+            print(f"[fork-server] not used ({err}): each point starts its own process", flush=True)
+            return None
+        import atexit
+
+        atexit.register(server.close)
+    return server
+
+
 def worker_environment(cfg: dict) -> dict[str, str]:
     env = dict(os.environ)
     # each point's W&B run gets its own service process: not the one this controller may have started
@@ -171,15 +211,23 @@ RECEIVED: list = []
 ECHOED = ("[progress]", "[checkpoint]", "[signal]", "[eval]", "warning: W&B")
 
 
-def run_workers(command: list[str], env: dict[str, str], log) -> subprocess.CompletedProcess:
-    """Start the workers, copy their output into ``log``, echo the live progress lines, and forward
-    SIGTERM/SIGUSR1 (a preemption, Slurm's time-limit warning) to them: they save a checkpoint at the
-    next step boundary and exit, and this controller records the run as ``preempted``."""
+def run_workers(command: list[str], env: dict[str, str], log, server: ForkServer | None = None,
+                run_dir: Path | None = None) -> subprocess.CompletedProcess:
+    """Start the workers (``command``, or with a fork ``server`` one worker forked for ``run_dir``), copy
+    their output into ``log``, echo the live progress lines, and forward SIGTERM/SIGUSR1 (a preemption,
+    Slurm's time-limit warning) to them: they save a checkpoint at the next step boundary and exit, and
+    this controller records the run as ``preempted``."""
     import signal
 
     # its own process group, killed with the controller (launch.process): no orphaned workers
-    proc = start_group(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
-                       text=True, bufsize=1)
+    if server is not None:
+        proc = server.spawn("recipes.run.worker:serve", [str(run_dir)], env, str(REPO_ROOT))
+    else:
+        proc = start_group(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
+                           text=True, bufsize=1)
+    pid_file = run_dir / WORKER_PID if run_dir is not None else None
+    if pid_file is not None:  # which process runs this point (a forked worker's command line is the server's)
+        pid_file.write_text(f"{proc.pid}\n")
     forwarded = (signal.SIGTERM, signal.SIGUSR1)
 
     def forward(signum, _frame):
@@ -205,6 +253,8 @@ def run_workers(command: list[str], env: dict[str, str], log) -> subprocess.Comp
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        if pid_file is not None:
+            pid_file.unlink(missing_ok=True)
     end_group(proc, grace_s=0)  # anything the workers left behind in their group
     return subprocess.CompletedProcess(command, proc.returncode)
 
@@ -354,8 +404,10 @@ def _launch(cfg: DictConfig, plain: dict, name: str, choices: dict, run_dir: Pat
     start = time.time()  # the workers' timelines are relative to this launch time
     log_path = run_dir / ("worker.log" if node == 0 else f"worker.node{node}.log")
     command = worker_command(plain, run_dir)
+    env = worker_environment(plain)
+    server = fork_server(env) if uses_fork_server(plain) else None
     with open(log_path, "a" if plain["checkpoint"]["resume"] else "w") as log:
-        returncode = run_workers(command, worker_environment(plain), log).returncode
+        returncode = run_workers(command, env, log, server, run_dir if node == 0 else None).returncode
     if node:
         print(f"[node {node}] {name}: workers exited with code {returncode}; node 0 records {run_dir}")
         return {"status": "node", "node_rank": node, "name": name, "run_dir": str(run_dir)}
@@ -369,7 +421,8 @@ def _launch(cfg: DictConfig, plain: dict, name: str, choices: dict, run_dir: Pat
         "run_dir": str(run_dir),
         "wall_s": time.time() - start,
         "launched": start,
-        "launch_command": " ".join(command),
+        "launch_command": " ".join(command) if server is None else f"forked by the fork server (pid "
+                          f"{server.proc.pid}) as: {' '.join(command)}",
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "config": plain,
     }

@@ -861,8 +861,11 @@ def run_summary(run_dir: Path, cfg: dict) -> dict:
     return merge_result(run_dir, meta, 0, None)
 
 
-if __name__ == "__main__":
-    code = main(sys.argv[1])
+def serve(run_dir: str) -> None:
+    """A worker process's whole life: ``main``, then exit. Run as ``python -m recipes.run.worker RUN_DIR``
+    (torchrun, or the controller for one process) or in a child of ``launch.forkserver`` (sweep points of
+    one process, megatron already imported). Never returns."""
+    code = main(run_dir)
     import multiprocessing
 
     for child in multiprocessing.active_children():  # dist_checkpointing's result-queue manager
@@ -872,3 +875,7 @@ if __name__ == "__main__":
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1])

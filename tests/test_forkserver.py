@@ -1,0 +1,133 @@
+"""The fork server (launch/forkserver.py): a fresh child per request with the request's environment,
+directory and output; exit codes as subprocess reports them; its children die with it; it refuses to
+serve after CUDA or a thread started; sweep points forked from it measure what their own processes do."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+from conftest import REPO
+from test_faults import TINY, alive, gone_within, train
+
+from launch.forkserver import ForkServer, env_key
+from launch.process import end_group
+
+ENV = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO / "tests"), str(REPO)]))
+
+
+@pytest.fixture(scope="module")
+def server():
+    server = ForkServer(["forkserver_targets"], ENV, str(REPO))
+    yield server
+    server.close()
+
+
+def test_a_child_gets_the_requests_environment_directory_and_output(server, tmp_path):
+    proc = server.spawn("forkserver_targets:hello", ["hi", "3"], dict(ENV, POINT="p1"), str(tmp_path))
+    out = proc.stdout.read()
+    assert proc.wait(timeout=30) == 3
+    assert f"hi from {proc.pid} in {tmp_path} with p1" in out and "to stderr" in out
+    assert proc.pid != server.proc.pid
+    again = server.spawn("forkserver_targets:hello", ["again", "0"], dict(ENV, POINT="p2"), str(tmp_path))
+    assert "with p2" in again.stdout.read() and again.wait(timeout=30) == 0 and again.pid != proc.pid
+
+
+def test_ending_a_childs_group_ends_what_it_started(server, tmp_path):
+    proc = server.spawn("forkserver_targets:sleep_with_a_child", ["60"], ENV, str(tmp_path))
+    grandchild = int(proc.stdout.readline().split()[1])
+    assert proc.poll() is None and alive(grandchild)
+    assert os.getsid(proc.pid) == proc.pid  # its own session and process group, as start_group makes
+    end_group(proc, grace_s=5)
+    assert proc.returncode == -signal.SIGTERM
+    assert gone_within(grandchild, 10)
+
+
+def test_a_child_dies_with_the_server(tmp_path):
+    server = ForkServer(["forkserver_targets"], ENV, str(REPO))
+    proc = server.spawn("forkserver_targets:sleep_with_a_child", ["60"], ENV, str(tmp_path))
+    proc.stdout.readline()
+    os.kill(server.proc.pid, signal.SIGKILL)
+    assert gone_within(proc.pid, 10), "a forked worker outlived its server"
+    assert proc.wait(timeout=10) == -9  # what the controller records: killed
+    server.close()
+
+
+@pytest.mark.parametrize("preload,reason", [
+    ("forkserver_targets:start_a_thread", "runs threads"),
+    ("forkserver_targets:initialize_cuda", "CUDA is initialized"),
+    ("no_such_module", "preloading failed: ModuleNotFoundError"),
+])
+def test_it_refuses_to_serve_what_a_fork_would_break(preload, reason):
+    with pytest.raises(RuntimeError, match=reason):
+        ForkServer([preload], ENV, str(REPO))
+
+
+def test_a_server_is_reused_only_for_the_same_environment():
+    assert env_key(dict(ENV, MASTER_PORT="1")) == env_key(dict(ENV, MASTER_PORT="2"))
+    assert env_key(dict(ENV, PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True")) != env_key(ENV)
+
+
+@pytest.mark.slow
+def test_forked_points_measure_what_their_own_processes_do(tmp_path):
+    """The same two-point sweep both ways: equal losses and ledgers (a CPU is deterministic); forked, the
+    second point starts without imports, and every point says how it was started."""
+    results = {}
+    for flag in ("true", "false"):
+        sweep = tmp_path / flag
+        done = train(["-m", "recompute=none,selective/core_attn", *TINY, f"fork_server={flag}",
+                      f"hydra.sweep.dir={sweep}"], tmp_path, timeout=300)
+        assert done.returncode == 0, done.stdout + done.stderr
+        results[flag] = {p.parent.name: json.loads(p.read_text()) for p in sweep.glob("*/result.json")}
+        assert not list(sweep.glob("*/worker.pid"))  # removed once the worker is done
+    assert results["true"].keys() == results["false"].keys() and len(results["true"]) == 2
+    for name, forked in results["true"].items():
+        own = results["false"][name]
+        assert forked["ranks"][0]["loss"] == own["ranks"][0]["loss"] and forked["ranks"][0]["grad_norm"] == own["ranks"][0]["grad_norm"]
+        assert forked["ranks"][0]["ledger"] == own["ranks"][0]["ledger"]
+        assert forked["launch_command"].startswith("forked by the fork server")
+        assert not own["launch_command"].startswith("forked")
+    from recipes.run.console import time_breakdown
+
+    starts = sorted(time_breakdown(r)["start+imports"] + time_breakdown(r)["megatron imports"]
+                    for r in results["true"].values())
+    assert starts[0] < 1.0 < starts[1]  # the first point started the server; the second forked from it
+
+
+@pytest.mark.slow
+def test_kill_9_of_the_controller_takes_the_server_along(tmp_path):
+    from test_faults import start
+    from test_sweep import wait_for, worker_pid
+
+    sweep = tmp_path / "sweep"
+    proc = start(["-m", "recompute=none,full", *TINY, "train.train_iters=30", f"hydra.sweep.dir={sweep}"], tmp_path)
+    worker = wait_for(lambda: next((worker_pid(p) for p in sweep.glob("*") if worker_pid(p)), None), proc)
+    servers = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _is_server_of(p, proc.pid)]
+    assert len(servers) == 1
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert gone_within(servers[0], 10) and gone_within(worker, 10)
+
+
+def _is_server_of(proc: Path, parent: int) -> bool:
+    try:
+        stat = (proc / "stat").read_text()
+        return b"launch.forkserver" in (proc / "cmdline").read_bytes() and int(stat.split(") ")[1].split()[1]) == parent
+    except (OSError, IndexError, ValueError):
+        return False
+
+
+def test_only_sweep_points_of_one_local_process_fork(monkeypatch):
+    from conftest import compose
+
+    from recipes.run import controller
+
+    monkeypatch.setattr(controller, "in_multirun", lambda: True)
+    assert controller.uses_fork_server(compose())
+    assert not controller.uses_fork_server(compose("fork_server=false"))
+    assert not controller.uses_fork_server(compose("parallel=dp2"))
+    monkeypatch.setattr(controller, "in_multirun", lambda: False)
+    assert not controller.uses_fork_server(compose())  # one run: nothing to share the imports with
