@@ -245,6 +245,8 @@ def serve(fd: int) -> None:
                 os.close(f)
             _send(sock, {"error": reason})
             continue
+        sys.stdout.flush()  # else a child would write the server's buffered output into its pipe
+        sys.stderr.flush()
         pid = os.fork()
         if pid == 0:
             sock.close()
