@@ -19,7 +19,33 @@ Bugs handled elsewhere (by design, not by patching):
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 _FIXED: set[str] = set()
+
+
+def _workaround(key: str, without_te: bool = True) -> Callable[[Callable[[], bool | None]], Callable[[], bool]]:
+    """One patch per process: the decorated function patches megatron-core and returns None, or False
+    when this environment does not need it. The wrapper returns True once the patch is in place
+    (again on later calls), False when it does not apply; ``without_te``: with Transformer Engine
+    installed, the bug's code path is not taken and nothing is patched."""
+
+    def decorate(patch: Callable[[], bool | None]) -> Callable[[], bool]:
+        @functools.wraps(patch)
+        def apply() -> bool:
+            if key in _FIXED:
+                return True
+            if without_te and transformer_engine_available():
+                return False
+            if patch() is False:
+                return False
+            _FIXED.add(key)
+            return True
+
+        return apply
+
+    return decorate
 
 
 def transformer_engine_available() -> bool:
@@ -30,7 +56,8 @@ def transformer_engine_available() -> bool:
     return bool(HAVE_TE)
 
 
-def fix_checkpoint_without_output_fp8_default() -> bool:
+@_workaround("cwo_fp8")
+def fix_checkpoint_without_output_fp8_default() -> bool | None:
     """``CheckpointWithoutOutput(fp8=False)`` sets ``self.fp8 = (fp8 is not None)``, i.e. True.
 
     Its forward then takes the FP8 branch and raises ``NameError: FP8GlobalStateManager`` without
@@ -39,10 +66,6 @@ def fix_checkpoint_without_output_fp8_default() -> bool:
     the fix applies only when TE is absent (FP8 cannot be on then): ``self.fp8 = bool(fp8)``.
     Returns True when the fix was applied.
     """
-    if "cwo_fp8" in _FIXED:
-        return True
-    if transformer_engine_available():
-        return False
     from megatron.core.tensor_parallel import random as mcore_random
 
     cls = mcore_random.CheckpointWithoutOutput
@@ -54,11 +77,10 @@ def fix_checkpoint_without_output_fp8_default() -> bool:
 
     cls.__init__ = __init__
     cls._recipes_original_init = original_init
-    _FIXED.add("cwo_fp8")
-    return True
 
 
-def allow_sequence_parallel_torch_norm() -> bool:
+@_workaround("torch_norm_sp", without_te=False)
+def allow_sequence_parallel_torch_norm() -> bool | None:
     """``WrappedTorchNorm`` asserts ``not config.sequence_parallel`` (megatron/core/transformer/torch_norm.py).
 
     It is the local spec's norm whenever Apex and Transformer Engine are absent, so sequence
@@ -70,8 +92,6 @@ def allow_sequence_parallel_torch_norm() -> bool:
     builds the norm from a copy of the config with the flag off and marks the weights.
     Returns True when the fix was applied.
     """
-    if "torch_norm_sp" in _FIXED:
-        return True
     import copy
 
     from megatron.core.transformer import torch_norm
@@ -91,11 +111,10 @@ def allow_sequence_parallel_torch_norm() -> bool:
 
     cls.__new__ = staticmethod(__new__)
     cls._recipes_original_new = original_new
-    _FIXED.add("torch_norm_sp")
-    return True
 
 
-def release_allgather_dispatcher_probs() -> bool:
+@_workaround("dispatcher_probs", without_te=False)
+def release_allgather_dispatcher_probs() -> bool | None:
     """``MoEAllGatherTokenDispatcher`` keeps ``self.local_probs`` after the combine (token_dispatcher.py,
     ``dispatch_postprocess``). That attribute is the routing probabilities together with their
     autograd graph, and nothing reads it once ``combine_postprocess`` has run.
@@ -108,8 +127,6 @@ def release_allgather_dispatcher_probs() -> bool:
     than every other MoE point, about 64 MiB per layer. The fix drops the reference at the end of
     ``combine_postprocess``; the autograd graph keeps what backward needs. Returns True when applied.
     """
-    if "dispatcher_probs" in _FIXED:
-        return True
     from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher as cls
 
     original = cls.combine_postprocess
@@ -121,18 +138,17 @@ def release_allgather_dispatcher_probs() -> bool:
 
     cls.combine_postprocess = combine_postprocess
     cls._recipes_original_combine_postprocess = original
-    _FIXED.add("dispatcher_probs")
-    return True
 
 
-def allow_checkpoint_save_without_psutil() -> bool:
+@_workaround("psutil", without_te=False)
+def allow_checkpoint_save_without_psutil() -> bool | None:
     """``dist_checkpointing``'s file writer logs its process's memory around every write through
     ``_process_memory()`` (strategies/filesystem_async.py), which raises "psutil is not installed"
     without psutil, a package megatron-core 0.19.2 does not declare. Without psutil, the resident
     set size comes from ``/proc/self/statm`` (it is only logged). Returns True when applied."""
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    if filesystem_async.HAVE_PSUTIL or "psutil" in _FIXED:
+    if filesystem_async.HAVE_PSUTIL:
         return False
     import os
 
@@ -144,8 +160,6 @@ def allow_checkpoint_save_without_psutil() -> bool:
             return 0
 
     filesystem_async._process_memory = _process_memory
-    _FIXED.add("psutil")
-    return True
 
 
 def prime_distributed_optimizer_for_loading(optimizer) -> int:
@@ -173,7 +187,8 @@ class _StepLoadedSeparately(dict):
         return None
 
 
-def load_reshardable_optimizer_with_torch_adam_step() -> bool:
+@_workaround("adam_step_load")
+def load_reshardable_optimizer_with_torch_adam_step() -> bool | None:
     """Loading a ``fully_reshardable`` DistributedOptimizer checkpoint with torch's Adam (no Apex or
     Transformer Engine) raises ``KeyError: 'step'`` in ``_set_main_param_and_optimizer_states``
     (distrib_optimizer.py): it copies every tensor of the parameter's optimizer state from the loaded
@@ -182,10 +197,6 @@ def load_reshardable_optimizer_with_torch_adam_step() -> bool:
     state separately": ``load_state_dict`` sets it from the param groups just before). Seen on two
     H200s, megatron-core 0.19.2, loading a TP2 checkpoint at TP1. The fix lets an absent key count as
     "not a tensor", which that method already skips. Returns True when applied."""
-    if "adam_step_load" in _FIXED:
-        return True
-    if transformer_engine_available():
-        return False
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     original = DistributedOptimizer._set_main_param_and_optimizer_states
@@ -195,11 +206,10 @@ def load_reshardable_optimizer_with_torch_adam_step() -> bool:
 
     DistributedOptimizer._set_main_param_and_optimizer_states = _set_main_param_and_optimizer_states
     DistributedOptimizer._recipes_original_set_main_param = original
-    _FIXED.add("adam_step_load")
-    return True
 
 
-def build_mla_without_q_lora_on_local_spec() -> bool:
+@_workaround("mla_no_q_lora")
+def build_mla_without_q_lora_on_local_spec() -> bool | None:
     """MLA without a q down-projection (``q_lora_rank`` null: Moonlight, DeepSeek-V2-Lite) and with
     ``qk_layernorm`` cannot be built on the local spec: megatron-core 0.19.2's ``QKNormConfigResolver``
     (transformer/mla_qk_norm_config.py) refuses the local spec's q_layernorm ("is non-trivial, but
@@ -207,10 +217,6 @@ def build_mla_without_q_lora_on_local_spec() -> bool:
     ``linear_q_proj`` ("qk_layernorm requires TransformerEngine"). The published models have no q norm
     there (only ``kv_a_layernorm``): without TE the resolver here builds ``linear_q_proj`` as the plain
     column-parallel projection and no q norm; the kv norm is unchanged. Returns True when applied."""
-    if "mla_no_q_lora" in _FIXED:
-        return True
-    if transformer_engine_available():
-        return False
     import dataclasses
 
     from megatron.core.transformer.identity_op import IdentityOp
@@ -236,8 +242,6 @@ def build_mla_without_q_lora_on_local_spec() -> bool:
     QKNormConfigResolver._mla_fused_linear_or_default = _mla_fused_linear_or_default
     QKNormConfigResolver._recipes_original_resolve = original_resolve
     QKNormConfigResolver._recipes_original_fused = original_fused
-    _FIXED.add("mla_no_q_lora")
-    return True
 
 
 class _NoTransformerEngineOffload:
@@ -247,7 +251,8 @@ class _NoTransformerEngineOffload:
     CPUOffloadEnabled = False
 
 
-def allow_fine_grained_offload_without_te() -> bool:
+@_workaround("te_offload_flag")
+def allow_fine_grained_offload_without_te() -> bool | None:
     """megatron-core 0.19.2's fine-grained activation offload runs only with Transformer Engine:
     ``PipelineOffloadManager.__enter__``/``__exit__`` (pipeline_parallel/fine_grained_activation_offload.py,
     ~L779-805) import ``cpu_offload`` from ``megatron.core.extensions.transformer_engine``, set its
@@ -255,20 +260,15 @@ def allow_fine_grained_offload_without_te() -> bool:
     else the manager does is plain PyTorch (saved-tensor hooks, a pinned host pool, copy streams), and
     on the local spec nothing reads that flag. The fix gives the import a stand-in with the flag, only
     when Transformer Engine is absent. Returns True when applied."""
-    if "te_offload_flag" in _FIXED:
-        return True
-    if transformer_engine_available():
-        return False
     from megatron.core.extensions import transformer_engine as te_extension
 
     if te_extension.cpu_offload is not None:
         return False
     te_extension.cpu_offload = _NoTransformerEngineOffload
-    _FIXED.add("te_offload_flag")
-    return True
 
 
-def order_inline_reload_after_offload() -> bool:
+@_workaround("inline_reload", without_te=False)
+def order_inline_reload_after_offload() -> bool | None:
     """``ChunkOffloadHandler.tensor_pop`` reloads a tensor that is still on the host inline, on the
     current (compute) stream, with no wait for the device-to-host copy that fills its host buffer
     (``bulk_reload_group`` waits on the group's offload event; this path does not). When backward
@@ -277,8 +277,6 @@ def order_inline_reload_after_offload() -> bool:
     (Megatron-LM issue 7398, open; PR 7399). The fix makes the current stream wait on the group's
     offload event before that inline reload (tests/test_offload.py shows the wrong gradients on a CPU
     without it). Returns True when applied."""
-    if "inline_reload" in _FIXED:
-        return True
     from megatron.core.pipeline_parallel import fine_grained_activation_offload as fgo
 
     cls = fgo.ChunkOffloadHandler
@@ -293,8 +291,6 @@ def order_inline_reload_after_offload() -> bool:
 
     cls.tensor_pop = tensor_pop
     cls._recipes_original_tensor_pop = original
-    _FIXED.add("inline_reload")
-    return True
 
 
 def apply_all() -> None:
