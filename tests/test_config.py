@@ -191,6 +191,7 @@ def test_every_offload_option_composes_and_names_itself():
     for option in conf_options():
         assert option_of(compose(f"offload={option}")) == option
 
+
 def test_stored_results_without_fork_server_read_as_separate_processes():
     """A stored config written before the fork server: its points started as their own processes."""
     from recipes.config import upgrade
