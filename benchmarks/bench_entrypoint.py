@@ -75,7 +75,7 @@ def bare_loop(cfg: dict, steps: int, warmup: int, kernels: bool = False,
         model = chunks[0]
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     if cfg["train"]["fused_adam"]:  # the same optimizer kernel as the entrypoint's
-        from recipes.run.worker import use_fused_adam
+        from recipes.run.trainer import use_fused_adam
 
         use_fused_adam(opt)
     t = cfg["train"]

@@ -63,7 +63,7 @@ def _fresh_moe_tracker() -> None:
 def build_trainer(cfg: dict):
     """A fresh Trainer for ``cfg`` (reseeded, so equal seeds give equal weights)."""
     from recipes.build.compat import seed_model_parallel_rng
-    from recipes.run.worker import Trainer
+    from recipes.run.trainer import Trainer
 
     _fresh_moe_tracker()
     seed_model_parallel_rng(cfg["train"]["seed"])

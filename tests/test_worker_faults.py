@@ -11,6 +11,7 @@ from omegaconf import OmegaConf
 
 from recipes.results import merge_result
 from recipes.run import worker
+from recipes.run.trainer import use_fused_adam
 
 
 def _run(tmp_path, monkeypatch, error: BaseException) -> tuple[int, dict]:
@@ -64,7 +65,7 @@ def test_an_oom_in_the_in_run_control_ledger_keeps_the_measurements(megatron_wor
     (the reason the user recomputes), the run is still ok, with its timing and a warning."""
     from conftest import train_in_process
 
-    from recipes.run.worker import Trainer
+    from recipes.run.trainer import Trainer
 
     def ledger_pass(self, disabled_labels=()):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1024.00 MiB.")
@@ -82,7 +83,7 @@ def test_the_control_ledger_runs_after_the_timed_steps(megatron_world, monkeypat
     larger blocks cached in the allocator and the option's fragmentation would read the control's."""
     from conftest import train_in_process
 
-    from recipes.run.worker import Trainer
+    from recipes.run.trainer import Trainer
 
     seen = []
     step, ledger_pass = Trainer.step, Trainer.ledger_pass
@@ -100,7 +101,7 @@ def test_fused_adam_switches_the_torch_optimizer_and_matches_foreach():
     params = [torch.nn.Parameter(torch.randn(64, 32)) for _ in range(2)]
     twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
     fused, plain = torch.optim.AdamW(params, lr=1e-2), torch.optim.AdamW(twins, lr=1e-2)
-    assert worker.use_fused_adam(fused) == 1 and fused.param_groups[0]["fused"] is True
+    assert use_fused_adam(fused) == 1 and fused.param_groups[0]["fused"] is True
     for _ in range(3):
         for p, q in zip(params, twins):
             p.grad = q.grad = torch.randn_like(p)

@@ -150,7 +150,7 @@ def usable_logger(log: dict) -> dict:
 #: ``RUN_DIR/wandb.json``: the W&B run of this directory (name, group, job type, the Hydra choices), written
 #: by the controller; the worker adds the run's id (kept across resumes) and whether it finished it.
 IDENTITY = "wandb.json"
-#: progress.jsonl's keys (``recipes.run.worker.Progress``) and the W&B keys they are logged under.
+#: progress.jsonl's keys (``recipes.run.progress.Progress``) and the W&B keys they are logged under.
 LIVE_KEYS = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm",
              "step_time_s": "perf/step_time_s", "tokens_per_s": "perf/tokens_per_s", "mfu": "perf/mfu",
              "peak_allocated_gib": "mem/peak_allocated_gib"}
