@@ -72,10 +72,10 @@ def rank_pid(run_dir: Path, rank: int) -> int | None:
     return pid
 
 
-def dry_sweep(tmp_path: Path, *extra: str) -> tuple[Path, list[Path]]:
+def dry_sweep(tmp_path: Path, *extra: str, base: list[str] = TINY) -> tuple[Path, list[Path]]:
     """A two-point sweep written without running (dry_run): its directory and point directories."""
     sweep = tmp_path / "sweep"
-    done = train(["-m", "recompute=none,full", *TINY, f"hydra.sweep.dir={sweep}", "dry_run=true", *extra], tmp_path)
+    done = train(["-m", "recompute=none,full", *base, f"hydra.sweep.dir={sweep}", "dry_run=true", *extra], tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
     points = {yaml.safe_load(p.read_text())["recompute"]["recompute_granularity"]: p.parent
               for p in sweep.glob("*/config.yaml")}  # names end in a hash: tell points apart by config
@@ -227,10 +227,12 @@ def test_kill_9_of_one_worker_rank_fails_the_run_with_a_record(tmp_path):
 
 @pytest.mark.slow
 def test_ctrl_c_ends_the_sweep_in_one_line_keeps_results_and_resumes(tmp_path):
-    sweep, (full, none) = dry_sweep(tmp_path)
+    # a point that outlasts the Ctrl-C: a forked worker of 2 steps can finish before the signal lands
+    long = [*TINY[:1], "train.train_iters=100000", *TINY[2:]]
+    sweep, (full, none) = dry_sweep(tmp_path, base=long)
     kept = fake_complete(none)
     stamp = kept.stat().st_mtime_ns
-    proc = start(["-m", "recompute=none,full", *TINY, f"hydra.sweep.dir={sweep}"], tmp_path)
+    proc = start(["-m", "recompute=none,full", *long, f"hydra.sweep.dir={sweep}"], tmp_path)
     pid = wait_for(lambda: worker_pid(full), proc)
     os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal sends to the foreground group
     out, err = proc.communicate(timeout=60)
@@ -238,7 +240,7 @@ def test_ctrl_c_ends_the_sweep_in_one_line_keeps_results_and_resumes(tmp_path):
     assert "Traceback" not in err and err.strip().count("\n") == 0 and "interrupted" in err
     assert gone_within(pid, 10) and not (full / "result.json").exists()
     assert kept.stat().st_mtime_ns == stamp
-    again = train(["-m", "recompute=none,full", *TINY, f"hydra.sweep.dir={sweep}", "dry_run=true"], tmp_path)
+    again = train(["-m", "recompute=none,full", *long, f"hydra.sweep.dir={sweep}", "dry_run=true"], tmp_path)
     assert again.returncode == 0 and "[skip]" in again.stdout and "[dry-run] standard_attn sdpa full" in again.stdout
 
 

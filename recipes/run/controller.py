@@ -235,11 +235,14 @@ def run_workers(command: list[str], env: dict[str, str], log, server: ForkServer
         RECEIVED.append((signum, previous[signal.Signals(signum)]))
 
     def pump() -> None:
-        for line in proc.stdout:
-            log.write(line)
-            log.flush()
-            if line.startswith(ECHOED):
-                print(line, end="", flush=True)
+        try:
+            for line in proc.stdout:
+                log.write(line)
+                log.flush()
+                if line.startswith(ECHOED):
+                    print(line, end="", flush=True)
+        except (ValueError, OSError):  # the log closed under it: Ctrl-C, and a process still holds the pipe
+            pass
 
     previous = {sig: signal.signal(sig, forward) for sig in forwarded}
     reader = threading.Thread(target=pump, daemon=True)
@@ -249,6 +252,7 @@ def run_workers(command: list[str], env: dict[str, str], log, server: ForkServer
         reader.join(timeout=10)  # a process the workers left behind may hold the pipe open
     except BaseException:  # Ctrl-C, an error here: the workers go too
         end_group(proc)
+        reader.join(timeout=5)  # their last output reaches the log before it closes
         raise
     finally:
         for sig, handler in previous.items():
