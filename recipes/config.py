@@ -62,7 +62,10 @@ class ModelConfig:
     moe_shared_expert_intermediate_size: Optional[int] = None  # None = no shared experts
     moe_aux_loss_coeff: float = 0.0
     moe_router_load_balancing_type: str = "aux_loss"
-    moe_token_dispatcher_type: str = "allgather"  # allgather works on CPU and GPU
+    # allgather (megatron's; any device, any layout) | alltoall (GPU) | local (EP 1: no host syncs,
+    # recipes/build/dispatch.py; conf/model/*moe.yaml pick it)
+    moe_token_dispatcher_type: str = "allgather"
+    moe_expert_capacity_factor: Optional[float] = None  # token dropping (None = dropless); not with local
     moe_grouped_gemm: bool = True  # megatron's flag; the experts module is chosen by ``experts``
     experts: str = "grouped"  # grouped (recipes.build.experts, one grouped GEMM) | sequential (megatron)
     moe_shared_expert_overlap: bool = False

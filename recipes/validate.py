@@ -164,9 +164,19 @@ def _validate_model(cfg) -> None:
                "use moe_router_topk <= num_moe_experts")
         _check(m["experts"] in ("grouped", "sequential"), "model.experts",
                f"unknown experts module {m['experts']!r}", "use model.experts=grouped or sequential")
-        _check(m["moe_token_dispatcher_type"] in ("allgather", "alltoall"),
+        _check(m["moe_token_dispatcher_type"] in ("local", "allgather", "alltoall"),
                "model.moe_token_dispatcher_type", f"{m['moe_token_dispatcher_type']!r} is not "
-               "supported here", "use allgather (any device) or alltoall (GPU)")
+               "supported here", "use local (expert parallel 1, no host syncs), allgather (any device "
+               "and layout) or alltoall (GPU)")
+        factor = m["moe_expert_capacity_factor"]
+        _check(factor is None or factor > 0, "model.moe_expert_capacity_factor",
+               f"{factor} is not a capacity (tokens per expert over the balanced share)",
+               "use null (no token dropping) or a factor > 0, e.g. 1.25")
+        _check(factor is None or m["moe_token_dispatcher_type"] != "local", "model.moe_token_dispatcher_type",
+               f"the local dispatcher needs every token routed to exactly top-k experts, but "
+               f"model.moe_expert_capacity_factor={factor} drops tokens (their count is then known "
+               "only on the device)", "use model.moe_token_dispatcher_type=allgather to drop tokens, "
+               "or model.moe_expert_capacity_factor=null")
     if ATTENTION_KIND[m["family"]] == "gdn":
         freq = m["linear_attention_freq"]
         _check(freq is not None and (not isinstance(freq, int) or freq >= 2), "model.linear_attention_freq",
@@ -420,6 +430,15 @@ def _validate_parallel(cfg, num_gpus: int) -> None:
                f"model.experts=grouped keeps each expert whole on a rank, but expert TP is {etp} "
                "(it defaults to the TP size)",
                "set parallel.expert_tensor_parallel_size=1 (parallel=tp2 does), or model.experts=sequential")
+        if m["moe_token_dispatcher_type"] == "local":
+            _check(ep == 1, "model.moe_token_dispatcher_type",
+                   f"the local dispatcher keeps every token on its rank, but expert parallel {ep} puts "
+                   "experts on other ranks", "use model.moe_token_dispatcher_type=allgather "
+                   "(parallel=ep2 sets it)")
+            _check(etp == 1, "model.moe_token_dispatcher_type",
+                   f"the local dispatcher keeps every token on its rank, but expert-tensor parallel {etp} "
+                   "splits each expert over ranks (it defaults to the TP size)",
+                   "set parallel.expert_tensor_parallel_size=1, or model.moe_token_dispatcher_type=allgather")
     else:
         _check(ep == 1, "parallel.expert_model_parallel_size", "expert parallel needs an MoE family",
                "use model=moe (or mla_moe, gdn_moe), or parallel.expert_model_parallel_size=1")

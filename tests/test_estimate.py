@@ -159,6 +159,8 @@ def test_static_bytes_distributed_optimizer_and_cpu_adamw():
     (["attention=te"], "attention=te"),
     (["attention.backend=flash"], "attention"),
     (["model=moe", "model.moe_token_dispatcher_type=alltoall"], "model.moe_token_dispatcher_type"),
+    (["model=moe", "model.moe_token_dispatcher_type=allgather", "model.moe_expert_capacity_factor=1.0"],
+     "model.moe_expert_capacity_factor"),
     (["model.normalization=Foo"], "model.normalization"),
     (["parallel=cp2"], "parallel.context_parallel_size"),
     (["parallel=cp2", "attention=te"], "attention=te"),

@@ -126,6 +126,17 @@ ROWS = (
         num_gpus=0,
     ),
     Row(
+        "the local token dispatcher (`model=moe`'s) under expert parallel",
+        ("model=moe", "parallel.expert_model_parallel_size=2", "launcher.nproc_per_node=2"),
+        "model.moe_token_dispatcher_type",
+        num_gpus=2,
+    ),
+    Row(
+        "the local token dispatcher with token dropping",
+        ("model=moe", "model.moe_expert_capacity_factor=1.25"),
+        "model.moe_token_dispatcher_type",
+    ),
+    Row(
         "context parallel (`parallel=cp2`)",
         ("parallel=cp2", "attention=te"),
         "parallel.context_parallel_size",

@@ -65,6 +65,10 @@ def transformer_config_kwargs(cfg: Any, on_gpu: bool) -> dict:
     if mlp == "moe":
         kwargs["num_moe_experts"] = model["num_moe_experts"]
         kwargs["moe_layer_freq"] = moe_pattern(model)  # a per-layer list, whatever form the config used
+        if model["moe_token_dispatcher_type"] == "local":
+            # megatron's config knows allgather, alltoall and flex; our MoE layers replace allgather's
+            # dispatcher with the local one (recipes.build.dispatch).
+            kwargs["moe_token_dispatcher_type"] = "allgather"
     kwargs["activation_func"] = ACTIVATIONS[model["activation"]]
     kwargs.update({k: v for k, v in par.items() if k not in NON_MPC_PARALLEL_FIELDS})
     if par["expert_tensor_parallel_size"] is None:
@@ -133,7 +137,7 @@ def build_layer_spec(cfg: Any, config, vp_stage: int | None = None):
             get_transformer_block_with_experimental_attention_variant_spec,
         )
 
-        return get_transformer_block_with_experimental_attention_variant_spec(config, vp_stage)
+        return with_dispatcher(cfg, get_transformer_block_with_experimental_attention_variant_spec(config, vp_stage))
     if backend == "te":
         from megatron.core.models.gpt.gpt_layer_specs import (
             get_gpt_decoder_block_spec,
@@ -141,13 +145,14 @@ def build_layer_spec(cfg: Any, config, vp_stage: int | None = None):
         )
 
         if len(set(kinds)) > 1:  # moe_layer_freq with dense layers: megatron's block
-            return get_gpt_decoder_block_spec(config, use_transformer_engine=True, vp_stage=vp_stage)
-        return get_gpt_layer_with_transformer_engine_spec(
+            return with_dispatcher(cfg, get_gpt_decoder_block_spec(config, use_transformer_engine=True,
+                                                                   vp_stage=vp_stage))
+        return with_dispatcher(cfg, get_gpt_layer_with_transformer_engine_spec(
             num_experts=num_experts,
             moe_grouped_gemm=model["moe_grouped_gemm"],
             qk_layernorm=model["qk_layernorm"],
             multi_latent_attention=attention == "mla",
-        )
+        ))
     specs = {}
     for mixer, mlp in sorted(set(kinds)):
         spec = local_layer_spec(cfg, num_experts if mlp == "moe" else None)
@@ -181,7 +186,17 @@ def local_layer_spec(cfg: Any, num_experts: int | None):
         moe.keywords["submodules"] = dataclasses.replace(
             moe.keywords["submodules"], experts=grouped_experts_builder()
         )
-    return spec
+    return with_dispatcher(cfg, spec)
+
+
+def with_dispatcher(cfg: Any, spec):
+    """``spec`` with the local token dispatcher in its MoE layers when the run asks for it
+    (``model.moe_token_dispatcher_type=local``); megatron's dispatchers need nothing."""
+    if MLP_KIND[cfg["model"]["family"]] != "moe" or cfg["model"]["moe_token_dispatcher_type"] != "local":
+        return spec
+    from recipes.build.dispatch import use_local_dispatcher  # imports megatron, as above
+
+    return use_local_dispatcher(spec)
 
 
 def build_block_spec(config, layer_specs: list, vp_stage: int | None = None):

@@ -118,8 +118,11 @@ def check_modeled(cfg: dict, device: str) -> None:
     ]
     if MLP_KIND[m["family"]] == "moe":
         refuse += [
-            (m["moe_token_dispatcher_type"] != "allgather", "model.moe_token_dispatcher_type",
-             f"the {m['moe_token_dispatcher_type']} dispatcher is not modeled", "use allgather"),
+            (m["moe_token_dispatcher_type"] not in ("allgather", "local"), "model.moe_token_dispatcher_type",
+             f"the {m['moe_token_dispatcher_type']} dispatcher is not modeled", "use local or allgather"),
+            (m["moe_expert_capacity_factor"] is not None, "model.moe_expert_capacity_factor",
+             "token dropping is not modeled (the estimator routes every token to top-k experts)",
+             "set model.moe_expert_capacity_factor=null"),
             (m["moe_router_load_balancing_type"] not in ("aux_loss", "none"),
              "model.moe_router_load_balancing_type",
              f"{m['moe_router_load_balancing_type']!r} is not modeled", "use aux_loss or none"),
@@ -372,7 +375,7 @@ def routed_rows(d: Dims) -> int:
 
 
 def moe_terms(d: Dims, norm_out: int) -> list[Term]:
-    """Router, allgather dispatcher, experts and shared experts of one MoE layer.
+    """Router, token dispatcher (local or allgather), experts and shared experts of one MoE layer.
 
     Under expert parallel only the per-routed-row terms follow the routing (``routed_rows``):
     permutation indices, the permuted expert input and probs, and the experts' activations. The
@@ -392,10 +395,13 @@ def moe_terms(d: Dims, norm_out: int) -> list[Term]:
     if m["moe_aux_loss_coeff"] > 0 and m["moe_router_load_balancing_type"] == "aux_loss":
         terms += [("moe", "aux-loss scores (fp32)", 4 * T * E),
                   ("moe", "tokens per expert (int64)", 8 * E), ("moe", "aux loss", 4)]
-    terms += [("moe", "permutation indices (int64)", 8 * n),
-              ("moe", "local routing map (bool)", E_local * T_all),
-              ("moe", "local probs", e * E_local * T_all),
-              ("moe", "expert fc1 input (permuted)", e * n * d.h), ("moe", "permuted probs", e * n)]
+    terms.append(("moe", "permutation indices (int64)", 8 * n))
+    if m["moe_token_dispatcher_type"] == "local":  # probs gathered by index (recipes.build.dispatch)
+        terms.append(("moe", "routed probs' gather indices (int64)", 8 * n))
+    else:  # allgather: masked_select keeps its input and mask
+        terms += [("moe", "local routing map (bool)", E_local * T_all),
+                  ("moe", "local probs", e * E_local * T_all)]
+    terms += [("moe", "expert fc1 input (permuted)", e * n * d.h), ("moe", "permuted probs", e * n)]
     terms += activation_terms(d, ffn, n, "moe", "expert ", expert=True)
     if d.device == "cuda" and m["experts"] == "grouped" and e == 2 and d.h % 8 == 0 and ffn % 8 == 0:
         terms.append(("moe", "grouped-GEMM offsets (int32)", 4 * E_local))

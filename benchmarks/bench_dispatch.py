@@ -1,0 +1,171 @@
+"""megatron's allgather token dispatcher against the local one (recipes/build/dispatch.py): time and
+host synchronisations of an MoE layer, and where every host sync of a training step comes from.
+
+    python benchmarks/bench_dispatch.py                      # one MoE layer, forward + backward
+    python benchmarks/bench_dispatch.py --step size=h200     # a whole model=moe training step
+
+Layer mode builds megatron's MoELayer (router, dispatcher, GroupedExperts) twice with the same
+weights, at the h200 size's MoE shape on CUDA (hidden 2048, expert ffn 2048, 8 experts, top-2,
+4096 x 2 tokens, bf16) and a tiny one on a CPU (a smoke run: the times mean nothing there). It prints
+the median wall time of a forward + backward (the host waits for the device at the end of each, so
+a sync in the middle shows as time the GPU idles while the host launches the rest), the host syncs
+per forward + backward (``recipes.measure.syncs.HostSyncCounter``; on CUDA also the count
+``torch.cuda.set_sync_debug_mode`` warns about), and whether outputs and gradients are identical.
+
+Step mode runs the worker's ``Trainer`` for ``model=moe`` plus the given overrides, one warm-up
+step, then counts the host syncs of one more step per dispatcher and lists them by call site.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+import warnings
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from recipes.measure.syncs import HostSyncCounter  # noqa: E402
+
+DISPATCHERS = ("allgather", "local")
+
+
+def cuda_sync_warnings(fn) -> int | None:
+    """How many synchronising calls ``torch.cuda.set_sync_debug_mode`` warns about in ``fn()``."""
+    if not torch.cuda.is_available():
+        return None
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fn()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+def layer_mode(args) -> None:
+    from bench_experts import init_single_process
+    from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from recipes.build.dispatch import LocalDispatchMoELayer
+    from recipes.build.experts import grouped_experts_builder
+
+    init_single_process()
+    cuda = torch.cuda.is_available()
+    dtype = torch.bfloat16 if cuda else torch.float32
+    config = TransformerConfig(
+        num_layers=1, hidden_size=args.hidden, num_attention_heads=16, num_moe_experts=args.experts,
+        moe_ffn_hidden_size=args.ffn, moe_router_topk=args.topk, moe_grouped_gemm=True,
+        moe_token_dispatcher_type="allgather", moe_aux_loss_coeff=0.01, gated_linear_unit=True,
+        activation_func=F.silu, add_bias_linear=False, bf16=cuda, params_dtype=dtype)
+    submodules = MoESubmodules(experts=grouped_experts_builder())
+    device = torch.device("cuda" if cuda else "cpu")
+    layers = {"allgather": MoELayer(config, submodules, layer_number=1).to(device)}
+    layers["local"] = LocalDispatchMoELayer(config, submodules, layer_number=1).to(device)
+    layers["local"].load_state_dict(layers["allgather"].state_dict())
+    if not cuda:  # the grouped GEMM exists on a CPU too; the loop path would read counts on the host
+        for layer in layers.values():
+            layer.experts.gemm_impl = "grouped_mm"
+    gen = torch.Generator().manual_seed(0)
+    shape = (args.tokens // 2, 2, args.hidden)
+    hidden = torch.randn(shape, generator=gen).to(device, dtype)
+    grad = torch.randn(shape, generator=gen).to(device, dtype)
+    MoEAuxLossAutoScaler.set_loss_scale(torch.ones(1, device=device))
+
+    def fwd_bwd(layer):
+        x = hidden.detach().clone().requires_grad_()
+        layer.zero_grad(set_to_none=True)
+        out, _ = layer(x)
+        out.backward(grad)
+        return [out.detach(), x.grad] + [p.grad for p in layer.parameters()]
+
+    print(f"# MoE layer: {'CUDA ' + torch.cuda.get_device_name() if cuda else 'CPU smoke run (tiny)'}; "
+          f"tokens {args.tokens} x top-{args.topk}, hidden {args.hidden}, expert ffn {args.ffn}, "
+          f"{args.experts} experts, {str(dtype).removeprefix('torch.')}, torch {torch.__version__}")
+    results = {name: fwd_bwd(layer) for name, layer in layers.items()}
+    same = all(torch.equal(a, b) for a, b in zip(results["local"], results["allgather"]))
+    diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(results["local"], results["allgather"]))
+    print(f"local vs allgather: outputs and gradients identical: {same} (largest difference {diff:.3e})")
+    print(f"\n| dispatcher | fwd+bwd ms (median of {args.iters}) | host syncs (counted) | CUDA sync warnings |")
+    print("|---|---|---|---|")
+    for name, layer in layers.items():
+        for _ in range(args.warmup):
+            fwd_bwd(layer)
+        times = []
+        for _ in range(args.iters):
+            if cuda:
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            fwd_bwd(layer)
+            if cuda:
+                torch.cuda.synchronize()
+            times.append((time.perf_counter() - start) * 1e3)
+        with HostSyncCounter() as syncs:
+            fwd_bwd(layer)
+        warned = cuda_sync_warnings(lambda layer=layer: fwd_bwd(layer))
+        print(f"| {name} | {statistics.median(times):.2f} | {len(syncs)} | {'-' if warned is None else warned} |")
+        for (what, where), n in syncs.by_site().most_common():
+            print(f"|  | {n} x {what} | {where} | |")
+
+
+def step_mode(overrides: list[str]) -> None:
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+    from launch.torchrun import free_port
+    from recipes.build.compat import seed_model_parallel_rng
+    from recipes.config import compose_config
+    from recipes.run.worker import Trainer, init_distributed
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
+                      LOCAL_RANK="0")
+    base = ["model=moe", *overrides]
+    init_distributed(compose_config(base))
+    from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
+
+    for name in DISPATCHERS:
+        cfg = compose_config([*base, f"model.moe_token_dispatcher_type={name}"])
+        destroy_moe_metrics_tracker()
+        seed_model_parallel_rng(cfg["train"]["seed"])
+        trainer = Trainer(cfg)
+        try:
+            trainer.step()  # warm-up: first-step allocations and one-time work
+            with HostSyncCounter() as syncs:
+                trainer.step()
+            warned = cuda_sync_warnings(trainer.step)
+        finally:
+            trainer.close()
+        print(f"\n## {name}: {len(syncs)} host syncs in one step (counted)"
+              + ("" if warned is None else f"; {warned} CUDA sync warnings"))
+        for (what, where), n in syncs.by_site().most_common():
+            print(f"- {n} x `{what}` at {where}")
+
+
+def main() -> None:
+    cuda = torch.cuda.is_available()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--step", nargs="*", metavar="OVERRIDE", default=None,
+                        help="count the syncs of a model=moe training step, with these Hydra overrides")
+    parser.add_argument("--iters", type=int, default=20 if cuda else 3)
+    parser.add_argument("--warmup", type=int, default=5 if cuda else 1)
+    parser.add_argument("--hidden", type=int, default=2048 if cuda else 64)
+    parser.add_argument("--ffn", type=int, default=2048 if cuda else 64)
+    parser.add_argument("--experts", type=int, default=8)
+    parser.add_argument("--topk", type=int, default=2)
+    parser.add_argument("--tokens", type=int, default=4096 * 2 if cuda else 256)
+    args = parser.parse_args()
+    if args.step is not None:
+        step_mode(args.step)
+    else:
+        layer_mode(args)
+
+
+if __name__ == "__main__":
+    main()
