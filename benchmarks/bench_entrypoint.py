@@ -2,7 +2,8 @@
 
 Runs, in one invocation: (1) a bare loop in this process — the same TransformerConfig and layer
 spec, GPTModel, megatron DDP + DistributedOptimizer on GPU (AdamW on CPU), random tokens already on
-the device, forward/backward/step, no schedule, no data pipeline, no measurement hooks; then (2)
+the device, forward/backward of each micro-batch (``train.global_batch_size / micro_batch_size``),
+one step, no schedule, no data pipeline, no measurement hooks; then (2)
 ``python train.py`` with the same overrides in a fresh process, reading its result.json. Prints a
 markdown table with the ratio (target: entrypoint within 2% of the bare loop).
 
@@ -82,13 +83,15 @@ def bare_loop(cfg: dict, steps: int, warmup: int, kernels: bool = False,
     dev = compat.device()
     tokens = torch.randint(0, cfg["model"]["vocab_size"], (t["micro_batch_size"], t["seq_length"]), device=dev)
     position_ids = torch.arange(t["seq_length"], device=dev).expand_as(tokens)
+    num_microbatches = (t["global_batch_size"] or t["micro_batch_size"]) // t["micro_batch_size"]
 
-    def step() -> None:
+    def step() -> None:  # the entrypoint's step: every micro-batch's forward and backward, one update
         if on_gpu:
             model.zero_grad_buffer()
         opt.zero_grad()
-        loss = model(tokens, position_ids, None, labels=tokens).float().mean()
-        loss.backward()
+        for _ in range(num_microbatches):
+            loss = model(tokens, position_ids, None, labels=tokens).float().mean() / num_microbatches
+            loss.backward()
         if on_gpu:
             from megatron.core.distributed import finalize_model_grads
 

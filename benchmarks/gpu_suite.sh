@@ -7,6 +7,9 @@
 # there to update the committed data. The whole list takes about 45 minutes.
 # Settings (environment): PY (default .venv/bin/python, else python3), SIZE (h200), LONG_SIZE
 # (h200_long), ATTENTION (the attention step's backends), SWEEP_ARGS (the settings of every point).
+# The tables committed before the speed defaults (fused SwiGLU on a GPU, 4 micro-batches per step at the
+# h200 sizes, the local MoE dispatcher) ran with SWEEP_ARGS="$SWEEP_ARGS $OLD_DEFAULTS"; the defaults step
+# measures both.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 WANDB_MODE=offline
@@ -17,6 +20,7 @@ LONG_SIZE=${LONG_SIZE:-h200_long}
 ATTENTION=${ATTENTION:-unfused,sdpa}  # the attention step's backends (sdpa rows also come from sweeps)
 # What docs/h200-results.md ran with (4 timed steps, profiling off); empty for the full defaults.
 SWEEP_ARGS=${SWEEP_ARGS-"profile=none train.train_iters=6 measure.start_step=3"}
+OLD_DEFAULTS="model.bias_activation_fusion=false train.global_batch_size=null model.moe_token_dispatcher_type=allgather"
 mkdir -p results
 stamp() { echo "== $(date -u +%FT%TZ) $*"; }
 quiet() { grep -v "Warning\|warn(\|warnings.warn" | tail -"$1"; }
@@ -100,12 +104,25 @@ step_entry() {  # entrypoint against the bare loop over 4 alternating pairs of f
   for m in ${1//,/ }; do stamp "bench_entrypoint --repeats 4 model=$m"; $PY benchmarks/bench_entrypoint.py model=$m \
     size=$SIZE attention=sdpa recompute=none --repeats 4 2>&1 | grep -v "Warning\|warn(" | tail -9; done; }
 step_experts() { stamp bench_experts; $PY benchmarks/bench_experts.py 2>&1 | tail -12; }
+step_defaults() {  # the speed defaults against the settings the committed tables ran with, recompute=none,
+  # three processes each (MoE's step time moves by up to 13% between processes); MoE: also the dispatcher alone
+  for m in ${1//,/ }; do stamp "defaults model=$m"
+    $PY train.py -m model=$m size=$SIZE $SWEEP_ARGS recompute=none measure.repeat=0,1,2 $OLD_DEFAULTS \
+      hydra.sweep.dir=results/defaults_$m 2>&1 | quiet 4
+    $PY train.py -m model=$m size=$SIZE $SWEEP_ARGS recompute=none measure.repeat=0,1,2 \
+      hydra.sweep.dir=results/defaults_$m 2>&1 | quiet 8
+    if [ "$m" = moe ]; then $PY train.py -m model=moe size=$SIZE $SWEEP_ARGS recompute=none measure.repeat=0,1,2 \
+      model.moe_token_dispatcher_type=allgather,local hydra.sweep.dir=results/dispatch_moe 2>&1 | quiet 8; fi
+  done; }
+step_dispatch() {  # the MoE dispatchers: one layer's time and host syncs; every host sync of a training step
+  stamp bench_dispatch; $PY benchmarks/bench_dispatch.py 2>&1 | grep -v "Warning\|warn(" | tail -14
+  $PY benchmarks/bench_dispatch.py --step size=$SIZE profile=none 2>&1 | grep -v "Warning\|warn(" | grep "^##\|^- "; }
 step_oom() {  # a forced OOM inside a sweep (a memory fraction); the sweep goes on
   stamp oom; $PY train.py -m size=$SIZE attention=unfused measure.memory_fraction=0.2 \
     recompute=none,selective/core_attn,full hydra.sweep.dir=results/oom 2>&1 | quiet 8; }
 step_profile() { stamp profile; $PY benchmarks/profile_selftest.py --size $SIZE --runs families --out results/profile 2>&1 | tail -20; }
 
-[ $# -gt 0 ] || { sed -n '2,9p' "$0" | sed 's/^# \{0,1\}//'; echo "steps: $(declare -F | sed -n 's/.* step_//p' | tr '\n' ' ')"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; echo "steps: $(declare -F | sed -n 's/.* step_//p' | tr '\n' ' ')"; exit 2; }
 failed=()
 for s in "$@"; do
   declare -F "step_${s%%:*}" >/dev/null || { echo "unknown step ${s%%:*}" >&2; failed+=("$s"); continue; }

@@ -47,7 +47,8 @@ class ModelConfig:
     init_method_std: float = 0.02
     untie_embeddings_and_output_weights: bool = True
     qk_layernorm: bool = False
-    bias_activation_fusion: bool = False
+    # megatron's fused SwiGLU (bias_swiglu); null = auto: on for a SwiGLU model on a GPU, off on a CPU
+    bias_activation_fusion: Optional[bool] = None
     # Multi-Latent Attention (family=mla): MLATransformerConfig fields
     q_lora_rank: Optional[int] = None
     kv_lora_rank: int = 512
@@ -314,6 +315,9 @@ def _defaults() -> dict:
     return OmegaConf.to_container(OmegaConf.structured(RecipeConfig))
 
 
+#: Fields whose schema default changed: a stored config without them ran with the value here, not
+#: today's default (``bias_activation_fusion`` was false before null meant "auto: fused on a GPU").
+PREVIOUS_DEFAULTS = {("model", "bias_activation_fusion"): False}
 #: Top-level fields a stored config may lack that changed nothing measured: filled as they ran.
 PREVIOUS_TOP_LEVEL = {"fork_server": False}
 
@@ -321,9 +325,13 @@ PREVIOUS_TOP_LEVEL = {"fork_server": False}
 def upgrade(config: dict) -> dict:
     """A stored run config (a result an earlier version wrote) in today's schema: renamed knobs moved
     (``train.warmup_iters=N`` is ``measure.start_step=N+1``, the same steps), fields added since
-    filled with their defaults (or, for a top-level field that measured nothing, ``PREVIOUS_TOP_LEVEL``),
-    fields removed since dropped. A current config comes back equal."""
+    filled with their defaults (or, where the default changed since, ``PREVIOUS_DEFAULTS``, and for a
+    top-level field that measured nothing, ``PREVIOUS_TOP_LEVEL``), fields removed since dropped. A current
+    config comes back equal."""
     old = copy.deepcopy(config)
+    for (section, key), value in PREVIOUS_DEFAULTS.items():
+        if isinstance(old.get(section), dict):
+            old[section].setdefault(key, value)
     for key, value in PREVIOUS_TOP_LEVEL.items():
         old.setdefault(key, value)
     train = old.get("train") or {}

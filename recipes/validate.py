@@ -147,6 +147,14 @@ def _validate_model(cfg) -> None:
            f"unknown normalization {m['normalization']!r}", "use model.normalization=RMSNorm or LayerNorm")
     _check(m["activation"] in ("silu", "gelu"), "model.activation",
            f"unknown activation {m['activation']!r}", "use model.activation=silu or gelu")
+    _check(not m["bias_activation_fusion"] or m["gated_linear_unit"], "model.bias_activation_fusion",
+           f"megatron's fused {m['activation']} without a gated linear unit needs biases, which "
+           "model.add_bias_linear=false leaves out (its MLP asserts)",
+           "set model.bias_activation_fusion=null (auto: fused SwiGLU only) or false")
+    _check(not m["bias_activation_fusion"] or MLP_KIND[m["family"]] != "moe" or m["experts"] != "grouped"
+           or m["activation"] == "silu", "model.bias_activation_fusion",
+           f"the grouped experts fuse SwiGLU only, not gated {m['activation']}",
+           "set model.bias_activation_fusion=null (auto: fused SwiGLU only) or false")
     heads, groups = m["num_attention_heads"], m["num_query_groups"] or m["num_attention_heads"]
     _check(heads % groups == 0, "model.num_query_groups",
            f"{heads} attention heads are not divisible into {groups} query groups",

@@ -203,8 +203,10 @@ def test_directory_without_results(tmp_path, capsys, tool):
 
 def test_predicted_before_any_run_picks_the_narrowest_fitting_option():
     """--predict ranks the family's options by recipes.predict.estimate (marked predicted) and picks the
-    fitting option that replays the least work: moe_act at the h200 MoE shape for 24 GiB."""
-    advice = advise.advise_before_running(["model=moe", "size=h200"], 26.0)
+    fitting option that replays the least work: moe_act at the h200 MoE shape for 26 GiB, with the unfused
+    SwiGLU (fused, moe_act frees one [rows, ffn] tensor per layer, 0.5 GiB, as much as layernorm, which
+    replays less: the advisor then picks layernorm)."""
+    advice = advise.advise_before_running(["model=moe", "size=h200", "model.bias_activation_fusion=false"], 26.0)
     assert advice["source"] == "predicted"
     by_option = {r["recompute"]: r for r in advice["options"]}
     assert not by_option["none"]["fits"] and by_option["full"]["fits"]
@@ -439,3 +441,13 @@ def test_a_measured_gpu_sweep_gets_the_plan_for_what_it_did_not_run(tmp_path):
     advice["plan"] = p
     assert "Predicted for the combinations this sweep did not run: plan over recompute x offload" in \
         advise.explain(advice, str(sweep))
+
+
+def test_with_the_fused_swiglu_moe_act_frees_what_layernorm_does():
+    """A GPU's default (fused SwiGLU) keeps the activation's input and the fc2 input only, so moe_act frees
+    the fc2 input: 8 layers x 16384 rows x 2048 x 2 bytes = 0.5 GiB at the h200 MoE shape."""
+    advice = advise.advise_before_running(["model=moe", "size=h200"], 26.0)
+    by_option = {r["recompute"]: r for r in advice["options"]}
+    saved = by_option["none"]["predicted_peak_gib"] - by_option["selective/moe_act"]["predicted_peak_gib"]
+    assert abs(saved - 0.5) < 0.01
+    assert advice["choice"]["recompute"] == "selective/layernorm"

@@ -142,6 +142,10 @@ REFUSED = [
     (["offload.offload_modules=[core_attn]"], "offload.offload_modules", "offload=<option>"),
     (["offload=attn_norm", "offload.emulate_on_cpu=true", "train.train_iters=2", "measure.start_step=2"],
      "train.train_iters", "train_iters>=3"),
+    (["model.bias_activation_fusion=true", "model.gated_linear_unit=false", "model.activation=gelu"],
+     "model.bias_activation_fusion", "model.bias_activation_fusion=null"),
+    (["model=moe", "model.bias_activation_fusion=true", "model.activation=gelu"], "model.bias_activation_fusion",
+     "fused SwiGLU only"),
 ]
 
 
@@ -199,3 +203,40 @@ def test_stored_results_without_fork_server_read_as_separate_processes():
     old = compose()
     del old["fork_server"]
     assert upgrade(old)["fork_server"] is False and upgrade(compose())["fork_server"] is True
+
+
+@pytest.mark.parametrize("overrides, on_gpu, fused", [
+    ([], True, True),  # auto: megatron's fused SwiGLU on a GPU
+    ([], False, False),  # auto on a CPU: no torch.compile per process, and nothing to gain
+    (["model=moe"], True, True),
+    (["model.activation=gelu", "model.gated_linear_unit=false"], True, False),  # no fused GELU without biases
+    (["model.bias_activation_fusion=false"], True, False),
+    (["model.bias_activation_fusion=true"], False, True),
+])
+def test_swiglu_fusion_is_auto_on_a_gpu(overrides, on_gpu, fused):
+    from recipes.build.model import transformer_config_kwargs
+
+    assert compose(*overrides)["model"]["bias_activation_fusion"] in (None, True, False)
+    assert transformer_config_kwargs(compose(*overrides), on_gpu)["bias_activation_fusion"] is fused
+
+
+def test_the_gpu_sizes_take_four_micro_batches_and_tiny_one():
+    """Training at the h200 sizes pays the optimizer, grad norm and step syncs once per 4 micro-batches;
+    tiny (the CPU suite) stays at one, so CI does not slow down."""
+    for size, gbs in (("h200", 8), ("h200_long", 8), ("tiny", None)):
+        train = compose(f"size={size}")["train"]
+        assert train["global_batch_size"] == gbs
+        assert (gbs or train["micro_batch_size"]) // train["micro_batch_size"] == (4 if gbs else 1)
+
+
+def test_stored_results_keep_the_settings_they_ran_with():
+    """Results written before fused SwiGLU became auto and the h200 sizes took 4 micro-batches stored
+    false and null; read today, they still say so (upgrade fills only missing fields)."""
+    from recipes.config import upgrade
+
+    old = compose("size=h200", "model.bias_activation_fusion=false", "train.global_batch_size=null")
+    assert upgrade(old)["model"]["bias_activation_fusion"] is False
+    assert upgrade(old)["train"]["global_batch_size"] is None
+    del old["model"]["bias_activation_fusion"]  # written before the field existed: it ran unfused
+    assert upgrade(old)["model"]["bias_activation_fusion"] is False
+    assert upgrade(compose())["model"]["bias_activation_fusion"] is None  # today's config: unchanged

@@ -126,12 +126,29 @@ def test_mfu_table_keeps_two_sizes_of_one_family_apart():
         ("standard_attn (size=h200_long)", "selective/core_attn"), ("standard_attn (size=h200_long)", "full")]
 
 
+#: Settings whose defaults changed after the committed points ran (fused SwiGLU on a GPU, 4 micro-batches
+#: at the h200 sizes, the local MoE dispatcher): re-composing a point's command line today pins them.
+CHANGED_DEFAULTS = ("model.bias_activation_fusion", "train.global_batch_size", "model.moe_token_dispatcher_type")
+
+
+def as_it_ran(result: dict, overrides: list[str]) -> list[str]:
+    """A stored point's overrides, plus its stored values of the settings whose defaults changed since."""
+    pinned = []
+    for key in CHANGED_DEFAULTS:
+        section, name = key.split(".")
+        value = result["config"][section][name]
+        pinned.append(f"{key}={'null' if value is None else str(value).lower()}")
+    return [*overrides, *pinned]
+
+
 def _oom_point() -> tuple[dict, list[str]]:
-    """The committed point that ran out of memory (confirm_long) and its overrides (the manifest's)."""
+    """The committed point that ran out of memory (confirm_long) and its overrides (the manifest's),
+    with the defaults it ran under."""
     sweep = H200 / "confirm_long"
     manifest = json.loads((sweep / "manifest.json").read_text())
     point = next(name for name, entry in manifest.items() if entry["status"] == "oom")
-    return json.loads((sweep / point / "result.json").read_text()), upgrade_overrides(manifest[point]["overrides"])
+    result = json.loads((sweep / point / "result.json").read_text())
+    return result, as_it_ran(result, upgrade_overrides(manifest[point]["overrides"]))
 
 
 def test_the_block_that_ran_out_of_memory_is_not_predicted_to_fit():
@@ -233,7 +250,7 @@ def test_the_ep2_layernorm_pick_that_ran_out_of_memory_is_no_longer_said_to_fit(
     oom = next(json.loads(p.read_text()) for p in (H200X2 / "long_moe").glob("*/result.json")
                if json.loads(p.read_text())["status"] == "oom")
     assert oom["choices"]["recompute"] == "selective/layernorm"
-    overrides = ["model=moe", "size=h200_long", "parallel=ep2"]
+    overrides = as_it_ran(oom, ["model=moe", "size=h200_long", "parallel=ep2"])
     advice = advise_before_running(overrides, 137.0)
     by = {r["recompute"]: r for r in advice["options"]}
     assert not by["selective/layernorm"]["fits"] and advice["choice"]["recompute"] == "selective/moe_act"

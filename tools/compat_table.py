@@ -118,6 +118,11 @@ ROWS = (
         "parallel.overlap_moe_expert_parallel_comm",
     ),
     Row("biases in the linear layers", ("model.add_bias_linear=true",), "model.add_bias_linear"),
+    Row(
+        "a fused activation other than SwiGLU",
+        ("model.bias_activation_fusion=true", "model.gated_linear_unit=false", "model.activation=gelu"),
+        "model.bias_activation_fusion",
+    ),
     Row("`attention=te` without Transformer Engine", ("attention=te",), "attention=te"),
     Row(
         "the alltoall token dispatcher on a CPU",

@@ -49,6 +49,18 @@ def resolve_precision(precision: str, on_gpu: bool) -> str:
     return precision
 
 
+def resolve_swiglu_fusion(model: dict, on_gpu: bool) -> bool:
+    """``model.bias_activation_fusion``: null (auto) is megatron's fused SwiGLU (``bias_swiglu_impl``,
+    in the grouped experts ``weighted_bias_swiglu_impl``) on a GPU for a SwiGLU model, the one fusion
+    megatron-core has without biases or Transformer Engine; off on a CPU, where its ``torch.compile``
+    costs seconds per process and gains nothing. On the H200 it saves two of the five [tokens, ffn]
+    tensors per MLP and 2.5 ms of elementwise kernels per dense step (docs/h200-results.md)."""
+    fusion = model["bias_activation_fusion"]
+    if fusion is None:
+        return on_gpu and model["gated_linear_unit"] and model["activation"] == "silu"
+    return bool(fusion)
+
+
 def transformer_config_kwargs(cfg: Any, on_gpu: bool) -> dict:
     """The keyword arguments for megatron's config class, from the run config (plain dict view)."""
     model, par, rc = cfg["model"], cfg["parallel"], cfg["recompute"]
@@ -70,6 +82,7 @@ def transformer_config_kwargs(cfg: Any, on_gpu: bool) -> dict:
             # dispatcher with the local one (recipes.build.dispatch).
             kwargs["moe_token_dispatcher_type"] = "allgather"
     kwargs["activation_func"] = ACTIVATIONS[model["activation"]]
+    kwargs["bias_activation_fusion"] = resolve_swiglu_fusion(model, on_gpu)
     kwargs.update({k: v for k, v in par.items() if k not in NON_MPC_PARALLEL_FIELDS})
     if par["expert_tensor_parallel_size"] is None:
         kwargs.pop("expert_tensor_parallel_size")

@@ -33,7 +33,7 @@ import math
 from dataclasses import dataclass
 from fractions import Fraction
 
-from recipes.build.model import resolve_precision
+from recipes.build.model import resolve_precision, resolve_swiglu_fusion
 from recipes.errors import ConfigError
 from recipes.recompute import ATTENTION_KIND, FAMILIES, MLP_KIND, gdn_pattern, labels_of, moe_pattern
 from recipes.validate import validate
@@ -111,7 +111,7 @@ def check_modeled(cfg: dict, device: str) -> None:
         (m["position_embedding_type"] not in ("rope", "learned_absolute", "none"),
          "model.position_embedding_type", f"{m['position_embedding_type']!r} is not modeled",
          "use rope, learned_absolute or none"),
-        (m["bias_activation_fusion"] and not m["gated_linear_unit"], "model.bias_activation_fusion",
+        (resolve_swiglu_fusion(m, device == "cuda") and not m["gated_linear_unit"], "model.bias_activation_fusion",
          "megatron's fused GELU needs biases, which this repository refuses", "set it false"),
         (par["context_parallel_size"] > 1, "parallel.context_parallel_size",
          "context parallel needs Transformer Engine attention, which is not modeled", "use 1"),
@@ -164,7 +164,8 @@ def dims(cfg: dict, device: str = "auto", routed_share: float | Fraction = 1) ->
     check_modeled(cfg, device)
     validate_for(cfg, device)
 
-    m, par, t = cfg["model"], cfg["parallel"], cfg["train"]
+    par, t = cfg["parallel"], cfg["train"]
+    m = dict(cfg["model"], bias_activation_fusion=resolve_swiglu_fusion(cfg["model"], device == "cuda"))
     tp, cp = par["tensor_model_parallel_size"], par["context_parallel_size"]
     s = t["seq_length"] // cp
     heads, h = m["num_attention_heads"], m["hidden_size"]
