@@ -152,7 +152,7 @@ def worker_command(cfg: dict, run_dir: Path) -> list[str]:
 #: modules it loads (upstream.apply_all imports the transformer, MoE and optimizer ones), none of which
 #: touches CUDA; the rest a worker imports on its own.
 WORKER_PRELOAD = ["recipes.run.worker", "recipes.build.upstream:apply_all", "recipes.build.attention",
-                  "recipes.build.experts", "megatron.core.models.gpt",
+                  "recipes.build.experts", "recipes.build.dispatch", "megatron.core.models.gpt",
                   "megatron.core.pipeline_parallel", "megatron.core.distributed", "megatron.core.datasets.gpt_dataset"]
 #: In a run directory while its workers run: the pid the controller started (the worker, or torchrun).
 WORKER_PID = "worker.pid"
