@@ -210,6 +210,9 @@ class MeasureConfig:
     memory_fraction: Optional[float] = None  # cap this process's share of GPU memory (forces OOMs)
     profile: str = "peak"  # peak (one profiled step: timeline, peak attribution) | none (`profile=none`)
     repeat: int = 0  # which repetition of a point; sweep measure.repeat=0,1,2 to time each point in 3 processes
+    # GPU: one more step under torch's profiler after the timed ones: where the step's time went (kernels,
+    # idle GPU, copies, blocking CUDA calls) in result.json ranks[*].trace, the trace in RUN_DIR/step_trace*.json.gz
+    trace_step: bool = False
 
 
 @dataclass

@@ -52,6 +52,8 @@ def validate(cfg: Any, num_gpus: int | None = None, te_available: bool | None = 
     _validate_attention(cfg, te_available)
     _validate_recompute(cfg)
     _validate_offload(cfg, num_gpus, te_available, planned_host_bytes)
+    _check(num_gpus or not cfg["measure"]["trace_step"], "measure.trace_step", "it traces GPU kernels, copies and "
+           "idle time; this machine has no GPU", "run it on a GPU, or leave measure.trace_step=false")
     _validate_parallel(cfg, num_gpus)
     _validate_run(cfg)
 

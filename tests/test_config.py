@@ -146,6 +146,7 @@ REFUSED = [
      "model.bias_activation_fusion", "model.bias_activation_fusion=null"),
     (["model=moe", "model.bias_activation_fusion=true", "model.activation=gelu"], "model.bias_activation_fusion",
      "fused SwiGLU only"),
+    (["measure.trace_step=true"], "measure.trace_step", "leave measure.trace_step=false"),
 ]
 
 

@@ -163,7 +163,7 @@ def test_emulated_copy_lands_only_when_waited_for():
 
 
 def test_exposed_time_is_copy_time_without_compute():
-    from recipes.measure.offload import exposed_time, trace_intervals
+    from recipes.measure.steptrace import exposed_time, trace_intervals
 
     assert exposed_time([(0, 4)], [(1, 2), (3, 5)]) == {"busy": 4, "exposed": 2}
     assert exposed_time([(0, 1), (0.5, 2)], []) == {"busy": 2, "exposed": 2}

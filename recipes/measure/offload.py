@@ -6,20 +6,20 @@
   tensor saved inside an offload point, which the manager's own saved-tensor hooks hide from the
   ledger's, and about each one it copies to the host.
 - ``host_link_bandwidth`` times pinned copies between host and device (GB/s each way). GPU only.
-- ``copy_overlap`` reads one profiled step's trace: the time the copy streams were busy, and the part
-  of it with no compute kernel running (the exposed transfer time). GPU only; ``exposed_time`` is
-  the interval arithmetic, tested on a CPU.
+- ``copy_overlap`` reads one profiled step's trace (``recipes.measure.steptrace``): the time the copy
+  streams were busy, and the part of it with no compute kernel running (the exposed transfer time).
+  GPU only.
 """
 
 from __future__ import annotations
 
-import json
-import tempfile
 from collections import Counter
 from pathlib import Path
 from typing import Protocol
 
 import torch
+
+from recipes.measure.steptrace import trace_step
 
 
 class OffloadListener(Protocol):
@@ -138,68 +138,11 @@ def host_link_bandwidth(nbytes: int = 1 << 28, repeats: int = 5) -> dict | None:
     return out
 
 
-def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    merged: list[list[float]] = []
-    for a, b in sorted(intervals):
-        if merged and a <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], b)
-        else:
-            merged.append([a, b])
-    return [(a, b) for a, b in merged]
-
-
-def exposed_time(copies: list[tuple[float, float]], compute: list[tuple[float, float]]) -> dict:
-    """Copy intervals against compute intervals (same clock): ``busy`` is the time some copy ran,
-    ``exposed`` the part of it with no compute running (what the copies can add to a step)."""
-    copy_u, comp_u = _union(copies), _union(compute)
-    busy = sum(b - a for a, b in copy_u)
-    overlap, j = 0.0, 0
-    for a, b in copy_u:
-        while j < len(comp_u) and comp_u[j][1] <= a:
-            j += 1
-        k = j
-        while k < len(comp_u) and comp_u[k][0] < b:
-            overlap += min(b, comp_u[k][1]) - max(a, comp_u[k][0])
-            k += 1
-    return {"busy": busy, "exposed": busy - overlap}
-
-
-def trace_intervals(trace: dict) -> tuple[dict[str, list], list]:
-    """From a chrome trace (torch.profiler's export): the device-to-host and host-to-device memcpy
-    intervals and the compute kernels' intervals, in seconds."""
-    copies: dict[str, list] = {"d2h": [], "h2d": []}
-    compute = []
-    for event in trace.get("traceEvents", []):
-        if event.get("ph") != "X" or "dur" not in event:
-            continue
-        span = (event["ts"] / 1e6, (event["ts"] + event["dur"]) / 1e6)
-        cat, name = event.get("cat", ""), event.get("name", "")
-        if cat == "gpu_memcpy" and "DtoH" in name:
-            copies["d2h"].append(span)
-        elif cat == "gpu_memcpy" and "HtoD" in name:
-            copies["h2d"].append(span)
-        elif cat == "kernel":
-            compute.append(span)
-    return copies, compute
-
-
-def copy_overlap(step) -> dict | None:
-    """Run ``step()`` (one training step) under torch's profiler and return the copy streams' busy
-    and exposed time per direction and together, in seconds; None on a CPU."""
-    if not torch.cuda.is_available():
+def copy_overlap(step, keep: Path | None = None) -> tuple[dict, dict] | None:
+    """Run ``step()`` (one training step) under torch's profiler: the copy streams' busy and exposed
+    time per direction and together, in seconds, and the step's whole ``recipes.measure.steptrace``
+    summary (the trace gzipped at ``keep`` when given); None on a CPU."""
+    summary = trace_step(step, keep)
+    if summary is None:
         return None
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        step()
-        torch.cuda.synchronize()
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "trace.json"
-        prof.export_chrome_trace(str(path))
-        trace = json.loads(path.read_text())
-    copies, compute = trace_intervals(trace)
-    out = {f"{d}_{k}_s": v for d in ("d2h", "h2d") for k, v in exposed_time(copies[d], compute).items()}
-    both = exposed_time(copies["d2h"] + copies["h2d"], compute)
-    out.update(copy_busy_s=both["busy"], exposed_s=both["exposed"], copies=sum(len(v) for v in copies.values()))
-    return out
+    return dict(summary["copies"]), summary

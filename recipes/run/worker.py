@@ -43,6 +43,7 @@ from recipes.measure.labels import LabelError, check_resolved, label_findings, r
 from recipes.measure.offload import copy_overlap, host_link_bandwidth, plan_summary
 from recipes.measure.profile import profile_step
 from recipes.measure.routing import RoutingRecorder
+from recipes.measure.steptrace import trace_step
 from recipes.offload import modules_of
 from recipes.recompute import labels_of
 from recipes.results import merge_result
@@ -379,9 +380,17 @@ def _measure(trainer: Trainer, cfg: dict, result: dict, window: Window, labels: 
             "fragmentation_gib": mem["peak_reserved_gib"] - mem["peak_allocated_gib"],
             "total_gib": torch.cuda.get_device_properties(0).total_memory / GIB,
         }
+    keep = trace_path(run_dir, torch.distributed.get_rank()) if cfg["measure"]["trace_step"] and run_dir else None
     if trainer.offloading:
         result.setdefault("offload", {"modules": modules_of(cfg), **plan_summary()})
-        result["offload"].update(offload_measurements(trainer, window, median))
+        result["offload"].update(offload_measurements(trainer, window, median, result, keep))
+    elif cfg["measure"]["trace_step"] and trainer.on_gpu:
+        try:
+            result["trace"] = trace_step(trainer.step, keep)  # one more step, off the step count
+        except Exception as err:  # the profiler (CUPTI) unavailable, or an OOM in the extra step
+            result["trace"] = {"error": f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"}
+        finally:
+            trainer.optimizer.zero_grad()
     if cfg["measure"]["profile"] != "none":
         result["profile"] = profile_step(trainer, cfg, run_dir, step_time_s=median)
     marks["profile_done"] = time.time()
@@ -390,9 +399,15 @@ def _measure(trainer: Trainer, cfg: dict, result: dict, window: Window, labels: 
     marks["ledgers_done"] = time.time()
 
 
-def offload_measurements(trainer: Trainer, window: Window, step_time_s: float) -> dict:
+def trace_path(run_dir: Path, rank: int) -> Path:
+    return run_dir / ("step_trace.json.gz" if rank == 0 else f"step_trace_rank{rank}.json.gz")
+
+
+def offload_measurements(trainer: Trainer, window: Window, step_time_s: float, result: dict,
+                         keep: Path | None = None) -> dict:
     """What offload moved per measured step (the median step's counts) and, on a GPU, the host link's
-    bandwidth and one extra step profiled for how much of the copying compute did not hide."""
+    bandwidth and one extra step profiled for how much of the copying compute did not hide (its whole
+    step summary into ``result["trace"]``)."""
     moved = window.moved[len(window.moved) // 2] if window.moved else {}
     out = {"moved_per_step": moved, "moved_steps_equal": all(m == moved for m in window.moved)}
     if trainer.on_gpu:  # measurements about the run, not of it: a failure is recorded, not raised
@@ -401,7 +416,7 @@ def offload_measurements(trainer: Trainer, window: Window, step_time_s: float) -
         except Exception as err:  # e.g. no room for the 256 MiB test buffers at the memory's edge
             out["link"] = {"error": f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"}
         try:
-            overlap = copy_overlap(trainer.step)  # one more step, off the step count (as the profiled step)
+            overlap, result["trace"] = copy_overlap(trainer.step, keep)  # one more step, off the step count
             overlap["step_time_s"] = step_time_s
         except Exception as err:  # the profiler (CUPTI) unavailable, or an OOM in the extra step
             overlap = {"error": f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"}

@@ -1,0 +1,47 @@
+"""recipes.measure.steptrace: a profiled step's trace read as kernel time, idle GPU, copies and
+blocking CUDA calls (the arithmetic, on a synthetic trace; a GPU run records real ones)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from recipes.measure.steptrace import summarize, trace_step
+
+
+def _x(cat, name, ts, dur):
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}
+
+
+def test_a_step_summary_splits_kernels_idle_copies_and_host_calls():
+    trace = {"traceEvents": [
+        _x("kernel", "gemm", 0, 40), _x("kernel", "gemm", 100, 40), _x("kernel", "softmax", 30, 20),
+        _x("gpu_memcpy", "Memcpy DtoH (Device -> Pinned)", 140, 20),  # after every kernel: exposed
+        _x("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 110, 10),  # under the second gemm: hidden
+        _x("gpu_memset", "Memset (Device)", 190, 10),
+        _x("cuda_runtime", "cudaStreamWaitEvent", 0, 5), _x("cuda_runtime", "cudaStreamWaitEvent", 50, 7),
+        _x("cuda_runtime", "cudaLaunchKernel", 0, 1),
+        _x("cpu_op", "aten::mm", 0, 500),  # host ops are not GPU time
+        {"ph": "i", "cat": "kernel", "name": "marker", "ts": 900},  # no duration: ignored
+    ]}
+    s = summarize(trace)
+    us = 1e-6
+    assert s["span_s"] == pytest.approx(200 * us)
+    assert s["kernel_busy_s"] == pytest.approx(90 * us)  # [0, 50) and [100, 140)
+    assert s["kernel_total_s"] == pytest.approx(100 * us)  # overlapping kernels counted each
+    assert s["gpu_idle_s"] == pytest.approx(200 * us - 50 * us - 40 * us - 20 * us - 10 * us)
+    assert s["copies"]["d2h_exposed_s"] == pytest.approx(20 * us) and s["copies"]["h2d_exposed_s"] == 0
+    assert s["copies"]["exposed_s"] == pytest.approx(20 * us) and s["copies"]["copies"] == 2
+    assert [k["name"] for k in s["kernels"]] == ["gemm", "softmax"] and s["kernels"][0]["calls"] == 2
+    assert s["kernels"][0]["ms"] == pytest.approx(0.08)
+    assert s["runtime"][0] == {"name": "cudaStreamWaitEvent", "ms": pytest.approx(0.012), "calls": 2}
+
+
+def test_an_empty_trace_summarizes_to_zeros():
+    s = summarize({"traceEvents": []})
+    assert s["span_s"] == 0 and s["kernels"] == [] and s["copies"]["copy_busy_s"] == 0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU answer; a GPU run records the trace")
+def test_tracing_a_step_needs_a_gpu():
+    assert trace_step(lambda: None) is None
