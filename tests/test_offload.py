@@ -301,3 +301,17 @@ def test_pipeline_parallel_offload_is_exact_and_predicted_per_stage(tmp_path):
     for row in compare_result(off):
         assert row["predicted_ledger_bytes"] == row["measured_ledger_bytes"]
         assert row["predicted_host_bytes"] == row["measured_host_bytes"] > 0
+
+
+def test_one_hardware_queue_is_asked_for_only_under_tensor_parallelism(monkeypatch):
+    """CUDA_DEVICE_MAX_CONNECTIONS=1 puts every stream behind one queue: an offload copy then holds up
+    the compute stream (measured on the H200: docs/offload.md). megatron needs it for TP's comm order."""
+    from conftest import compose
+
+    from recipes.run.controller import worker_environment
+
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+    assert "CUDA_DEVICE_MAX_CONNECTIONS" not in worker_environment(compose("offload=core_attn"))
+    assert worker_environment(compose("parallel=tp2"))["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "4")  # the user's own setting stands
+    assert worker_environment(compose("parallel=tp2"))["CUDA_DEVICE_MAX_CONNECTIONS"] == "4"

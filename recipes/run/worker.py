@@ -411,11 +411,7 @@ def offload_measurements(trainer: Trainer, window: Window, step_time_s: float, r
     moved = window.moved[len(window.moved) // 2] if window.moved else {}
     out = {"moved_per_step": moved, "moved_steps_equal": all(m == moved for m in window.moved)}
     if trainer.on_gpu:  # measurements about the run, not of it: a failure is recorded, not raised
-        try:
-            out["link"] = host_link_bandwidth()
-        except Exception as err:  # e.g. no room for the 256 MiB test buffers at the memory's edge
-            out["link"] = {"error": f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"}
-        try:
+        try:  # first: the link test empties the allocator's cache, which the traced step would refill
             overlap, result["trace"] = copy_overlap(trainer.step, keep)  # one more step, off the step count
             overlap["step_time_s"] = step_time_s
         except Exception as err:  # the profiler (CUPTI) unavailable, or an OOM in the extra step
@@ -423,6 +419,10 @@ def offload_measurements(trainer: Trainer, window: Window, step_time_s: float, r
         finally:
             trainer.optimizer.zero_grad()
         out["transfer"] = overlap
+        try:
+            out["link"] = host_link_bandwidth()
+        except Exception as err:  # e.g. no room for the 256 MiB test buffers at the memory's edge
+            out["link"] = {"error": f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"}
     return out
 
 
