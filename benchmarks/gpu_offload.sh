@@ -11,7 +11,9 @@
 # against none, the copies' time and the part compute did not hide (exposed), the host link.
 # Settings (environment): PY, SIZES (h200 h200_long), MODELS (standard_attn moe), OFFLOAD_ALL,
 # OFFLOAD_standard_attn / OFFLOAD_moe (the offload options to run, comma-separated),
-# BUDGET_standard_attn / BUDGET_moe (GiB for the h200 plan; 21.5 / 26), LONG_BUDGET (137).
+# BUDGET_standard_attn / BUDGET_moe (GiB for the h200 plan; 21.5 / 26), LONG_BUDGET (137), EXTRA (overrides
+# for every plan and point, e.g. train.global_batch_size=null: one micro-batch per step, a quarter of the time),
+# LONG_standard_attn / LONG_moe (recompute options measured beside the plan at h200_long; mlp / moe_act).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 WANDB_MODE=offline
@@ -21,7 +23,10 @@ MODELS=${MODELS:-standard_attn moe}
 BUDGET_standard_attn=${BUDGET_standard_attn:-21.5}  # none peaks at about 20.4 GiB: needs recompute or offload
 BUDGET_moe=${BUDGET_moe:-26}                        # none about 25.7 GiB, over with the allocator's slack
 LONG_BUDGET=${LONG_BUDGET:-137}                     # what PyTorch may reserve on an H200
-ARGS="profile=none train.train_iters=6 measure.start_step=3"
+EXTRA=${EXTRA:-}
+ARGS="profile=none train.train_iters=6 measure.start_step=3 $EXTRA"
+LONG_standard_attn=${LONG_standard_attn-selective/mlp}
+LONG_moe=${LONG_moe-selective/moe_act}
 mkdir -p results/offload
 stamp() { echo "== $(date -u +%FT%TZ) $*"; }
 quiet() { grep -v "Warning\|warn(\|warnings.warn\|Activation Offload Summary\|^Rank\|^Total\|^=\+$\|^-\+$" | tail -"$1"; }
@@ -35,7 +40,7 @@ offload_options() {  # the offload options to run at the h200 size for a model (
   elif [ "$1" = moe ]; then echo expert_fc1,moe_act,expert_fc1-moe_act,core_attn-attn_proj
   else echo attn_norm-mlp_norm,qkv_linear,core_attn,core_attn-attn_proj,qkv_linear-core_attn-attn_proj; fi; }
 plan() {  # model size budget dir: the planner's pick and runner-up, one line of overrides each
-  $PY -m recipes advise --budget-gib "$3" --predict model=$1 size=$2 --json > "$4/plan.json" || return 1
+  $PY -m recipes advise --budget-gib "$3" --predict model=$1 size=$2 $EXTRA --json > "$4/plan.json" || return 1
   $PY -c "import json, sys
 from recipes.analyze.plan import overrides_of
 p = json.load(open(sys.argv[1]))['plan']
@@ -56,6 +61,10 @@ for size in $SIZES; do
     if [ "$size" != h200_long ]; then
       stamp "$m size=$size: none, $(guide_label $m)"; run $dir model=$m size=$size recompute=none,$(guide_label $m)
       stamp "$m size=$size: offload"; run $dir model=$m size=$size recompute=none offload=$(offload_options $m)
+    fi
+    long_var=LONG_$m
+    if [ "$size" = h200_long ] && [ -n "${!long_var:-}" ]; then
+      stamp "$m size=$size: recompute=${!long_var}"; run $dir model=$m size=$size recompute=${!long_var}
     fi
     for pick in "${picks[@]}"; do
       [ -n "$pick" ] || continue
