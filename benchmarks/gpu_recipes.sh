@@ -19,10 +19,13 @@ declare -A OPTIONS=(
   [qwen3_next_80b_a3b]=none,selective/gdn_norm_out-moe_act
 )
 [ $# -eq 0 ] && set -- llama3_8b llama3_70b qwen3_30b_a3b moonlight_16b_a3b deepseek_v3 qwen3_next_80b_a3b
+. benchmarks/triton_path.sh
 mkdir -p results
 for r in "$@"; do
   echo "== $(date -u +%FT%TZ) recipe=$r recompute=${OPTIONS[$r]}"
-  $PY train.py -m recipe=$r recompute=${OPTIONS[$r]} $ARGS hydra.sweep.dir=results/recipe_$r 2>&1 |
+  pp=${PYTHONPATH:-}
+  if [ "$r" = qwen3_next_80b_a3b ]; then pp=$(triton_path) || continue; fi  # GatedDeltaNet: Triton >= 3.7.1
+  PYTHONPATH=$pp $PY train.py -m recipe=$r recompute=${OPTIONS[$r]} $ARGS hydra.sweep.dir=results/recipe_$r 2>&1 |
     grep -v "Warning\|warn(\|warnings.warn\|Evict LRU\|^ *\"\"\"" | grep "^\[ok\]\|^\[oom\]\|^\[failed\]\|error"
   $PY -m recipes estimate --compare results/recipe_$r 2>&1 | grep -v "Warning\|warn(" > results/recipe_$r/compare.txt
   cat results/recipe_$r/compare.txt

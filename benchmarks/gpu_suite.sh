@@ -65,17 +65,7 @@ step_mfu_table() {  # MFU per family, from the label sweeps and the realistic si
   local dirs; dirs=$(ls -d results/sweep_* results/long_standard_attn 2>/dev/null)
   [ -n "$dirs" ] || { echo "no results/sweep_* yet: run the sweeps step first" >&2; return 1; }
   $PY benchmarks/bench_mfu.py --results $dirs; }
-triton_path() {  # fla-core needs Triton >= 3.7.1 on Hopper GPUs (fla issue 640). Prints a PYTHONPATH that
-  # provides it: the installed Triton when new enough, else the .triton/ tarball that benchmarks/pack_triton.sh
-  # builds (for a machine without network), unpacked once into a temporary folder.
-  if $PY -c "import sys, triton; from packaging.version import Version
-sys.exit(Version(triton.__version__.split('+')[0]) < Version('3.7.1'))" 2>/dev/null; then
-    echo "${PYTHONPATH:-}"; return; fi
-  local tarball=.triton/triton-3.7.1-stripped.tar.xz site=${TMPDIR:-/tmp}/triton-3.7.1-site
-  [ -f $tarball ] || { echo "Triton < 3.7.1 and no $tarball: pip install 'triton>=3.7.1' (or run" \
-    "benchmarks/pack_triton.sh on a machine with network); GDN skipped" >&2; return 1; }
-  [ -d $site/triton ] || { mkdir -p $site && tar -C $site -xJf $tarball; } || return 1
-  echo "$site${PYTHONPATH:+:$PYTHONPATH}"; }
+. benchmarks/triton_path.sh  # triton_path: a PYTHONPATH with Triton >= 3.7.1 for the GDN steps
 step_gdn() {  # the GDN label table, with Triton >= 3.7.1 for this step only
   local pp; pp=$(triton_path) || return
   PYTHONPATH=$pp $PY -c "import triton, fla; print('triton', triton.__version__, 'fla', fla.__version__)"
