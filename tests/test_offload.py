@@ -233,9 +233,12 @@ def test_exposed_transfer_model():
     from recipes.predict.offload import exposed_transfer_s
 
     hidden = exposed_transfer_s([10**9], forward_s=0.05, link_gb_s=50.0, microbatches=1)  # 20 ms a copy
-    assert hidden == {"copy_s": pytest.approx(0.04), "exposed_s": 0.0}
+    assert hidden == {"copy_s": pytest.approx(0.04), "exposed_s": 0.0, "host_s": 0.0}
     slow = exposed_transfer_s([10**9, 10**9], forward_s=0.005, link_gb_s=50.0, microbatches=2)
     assert slow["exposed_s"] == pytest.approx(2 * 2 * (0.015 + 0.010))
+    # the manager's host time: per tensor moved, per micro-batch, whatever the link
+    host = exposed_transfer_s([10**9, 10**9], 0.05, 50.0, 2, copies_per_layer=[4, 1], host_s_per_copy=2e-4)
+    assert host["host_s"] == pytest.approx(2 * 5 * 2e-4) and host["exposed_s"] == 0.0
 
 
 def test_host_memory_is_checked_against_the_prediction(megatron_world):

@@ -72,9 +72,12 @@ def price(cfg: dict, p: dict, tflops: float, link_gb_s: float, remat_bytes: int 
     layers = cfg["model"]["num_layers"] // par["pipeline_model_parallel_size"]
     m = num_microbatches(cfg)
     replay = recompute_s(cfg, tflops, layers, m, remat_bytes, (cfg.get("estimate") or {}).get("hbm_gb_s", 3000.0))
-    copies = exposed_transfer_s(p["host_bytes_per_layer"], layer_forward_s(cfg, tflops), link_gb_s, m)
-    return {"recompute_s": replay, "offload_exposed_s": copies["exposed_s"], "offload_copy_s": copies["copy_s"],
-            "cost_s": replay + copies["exposed_s"]}
+    per_copy = (cfg.get("estimate") or {}).get("offload_host_ms_per_copy", 0.2) / 1e3
+    copies = exposed_transfer_s(p["host_bytes_per_layer"], layer_forward_s(cfg, tflops), link_gb_s, m,
+                                p.get("host_copies_per_layer"), per_copy)
+    return {"recompute_s": replay, "offload_exposed_s": copies["exposed_s"] + copies["host_s"],
+            "offload_copy_s": copies["copy_s"], "offload_host_s": copies["host_s"],
+            "cost_s": replay + copies["exposed_s"] + copies["host_s"]}
 
 
 def plan(cfg: dict, budget_gib: float, tflops: float | None = None, link_gb_s: float | None = None) -> dict:
@@ -143,8 +146,8 @@ def overrides_of(row: dict) -> str:
 def describe(row: dict) -> str:
     """``recompute=X offload=Y: 21.30 GiB, +4.1 ms (replay 4.1, copies 0.0 exposed of 9.8)``."""
     return (f"{overrides_of(row)}: {row['predicted_peak_gib']:.2f} GiB, +{row['cost_s'] * 1e3:.1f} ms per step "
-            f"(replay {row['recompute_s'] * 1e3:.1f} ms, offload copies {row['offload_exposed_s'] * 1e3:.1f} ms "
-            f"exposed of {row['offload_copy_s'] * 1e3:.1f} ms)")
+            f"(replay {row['recompute_s'] * 1e3:.1f} ms, offload {row['offload_exposed_s'] * 1e3:.1f} ms: "
+            f"exposed copies of {row['offload_copy_s'] * 1e3:.1f} ms and the manager's host time)")
 
 
 def confirm_commands(base: str, rows: list[dict], budget_gib: float, sweep_dir: str = "multirun/confirm") -> list[str]:

@@ -313,13 +313,16 @@ def predict(cfg: dict, device: str = "auto", stage: int | None = None,
             "host_bytes_by_kind": host_by_kind, "host_bytes": sum(host_by_kind.values()),
             "in_flight_host_bytes": sum(host_chunk[v] for v in order),
             "host_bytes_per_layer": host_layers,
+            "host_copies_per_layer": [sum(1 for t in layer if t[3] > 0) for c in chunks for layer in c.host],
         })
     pick = stages[stage] if stage is not None else max(stages, key=lambda s: s["peak_bytes"])
     if pick["host_bytes"]:  # the copies' time per step at the assumed rate and link (estimate.*)
         est = cfg.get("estimate") or {}
         tflops, link = est.get("mfu", 0.38) * cfg["measure"]["peak_tflops"], est.get("host_link_gb_s", 50.0)
+        per_copy = est.get("offload_host_ms_per_copy", 0.2) / 1e3
         pick = {**pick, "offload_transfer": {**exposed_transfer_s(pick["host_bytes_per_layer"], layer_forward_s(
-            cfg, tflops), link, m_count), "tflops": tflops, "host_link_gb_s": link}}
+            cfg, tflops), link, m_count, pick["host_copies_per_layer"], per_copy), "tflops": tflops,
+            "host_link_gb_s": link, "host_s_per_copy": per_copy}}
     ep = par["expert_model_parallel_size"] > 1 and MLP_KIND.get(cfg["model"]["family"]) == "moe"
     share = None if not ep else [float(f) for f in routed_share] if per_layer else float(routed_share)
     worst = max(stages, key=lambda s: s["peak_bytes"])
@@ -534,7 +537,9 @@ def format_prediction(p: dict, title: str, budget_gib: float | None = None, term
         if t:
             lines.append(f"offload time per step: copies {t['copy_s'] * 1e3:.1f} ms, exposed (not hidden by "
                          f"compute) {t['exposed_s'] * 1e3:.1f} ms at a {t['host_link_gb_s']:g} GB/s link and "
-                         f"{t['tflops']:.0f} TFLOP/s (estimate.host_link_gb_s, estimate.mfu)")
+                         f"{t['tflops']:.0f} TFLOP/s (estimate.host_link_gb_s, estimate.mfu); the offload "
+                         f"manager's host time {t['host_s'] * 1e3:.1f} ms ({t['host_s_per_copy'] * 1e3:g} ms a "
+                         "tensor moved, estimate.offload_host_ms_per_copy)")
     if len(p["stages"]) > 1:
         lines.append("peak per pipeline stage (GiB): " + ", ".join(
             f"pp{st['stage']} {st['peak_bytes'] / GIB:.1f}" for st in p["stages"]))

@@ -19,7 +19,9 @@ chunk moves its other layers' groups (modeled per model chunk, as measured for o
 Time. Copies run on their own streams beside compute: a layer's copy to the host overlaps the next
 layer's forward, its copy back the backward of the layer after it (megatron prefetches one group
 ahead). ``exposed_transfer_s`` is the copy time no compute hides, per step, from a link bandwidth and
-each layer's forward time (its FLOPs at an achieved rate); backward takes twice the forward.
+each layer's forward time (its FLOPs at an achieved rate); backward takes twice the forward; plus
+the manager's host time per tensor moved (``estimate.offload_host_ms_per_copy``), which a step whose
+forward is host-bound pays in full (on the H200 it, not the link, was most of offload's cost).
 ``recompute_s`` prices recompute in the same unit: the forward FLOPs it replays, at the same rate.
 """
 
@@ -156,9 +158,14 @@ def recompute_s(cfg: dict, tflops: float, layers: int, microbatches: int, elemen
 
 
 def exposed_transfer_s(host_per_layer: list[int], forward_s: float, link_gb_s: float,
-                       microbatches: int) -> dict:
+                       microbatches: int, copies_per_layer: list[int] | None = None,
+                       host_s_per_copy: float = 0.0) -> dict:
     """Copy time per step and the part compute does not hide: each layer's copy out against the next
-    layer's forward, its copy back against the backward of the layer after it (2 x forward)."""
+    layer's forward, its copy back against the backward of the layer after it (2 x forward). And the
+    host time megatron's offload manager spends per tensor it moves (out and back: the group commit's
+    contiguous copy, pinned buffer and events, the reload's allocation), which a host-bound step pays."""
     copy = [n / (link_gb_s * 1e9) for n in host_per_layer]
     exposed = sum(max(0.0, c - forward_s) + max(0.0, c - 2 * forward_s) for c in copy)
-    return {"copy_s": 2 * sum(copy) * microbatches, "exposed_s": exposed * microbatches}
+    host = host_s_per_copy * sum(copies_per_layer or [])
+    return {"copy_s": 2 * sum(copy) * microbatches, "exposed_s": exposed * microbatches,
+            "host_s": host * microbatches}
