@@ -45,3 +45,17 @@ def test_an_empty_trace_summarizes_to_zeros():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU answer; a GPU run records the trace")
 def test_tracing_a_step_needs_a_gpu():
     assert trace_step(lambda: None) is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: CUDA kernels and copies to trace")
+def test_a_traced_step_on_a_gpu_sees_its_kernels_and_copies(tmp_path):
+    a = torch.randn(2048, 2048, device="cuda")
+    host = torch.empty(2048, 2048, pin_memory=True)
+
+    def step():
+        (a @ a).relu_()
+        host.copy_(a, non_blocking=True)
+
+    s = trace_step(step, keep=tmp_path / "t.json.gz")
+    assert s["kernel_busy_s"] > 0 and s["kernels"] and s["copies"]["d2h_busy_s"] > 0
+    assert (tmp_path / "t.json.gz").stat().st_size > 0
