@@ -34,6 +34,8 @@ import subprocess
 import sys
 import tempfile
 import traceback
+from collections import Counter
+from pathlib import Path
 
 #: Environment variables that differ from point to point without changing what the imports did.
 PER_POINT = ("MASTER_PORT",)
@@ -145,11 +147,20 @@ def env_key(env: dict[str, str]) -> tuple:
 
 # --- the server process -------------------------------------------------------------------------
 
-def _threads() -> int:
-    return len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else 1
+def _threads() -> Counter:
+    """This process's OS threads by name (Linux: /proc/self/task/*/comm; elsewhere one, unnamed)."""
+    names: Counter = Counter()
+    if not os.path.isdir("/proc/self/task"):
+        return Counter({"": 1})
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            names[Path(f"/proc/self/task/{tid}/comm").read_text().strip()] += 1
+        except OSError:  # ended meanwhile
+            pass
+    return names
 
 
-def _preload(names: list[str]) -> int:
+def _preload(names: list[str]) -> Counter:
     """Import (and, for ``module:function``, call) each name; returns the OS threads ``import torch``
     left running (numpy's BLAS pool: idle, and a fork copies none of it)."""
     import torch  # noqa: F401
@@ -163,7 +174,7 @@ def _preload(names: list[str]) -> int:
     return baseline
 
 
-def _unsafe(baseline: int) -> str | None:
+def _unsafe(baseline: Counter) -> str | None:
     """Why this process must not fork a worker now (CUDA initialized, threads started), or None."""
     import threading
 
@@ -171,8 +182,11 @@ def _unsafe(baseline: int) -> str | None:
 
     if torch.cuda.is_initialized():
         return "CUDA is initialized in the fork server: a forked child could not use it"
-    if threading.active_count() > 1 or _threads() > baseline:
-        return f"the fork server runs threads ({_threads()}, {baseline} after import torch)"
+    now = _threads()
+    if threading.active_count() > 1 or now.total() > baseline.total():
+        new = ", ".join(f"{name or '?'} x{n}" for name, n in sorted((now - baseline).items()))
+        return (f"the fork server runs threads ({now.total()}, {baseline.total()} after import torch; "
+                f"new: {new or 'Python threads'})")
     return None
 
 

@@ -57,7 +57,7 @@ def test_a_child_dies_with_the_server(tmp_path):
 
 
 @pytest.mark.parametrize("preload,reason", [
-    ("forkserver_targets:start_a_thread", "runs threads"),
+    ("forkserver_targets:start_a_thread", r"runs threads \(\d+, \d+ after import torch; new: [^,]+ x1\)"),
     ("forkserver_targets:initialize_cuda", "CUDA is initialized"),
     ("no_such_module", "preloading failed: ModuleNotFoundError"),
 ])
