@@ -20,6 +20,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from recipes.files import PROGRESS_FILE  # noqa: E402
 from recipes.results import load_result, worst_row  # noqa: E402
 
 
@@ -44,7 +45,7 @@ def main() -> None:
     parser.add_argument("docs", type=Path)
     parser.add_argument("--kill-at", type=int, required=True)
     args = parser.parse_args()
-    rows = [json.loads(line) for line in (args.docs / "progress.jsonl").read_text().splitlines() if line]
+    rows = [json.loads(line) for line in (args.docs / PROGRESS_FILE).read_text().splitlines() if line]
     parts = segments(rows)
     long_result = load_result(args.docs / "long-result.json")
     long_row = worst_row(long_result)

@@ -13,6 +13,9 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 CONF_DIR = REPO_ROOT / "conf"
 GIB = 1024**3
 MIB = 1024**2
+#: A run's progress rows, one JSON object per logged step (rank 0; written by recipes.run.progress,
+#: read by recipes.analyze.logger and benchmarks/plot_long_run.py).
+PROGRESS_FILE = "progress.jsonl"
 
 
 class UnreadableFile(ValueError):

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from recipes.files import read_json, write_json_atomic
+from recipes.files import PROGRESS_FILE, read_json, write_json_atomic
 from recipes.results import result_rows, worst_row
 
 
@@ -314,7 +314,7 @@ def close_unfinished(log: dict, result: dict) -> bool:
 def _unfinished_rows(run_dir: Path, opened_at: float, next_step: int) -> list[dict]:
     """The progress rows the killed worker wrote after it opened its W&B run, from ``next_step`` on (the
     step W&B continues at: online, after the rows it already has; offline it knows none, so 0)."""
-    path = run_dir / "progress.jsonl"
+    path = run_dir / PROGRESS_FILE
     if not path.exists():
         return []
     rows = []

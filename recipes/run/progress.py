@@ -11,7 +11,7 @@ import torch
 from recipes.analyze.logger import NullRun, WandbRun, interval_metrics
 from recipes.build import compat
 from recipes.build.parallel import from_last_stage
-from recipes.files import GIB
+from recipes.files import GIB, PROGRESS_FILE
 from recipes.measure.flops import step_flops
 from recipes.run.trainer import Trainer
 
@@ -39,7 +39,7 @@ class Progress:
         flops = step_flops({**cfg, "_data_parallel_size": trainer.dp_size}, trainer.num_microbatches)
         self.flops_per_gpu = flops["model"] / torch.distributed.get_world_size()
         self.peak = cfg["measure"]["peak_tflops"] * 1e12
-        self.path = Path(run_dir) / "progress.jsonl" if run_dir is not None and self.rank0 else None
+        self.path = Path(run_dir) / PROGRESS_FILE if run_dir is not None and self.rank0 else None
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
         self.last_step, self.last_time = first - 1, time.perf_counter()
