@@ -207,6 +207,13 @@ ESTIMATED = [
     (["model=mla"], "none", "core_attn-attn_proj", True),
     (["model=mla"], "none", "qkv_linear-core_attn-attn_proj", False),  # RoPE's slices are copied again
     (["model=gdn", "model.num_layers=4"], "none", "core_attn-attn_proj", True),
+    # megatron's activation_offload_fraction: the last int(n * (1 - f)) moved groups stay (forward order)
+    (["model=standard_attn", "model.num_layers=4", "offload.activation_offload_fraction=0.5"], "none",
+     "core_attn-attn_proj", True),  # 6 groups: layers 0-2's two; layer 1's projection and layer 2's stay
+    (["model=moe", "model.num_layers=4", "offload.activation_offload_fraction=0.4"], "none",
+     "expert_fc1-moe_act", True),  # 6 groups, int(3.6) = 3 stay: a cut inside a layer
+    (["model=standard_attn", "model.num_layers=4", "offload.activation_offload_fraction=0.0"], "none",
+     "attn_norm-mlp_norm", True),  # nothing moves after the warm-up
 ]
 
 

@@ -52,6 +52,22 @@ def fewest_block_layers(cfg: dict, rc: dict, budget_gib: float) -> tuple[dict, d
     return trial, p
 
 
+#: The shares of offload groups the planner tries below 1 (megatron's ``activation_offload_fraction``).
+OFFLOAD_FRACTIONS = (0.25, 0.5, 0.75)
+
+
+def smallest_offload_fraction(cfg: dict, budget_gib: float) -> tuple[float, dict] | None:
+    """For an offload plan that fits moving every group: the smallest ``activation_offload_fraction``
+    (of ``OFFLOAD_FRACTIONS``) that still fits, with its prediction; fewer groups moved cost less host
+    time and link. None when none smaller fits."""
+    for fraction in OFFLOAD_FRACTIONS:
+        trial = {**cfg, "offload": {**cfg["offload"], "activation_offload_fraction": fraction}}
+        p = predict(trial, "cuda")
+        if fits(p["peak_bytes"] / GIB, budget_gib, p["allocator_slack"]):
+            return fraction, p
+    return None
+
+
 def elementwise_bytes(cfg: dict) -> int:
     """What the recompute option's elementwise labels (no matmul to replay) rematerialize per
     micro-batch: the bytes they save, against the same config without them, offload off."""
@@ -108,13 +124,20 @@ def plan(cfg: dict, budget_gib: float, tflops: float | None = None, link_gb_s: f
             except ConfigError as err:
                 refused.append({"recompute": rc_option, "offload": off_option, "why": err.problem})
                 continue
+            fraction = keep["activation_offload_fraction"]
+            if modules and fraction == 1.0 and fits(p["peak_bytes"] / GIB, budget_gib, p["allocator_slack"]):
+                smaller = smallest_offload_fraction(trial, budget_gib)
+                if smaller:
+                    fraction, p = smaller
+                    trial["offload"] = {**trial["offload"], "activation_offload_fraction": fraction}
             peak, slack = p["peak_bytes"] / GIB, p["allocator_slack"]
             mark = verdict(peak, budget_gib, slack)
             rows.append({"recompute": rc_option, "offload": off_option, "predicted_peak_gib": peak,
                          "fits": mark == FITS, "tight": mark == TIGHT, "host_gib": p["in_flight_host_bytes"] / GIB,
                          **price(trial, p, tflops, link_gb_s, remat),
                          **({"recompute_num_layers": trial["recompute"]["recompute_num_layers"]}
-                            if rc_option == "full/block" else {})})
+                            if rc_option == "full/block" else {}),
+                         **({"activation_offload_fraction": fraction} if modules and fraction < 1.0 else {})})
     ranked = sorted((r for r in rows if r["fits"]), key=_order)
     choice = ranked[0] if ranked else None
     runner = next((r for r in ranked[1:] if not _extends(r, choice)), None)
@@ -140,7 +163,9 @@ def overrides_of(row: dict) -> str:
     """The command-line overrides that select a plan row."""
     n = row.get("recompute_num_layers")
     text = f"recompute={row['recompute']}" + (f" recompute.recompute_num_layers={n}" if n else "")
-    return text + (f" offload={row['offload']}" if row.get("offload", "none") != "none" else "")
+    text += f" offload={row['offload']}" if row.get("offload", "none") != "none" else ""
+    f = row.get("activation_offload_fraction")
+    return text + (f" offload.activation_offload_fraction={f:g}" if f is not None else "")
 
 
 def describe(row: dict) -> str:

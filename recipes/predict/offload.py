@@ -91,8 +91,30 @@ def stays_on_device(term: Term, d: Dims) -> bool:
     return what == "permuted probs" and "moe_act" in d.labels  # the moe_act checkpoint keeps its inputs
 
 
+def _moved_groups(d: Dims, layers: list[list[Term]], gdn: list[bool], wanted: set[str], kept: dict,
+                  min_elements: int, fraction: float) -> set[tuple[int, str]]:
+    """The (layer, module) groups the manager moves after its warm-up: every group with bytes to move
+    but each module's last one, less ``activation_offload_fraction``'s share: megatron disables the
+    last ``int(n * (1 - fraction))`` eligible groups in forward order (``post_warmup_callback``),
+    keeping the earliest offloaded, whose memory stays free longest."""
+    groups = []
+    for i, layer in enumerate(layers):
+        context_copied = not any(t[1] == "linear_proj input (context)" for t in layer)
+        for term in layer:  # a layer's terms in forward order: each module's point once
+            point = point_of(term, d, gdn[i])
+            if (point in wanted and kept.get(point) != i and (i, point) not in groups and term[2] > 0
+                    and host_copy_bytes(term, d) // _element_bytes(term[1], d) >= min_elements):
+                groups.append((i, point))
+                # fused attention: the projection's group copies core attention's output, right after
+                if (point == "core_attn" and context_copied and "attn_proj" in wanted
+                        and kept.get("attn_proj") != i):
+                    groups.append((i, "attn_proj"))
+    disabled = int(len(groups) * (1 - fraction))
+    return set(groups[:len(groups) - disabled])
+
+
 def offload_layers(d: Dims, layers: list[list[Term]], gdn: list[bool], modules: list[str],
-                   min_elements: int) -> tuple[list[list[Term]], list[list[HostTerm]]]:
+                   min_elements: int, fraction: float = 1.0) -> tuple[list[list[Term]], list[list[HostTerm]]]:
     """One chunk's layers with the offloaded terms off the device, and each layer's host terms.
 
     Per module, every layer with its point except the chunk's last one (the manager keeps that)."""
@@ -100,6 +122,7 @@ def offload_layers(d: Dims, layers: list[list[Term]], gdn: list[bool], modules: 
     has = {m: [i for i, layer in enumerate(layers) if any(point_of(t, d, gdn[i]) == m for t in layer)]
            for m in wanted}
     kept = {m: idx[-1] for m, idx in has.items() if idx}
+    moved = _moved_groups(d, layers, gdn, wanted, kept, min_elements, fraction)
     out_layers, hosts = [], []
     for i, layer in enumerate(layers):
         device, host = [], []
@@ -107,13 +130,13 @@ def offload_layers(d: Dims, layers: list[list[Term]], gdn: list[bool], modules: 
         for term in layer:
             point = point_of(term, d, gdn[i])
             copy = host_copy_bytes(term, d)
-            moves = (point in wanted and kept.get(point) != i and term[2] > 0
+            moves = ((i, point) in moved and term[2] > 0
                      and copy // _element_bytes(term[1], d) >= min_elements)
             if not moves:
                 device.append(term)
                 continue
             shared_context = point == "core_attn" and term[1] == "output" and context_copied
-            if stays_on_device(term, d) or shared_context and ("attn_proj" not in wanted or kept.get("attn_proj") == i):
+            if stays_on_device(term, d) or shared_context and (i, "attn_proj") not in moved:
                 device.append(term)  # e.g. the projection still holds core attention's output
                 host.append((term[0], term[1], 0, copy))
                 continue
@@ -132,7 +155,8 @@ def chunk_offload(cfg: dict, d: Dims, layers: list[list[Term]], global_layers: l
     if not modules:
         return layers, [[] for _ in layers]
     gdn = [bool(gdn_pattern[g]) for g in global_layers]
-    return offload_layers(d, layers, gdn, modules, cfg["offload"]["min_offloaded_tensor_size"])
+    return offload_layers(d, layers, gdn, modules, cfg["offload"]["min_offloaded_tensor_size"],
+                          cfg["offload"]["activation_offload_fraction"])
 
 
 # --- time: recompute and offload in seconds per step ---------------------------------------------------
