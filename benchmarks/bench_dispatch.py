@@ -149,17 +149,12 @@ def step_mode(overrides: list[str]) -> None:
 
 
 def main() -> None:
-    cuda = torch.cuda.is_available()
+    from bench_experts import add_layer_args
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--step", nargs="*", metavar="OVERRIDE", default=None,
                         help="count the syncs of a model=moe training step, with these Hydra overrides")
-    parser.add_argument("--iters", type=int, default=20 if cuda else 3)
-    parser.add_argument("--warmup", type=int, default=5 if cuda else 1)
-    parser.add_argument("--hidden", type=int, default=2048 if cuda else 64)
-    parser.add_argument("--ffn", type=int, default=2048 if cuda else 64)
-    parser.add_argument("--experts", type=int, default=8)
-    parser.add_argument("--topk", type=int, default=2)
-    parser.add_argument("--tokens", type=int, default=4096 * 2 if cuda else 256)
+    add_layer_args(parser)
     args = parser.parse_args()
     if args.step is not None:
         step_mode(args.step)

@@ -131,10 +131,9 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_layer_args(parser: argparse.ArgumentParser) -> None:
+    """The timed MoE layer's shape and repetitions (this benchmark and bench_dispatch.py)."""
     cuda = torch.cuda.is_available()
-    parser.add_argument("--moe-act", action="store_true", help="also time moe_act recompute")
     parser.add_argument("--iters", type=int, default=20 if cuda else 3)
     parser.add_argument("--warmup", type=int, default=5 if cuda else 1)
     parser.add_argument("--hidden", type=int, default=2048 if cuda else 64)
@@ -142,6 +141,13 @@ def main() -> None:
     parser.add_argument("--experts", type=int, default=8)
     parser.add_argument("--topk", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=4096 * 2 if cuda else 256)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    cuda = torch.cuda.is_available()
+    parser.add_argument("--moe-act", action="store_true", help="also time moe_act recompute")
+    add_layer_args(parser)
     parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     args = parser.parse_args()
     args.dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32

@@ -81,9 +81,9 @@ def trace_intervals(trace: dict) -> tuple[dict[str, list], list]:
     return copies, compute
 
 
-def copy_summary(trace: dict) -> dict:
-    """The copies' busy and exposed seconds per direction (``d2h_busy_s``, ...) and together."""
-    copies, compute = trace_intervals(trace)
+def copy_summary(copies: dict[str, list], compute: list) -> dict:
+    """The copies' busy and exposed seconds per direction (``d2h_busy_s``, ...) and together, from
+    ``trace_intervals``."""
     out = {f"{d}_{k}_s": v for d in ("d2h", "h2d") for k, v in exposed_time(copies[d], compute).items()}
     both = exposed_time(copies["d2h"] + copies["h2d"], compute)
     out.update(copy_busy_s=both["busy"], exposed_s=both["exposed"], copies=sum(len(v) for v in copies.values()))
@@ -97,9 +97,10 @@ def _top(durations: dict[str, list[float]], n: int) -> list[dict]:
 
 def summarize(trace: dict) -> dict:
     """A step's chrome trace as the summary described in the module docstring."""
+    copies, kernel_spans = trace_intervals(trace)
     kernels: dict[str, list[float]] = defaultdict(list)
     runtime: dict[str, list[float]] = defaultdict(list)
-    kernel_spans, gpu_spans = [], []
+    gpu_spans = list(kernel_spans)
     for event in trace.get("traceEvents", []):
         if event.get("ph") != "X" or "dur" not in event:
             continue
@@ -107,8 +108,7 @@ def summarize(trace: dict) -> dict:
         span = (event["ts"] / 1e6, (event["ts"] + event["dur"]) / 1e6)
         if cat == "kernel":
             kernels[name].append(span[1] - span[0])
-            kernel_spans.append(span)
-        if cat in ("kernel", "gpu_memcpy", "gpu_memset"):
+        elif cat in ("gpu_memcpy", "gpu_memset"):
             gpu_spans.append(span)
         elif cat in ("cuda_runtime", "cuda_driver"):
             runtime[name].append(span[1] - span[0])
@@ -118,7 +118,7 @@ def summarize(trace: dict) -> dict:
         "kernel_busy_s": _length(kernel_spans),
         "gpu_idle_s": span_s - _length(gpu_spans),
         "kernel_total_s": sum(sum(d) for d in kernels.values()),
-        "copies": copy_summary(trace),
+        "copies": copy_summary(copies, kernel_spans),
         "kernels": _top(kernels, TOP_KERNELS),
         "runtime": _top(runtime, TOP_RUNTIME),
     }

@@ -91,6 +91,16 @@ def stays_on_device(term: Term, d: Dims) -> bool:
     return what == "permuted probs" and "moe_act" in d.labels  # the moe_act checkpoint keeps its inputs
 
 
+def _context_copied(layer: list[Term]) -> bool:
+    """Fused attention: the output projection's input is core attention's output, no term of its own."""
+    return not any(t[1] == "linear_proj input (context)" for t in layer)
+
+
+def _movable(term: Term, d: Dims, min_elements: int) -> bool:
+    """A saved term the manager copies: it holds bytes and reaches ``min_offloaded_tensor_size``."""
+    return term[2] > 0 and host_copy_bytes(term, d) // _element_bytes(term[1], d) >= min_elements
+
+
 def _moved_groups(d: Dims, layers: list[list[Term]], gdn: list[bool], wanted: set[str], kept: dict,
                   min_elements: int, fraction: float) -> set[tuple[int, str]]:
     """The (layer, module) groups the manager moves after its warm-up: every group with bytes to move
@@ -99,11 +109,11 @@ def _moved_groups(d: Dims, layers: list[list[Term]], gdn: list[bool], wanted: se
     keeping the earliest offloaded, whose memory stays free longest."""
     groups = []
     for i, layer in enumerate(layers):
-        context_copied = not any(t[1] == "linear_proj input (context)" for t in layer)
+        context_copied = _context_copied(layer)
         for term in layer:  # a layer's terms in forward order: each module's point once
             point = point_of(term, d, gdn[i])
-            if (point in wanted and kept.get(point) != i and (i, point) not in groups and term[2] > 0
-                    and host_copy_bytes(term, d) // _element_bytes(term[1], d) >= min_elements):
+            if (point in wanted and kept.get(point) != i and (i, point) not in groups
+                    and _movable(term, d, min_elements)):
                 groups.append((i, point))
                 # fused attention: the projection's group copies core attention's output, right after
                 if (point == "core_attn" and context_copied and "attn_proj" in wanted
@@ -126,13 +136,11 @@ def offload_layers(d: Dims, layers: list[list[Term]], gdn: list[bool], modules: 
     out_layers, hosts = [], []
     for i, layer in enumerate(layers):
         device, host = [], []
-        context_copied = not any(t[1] == "linear_proj input (context)" for t in layer)
+        context_copied = _context_copied(layer)
         for term in layer:
             point = point_of(term, d, gdn[i])
             copy = host_copy_bytes(term, d)
-            moves = ((i, point) in moved and term[2] > 0
-                     and copy // _element_bytes(term[1], d) >= min_elements)
-            if not moves:
+            if (i, point) not in moved or not _movable(term, d, min_elements):
                 device.append(term)
                 continue
             shared_context = point == "core_attn" and term[1] == "output" and context_copied

@@ -388,7 +388,7 @@ def _measure(trainer: Trainer, cfg: dict, result: dict, window: Window, labels: 
         try:
             result["trace"] = trace_step(trainer.step, keep)  # one more step, off the step count
         except Exception as err:  # the profiler (CUPTI) unavailable, or an OOM in the extra step
-            result["trace"] = {"error": f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"}
+            result["trace"] = failed_measurement(err)
         finally:
             trainer.optimizer.zero_grad()
     if cfg["measure"]["profile"] != "none":
@@ -397,6 +397,11 @@ def _measure(trainer: Trainer, cfg: dict, result: dict, window: Window, labels: 
     if labels and cfg["measure"]["ledger"]:
         result["_ledger_warnings"] = control_ledgers(trainer, labels, result, run_dir)
     marks["ledgers_done"] = time.time()
+
+
+def failed_measurement(err: Exception) -> dict:
+    """An extra measurement that failed, recorded in its place (the run's own measurements stand)."""
+    return {"error": f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"}
 
 
 def trace_path(run_dir: Path, rank: int) -> Path:
@@ -415,14 +420,14 @@ def offload_measurements(trainer: Trainer, window: Window, step_time_s: float, r
             overlap, result["trace"] = copy_overlap(trainer.step, keep)  # one more step, off the step count
             overlap["step_time_s"] = step_time_s
         except Exception as err:  # the profiler (CUPTI) unavailable, or an OOM in the extra step
-            overlap = {"error": f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"}
+            overlap = failed_measurement(err)
         finally:
             trainer.optimizer.zero_grad()
         out["transfer"] = overlap
         try:
             out["link"] = host_link_bandwidth()
         except Exception as err:  # e.g. no room for the 256 MiB test buffers at the memory's edge
-            out["link"] = {"error": f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"}
+            out["link"] = failed_measurement(err)
     return out
 
 
