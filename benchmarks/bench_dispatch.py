@@ -3,6 +3,7 @@ host synchronisations of an MoE layer, and where every host sync of a training s
 
     python benchmarks/bench_dispatch.py                      # one MoE layer, forward + backward
     python benchmarks/bench_dispatch.py --step size=h200     # a whole model=moe training step
+    python benchmarks/bench_dispatch.py --step model=standard_attn size=h200   # any model's step
 
 Layer mode builds megatron's MoELayer (router, dispatcher, GroupedExperts) twice with the same
 weights, at the h200 size's MoE shape on CUDA (hidden 2048, expert ffn 2048, 8 experts, top-2,
@@ -12,8 +13,11 @@ a sync in the middle shows as time the GPU idles while the host launches the res
 per forward + backward (``recipes.measure.syncs.HostSyncCounter``; on CUDA also the count
 ``torch.cuda.set_sync_debug_mode`` warns about), and whether outputs and gradients are identical.
 
-Step mode runs the worker's ``Trainer`` for ``model=moe`` plus the given overrides, one warm-up
-step, then counts the host syncs of one more step per dispatcher and lists them by call site.
+Step mode runs the worker's ``Trainer`` for the given overrides (``model=moe`` unless they name a
+model), one warm-up step, then counts the host syncs of one more step (per dispatcher for an MoE
+model) and lists them by call site; on CUDA also where every synchronizing CUDA call of a third step
+comes from (``recipes.measure.syncs.CudaSyncSites``: the counted ones and the copies from pageable
+host memory and stream synchronizes the counter cannot see).
 """
 
 from __future__ import annotations
@@ -23,31 +27,22 @@ import os
 import statistics
 import sys
 import time
-import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from recipes.measure.syncs import HostSyncCounter  # noqa: E402
+from recipes.measure.syncs import CudaSyncSites, HostSyncCounter  # noqa: E402
 
 DISPATCHERS = ("allgather", "local")
 
 
-def cuda_sync_warnings(fn) -> int | None:
-    """How many synchronising calls ``torch.cuda.set_sync_debug_mode`` warns about in ``fn()``."""
-    if not torch.cuda.is_available():
-        return None
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("warn")
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            fn()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    return sum("synchroniz" in str(w.message) for w in caught)
+def cuda_sync_warnings(fn) -> CudaSyncSites:
+    """Where the synchronizing CUDA calls of ``fn()`` come from (empty without CUDA)."""
+    with CudaSyncSites() as sites:
+        fn()
+    return sites
 
 
 def layer_mode(args) -> None:
@@ -112,13 +107,12 @@ def layer_mode(args) -> None:
         with HostSyncCounter() as syncs:
             fwd_bwd(layer)
         warned = cuda_sync_warnings(lambda layer=layer: fwd_bwd(layer))
-        print(f"| {name} | {statistics.median(times):.2f} | {len(syncs)} | {'-' if warned is None else warned} |")
+        print(f"| {name} | {statistics.median(times):.2f} | {len(syncs)} | {len(warned) if warned.available else '-'} |")
         for (what, where), n in syncs.by_site().most_common():
             print(f"|  | {n} x {what} | {where} | |")
 
 
 def step_mode(overrides: list[str]) -> None:
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
     from launch.torchrun import free_port
     from recipes.build.compat import seed_model_parallel_rng
     from recipes.config import compose_config
@@ -126,12 +120,14 @@ def step_mode(overrides: list[str]) -> None:
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
                       LOCAL_RANK="0")
-    base = ["model=moe", *overrides]
-    init_distributed(compose_config(base))
+    base = overrides if any(o.startswith("model=") for o in overrides) else ["model=moe", *overrides]
+    cfg = compose_config(base)
+    init_distributed(cfg)
     from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
 
-    for name in DISPATCHERS:
-        cfg = compose_config([*base, f"model.moe_token_dispatcher_type={name}"])
+    moe = bool(cfg["model"].get("num_moe_experts"))
+    for name in DISPATCHERS if moe else (None,):
+        cfg = compose_config(base + ([f"model.moe_token_dispatcher_type={name}"] if name else []))
         destroy_moe_metrics_tracker()
         seed_model_parallel_rng(cfg["train"]["seed"])
         trainer = Trainer(cfg)
@@ -142,10 +138,14 @@ def step_mode(overrides: list[str]) -> None:
             warned = cuda_sync_warnings(trainer.step)
         finally:
             trainer.close()
-        print(f"\n## {name}: {len(syncs)} host syncs in one step (counted)"
-              + ("" if warned is None else f"; {warned} CUDA sync warnings"))
+        print(f"\n## {' '.join(base)}{f' ({name} dispatcher)' if name else ''}: {len(syncs)} host syncs "
+              f"in one step (counted)" + (f"; {len(warned)} CUDA sync warnings" if warned.available else ""))
         for (what, where), n in syncs.by_site().most_common():
             print(f"- {n} x `{what}` at {where}")
+        if warned.available:
+            print("CUDA sync warnings by site:")
+            for where, n in warned.sites.most_common():
+                print(f"- {n} x at {where}")
 
 
 def main() -> None:
@@ -153,7 +153,7 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--step", nargs="*", metavar="OVERRIDE", default=None,
-                        help="count the syncs of a model=moe training step, with these Hydra overrides")
+                        help="count the syncs of a training step (model=moe unless given), with these Hydra overrides")
     add_layer_args(parser)
     args = parser.parse_args()
     if args.step is not None:

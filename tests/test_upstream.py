@@ -304,3 +304,84 @@ def test_offload_inline_reload_still_races_its_copy_out(megatron_world, monkeypa
     wrong = [n for n, g in plain["grads"].items() if not torch.equal(g, pristine["grads"][n])]
     assert wrong, "upstream's inline reload waits for its copy now: delete the workaround"
     assert any(pristine["grads"][n].isnan().any() for n in wrong)
+
+
+def test_vocab_parallel_cross_entropy_still_syncs_on_its_masks():
+    """recipes.build.upstream.mask_cross_entropy_targets_without_host_sync: pristine
+    ``calculate_predicted_logits`` makes two boolean-mask assignments (a host sync each on a GPU)."""
+    from megatron.core.tensor_parallel.cross_entropy import VocabParallelCrossEntropy as ce
+
+    from recipes.build import upstream
+    from recipes.measure.syncs import HostSyncCounter
+
+    upstream.mask_cross_entropy_targets_without_host_sync()
+    logits = torch.randn(3, 2, 16)
+    with HostSyncCounter() as syncs:
+        ce._recipes_original_calculate_predicted_logits(logits, torch.randint(0, 16, (3, 2)),
+                                                        logits.max(-1)[0], 0, 8)
+    assert len(syncs) == 2, "upstream masks without a host sync now: delete the workaround"
+
+
+def test_cross_entropy_masks_without_host_sync_are_bit_identical(megatron_world):
+    """The fixed loss makes no host sync and gives megatron's loss and logits gradient to the bit,
+    for targets inside and outside a rank's vocab slice (the pristine function run side by side)."""
+    from megatron.core.tensor_parallel import cross_entropy
+    from megatron.core.tensor_parallel.cross_entropy import VocabParallelCrossEntropy as ce
+
+    from recipes.build import upstream
+    from recipes.measure.syncs import HostSyncCounter
+
+    upstream.mask_cross_entropy_targets_without_host_sync()
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, 3, 32, generator=gen)
+    target = torch.randint(0, 32, (5, 3), generator=gen)
+    for start, end in ((0, 32), (0, 16), (16, 32)):  # all, first half, second half of the vocab
+        outs = []
+        for fn in (ce._recipes_original_calculate_predicted_logits, ce.calculate_predicted_logits):
+            with HostSyncCounter() as syncs:
+                outs.append(fn(logits.clone(), target, logits.max(-1)[0], start, end))
+            assert len(syncs) == (2 if fn is ce._recipes_original_calculate_predicted_logits else 0)
+        for a, b in zip(*outs):
+            assert torch.equal(a, b)
+    grads = []
+    for fn in (ce._recipes_original_calculate_predicted_logits, ce.calculate_predicted_logits):
+        ce.calculate_predicted_logits = staticmethod(fn)
+        x = logits.clone().requires_grad_()
+        loss = cross_entropy.vocab_parallel_cross_entropy(x, target, label_smoothing=0.0)
+        loss.sum().backward()
+        grads.append((loss.detach(), x.grad))
+    assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
+
+
+def test_local_grad_norm_still_reads_every_norm_on_the_host():
+    """recipes.build.upstream.grad_norm_without_host_syncs: pristine ``local_multi_tensor_l2_norm``
+    reads the norms on the host: ``torch.tensor(l2)`` of device scalars (not seen by the counter: it
+    reads them below the dispatcher; a GPU's sync warnings show one per parameter), then ``float()``
+    of their norm, which the counter sees."""
+    from megatron.core.utils import local_multi_tensor_l2_norm
+
+    from recipes.measure.syncs import HostSyncCounter
+
+    grads = [torch.randn(4, 3), torch.randn(5), torch.randn(2, 2)]
+    with HostSyncCounter() as syncs:
+        try:
+            local_multi_tensor_l2_norm(0, None, [grads], False)
+        except (RuntimeError, AssertionError):  # its result goes to "cuda", absent here
+            pass
+    assert len(syncs) >= 1, "upstream's grad norm stays on the device now: delete the workaround"
+
+
+def test_grad_norm_without_host_syncs_matches_megatrons():
+    """The device grad norm reads nothing on the host and equals the host-reduced norm to fp32."""
+    from recipes.build import upstream
+    from recipes.measure.syncs import HostSyncCounter
+
+    gen = torch.Generator().manual_seed(0)
+    grads = [torch.randn(64, 32, generator=gen), torch.randn(100, generator=gen) * 1e-3,
+             torch.randn(7, 7, generator=gen) * 10]
+    with HostSyncCounter() as syncs:
+        norm, _ = upstream._grad_l2_norm(0, None, [grads], False)
+    assert len(syncs) == 0 and norm.shape == (1,) and norm.dtype == torch.float32
+    reference = torch.norm(torch.tensor([torch.norm(g).item() for g in grads]))
+    torch.testing.assert_close(norm[0], reference, rtol=1e-6, atol=0)
+    assert upstream._grad_l2_norm(0, None, [grads[:1], grads[1:]], False)[0].allclose(norm, rtol=1e-6)

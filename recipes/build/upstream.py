@@ -22,6 +22,8 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
+import torch
+
 _FIXED: set[str] = set()
 
 
@@ -293,6 +295,66 @@ def order_inline_reload_after_offload() -> bool | None:
     cls._recipes_original_tensor_pop = original
 
 
+@_workaround("ce_mask_sync", without_te=False)
+def mask_cross_entropy_targets_without_host_sync() -> bool | None:
+    """``VocabParallelCrossEntropy.calculate_predicted_logits`` (tensor_parallel/cross_entropy.py:47
+    and :59) zeroes the targets outside this rank's vocab slice and their logits with boolean-mask
+    assignments (``masked_target[target_mask] = 0``). On a GPU each one first counts the mask's
+    entries on the host: two waits for the device in every micro-batch's loss, of every family, with
+    the forward's kernels still queued. The fix computes the same values with ``masked_fill_`` (no
+    count, no wait); the loss and its gradient are bit-identical (tests/test_upstream.py). Returns
+    True when applied."""
+    from megatron.core.tensor_parallel.cross_entropy import VocabParallelCrossEntropy as ce
+
+    original = ce.calculate_predicted_logits
+
+    def calculate_predicted_logits(vocab_parallel_logits, target, logits_max, vocab_start_index,
+                                   vocab_end_index):
+        vocab_parallel_logits -= logits_max.unsqueeze(dim=-1)
+        target_mask = (target < vocab_start_index) | (target >= vocab_end_index)
+        masked_target = (target.clone() - vocab_start_index).masked_fill_(target_mask, 0)
+        partition_vocab_size = vocab_parallel_logits.size()[-1]
+        logits_2d = vocab_parallel_logits.view(-1, partition_vocab_size)
+        masked_target_1d = masked_target.view(-1)
+        arange_1d = torch.arange(start=0, end=logits_2d.size()[0], device=logits_2d.device)
+        predicted_logits = logits_2d[arange_1d, masked_target_1d].clone().contiguous().view_as(target)
+        predicted_logits.masked_fill_(target_mask, 0.0)
+        exp_logits = vocab_parallel_logits
+        torch.exp(vocab_parallel_logits, out=exp_logits)
+        return target_mask, masked_target_1d, predicted_logits, exp_logits.sum(dim=-1), exp_logits
+
+    ce.calculate_predicted_logits = staticmethod(calculate_predicted_logits)
+    ce._recipes_original_calculate_predicted_logits = staticmethod(original)
+
+
+def _grad_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
+    """megatron's ``local_multi_tensor_l2_norm`` (the l2 norm of all tensors, as a [1] fp32 tensor)
+    with every norm on the device: ``torch._foreach_norm``, then the norm of those norms."""
+    norms = [norm for tensors in tensor_lists if tensors for norm in torch._foreach_norm(tensors)]
+    if not norms:
+        return torch.zeros(1, dtype=torch.float, device="cuda"), None
+    return torch.linalg.vector_norm(torch.stack(norms).float()).reshape(1), None
+
+
+@_workaround("grad_norm_sync")
+def grad_norm_without_host_syncs() -> bool | None:
+    """Without Apex or Transformer Engine, megatron's grad-norm falls back to
+    ``megatron.core.utils.local_multi_tensor_l2_norm`` (utils.py ~L1325, used by
+    optimizer/clip_grads.py ``get_grad_norm_fp32``): ``torch.tensor(l2)`` of a list of device scalars
+    copies each parameter's norm to the host one at a time, then ``float()`` and a copy back: a host
+    wait for every parameter in every step (51 at the h200 dense size, 59 for MoE), each a round
+    trip while the GPU idles. The fix computes the same norm on the device (``_grad_l2_norm``); the
+    only host read left is clip_grads' own ``total_norm.item()``. The value may differ from the
+    host's fp32 reduction in the last bit (a different summation order). Returns True when applied."""
+    from megatron.core import utils as mcore_utils
+    from megatron.core.optimizer import clip_grads
+
+    if clip_grads.l2_norm_impl is not mcore_utils.local_multi_tensor_l2_norm:
+        return False  # Apex's fused kernel: no host copies
+    clip_grads.l2_norm_impl = _grad_l2_norm
+    clip_grads._recipes_original_l2_norm_impl = mcore_utils.local_multi_tensor_l2_norm
+
+
 def apply_all() -> None:
     """Apply every workaround that applies to this environment (idempotent)."""
     allow_fine_grained_offload_without_te()
@@ -303,3 +365,5 @@ def apply_all() -> None:
     fix_checkpoint_without_output_fp8_default()
     allow_sequence_parallel_torch_norm()
     release_allgather_dispatcher_probs()
+    mask_cross_entropy_targets_without_host_sync()
+    grad_norm_without_host_syncs()

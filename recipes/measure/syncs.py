@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -90,6 +91,43 @@ class HostSyncCounter:
         return Counter((e.what, e.where) for e in self.events)
 
 
+class CudaSyncSites:
+    """``with CudaSyncSites() as sites: ...`` records where every synchronizing CUDA call of the block
+    comes from, as ``torch.cuda.set_sync_debug_mode("warn")`` reports them on a GPU: the calls
+    ``HostSyncCounter`` sees and those it cannot (a copy from pageable host memory, a stream
+    synchronize). Without CUDA it records nothing (``available`` is False).
+
+    A site is the innermost frame outside torch and this module (``_caller``); a call made from
+    autograd's backward thread, with no Python frame of its own, reads as the frame that ran
+    ``backward``."""
+
+    def __init__(self) -> None:
+        self.available = torch.cuda.is_available()
+        self.sites: Counter = Counter()
+
+    def __enter__(self) -> CudaSyncSites:
+        if self.available:
+            torch.cuda.synchronize()
+            self._catch = warnings.catch_warnings()
+            self._catch.__enter__()
+            warnings.simplefilter("always")
+            warnings.showwarning = self._show
+            torch.cuda.set_sync_debug_mode("warn")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.available:
+            torch.cuda.set_sync_debug_mode("default")
+            self._catch.__exit__(*exc)
+
+    def _show(self, message, category, filename, lineno, file=None, line=None) -> None:
+        if "synchroniz" in str(message):
+            self.sites[_caller(depth=1)] += 1
+
+    def __len__(self) -> int:
+        return sum(self.sites.values())
+
+
 class _SyncMode(TorchDispatchMode):
     def __init__(self, counter: HostSyncCounter):
         super().__init__()
@@ -118,13 +156,13 @@ def _has_mask(indices) -> bool:
     return any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices or ())
 
 
-def _caller() -> str:
-    """The innermost frame outside torch and this module, as ``path:line function`` (the path from
-    ``megatron/`` or the repository, not the machine's prefix)."""
-    frame = sys._getframe(2)
+def _caller(depth: int = 2) -> str:
+    """The innermost frame outside torch, the warnings module and this module, as ``path:line
+    function`` (the path from ``megatron/`` or the repository, not the machine's prefix)."""
+    frame = sys._getframe(depth)
     while frame is not None:
         path = frame.f_code.co_filename
-        if not path.startswith(_TORCH_DIR) and path != __file__:
+        if not path.startswith(_TORCH_DIR) and path != __file__ and not path.endswith("warnings.py"):
             return f"{_short(path)}:{frame.f_lineno} {frame.f_code.co_name}"
         frame = frame.f_back
     return "?"
