@@ -162,9 +162,13 @@ def _threads() -> Counter:
 
 def _preload(names: list[str]) -> Counter:
     """Import (and, for ``module:function``, call) each name; returns the OS threads ``import torch``
-    left running (numpy's BLAS pool: idle, and a fork copies none of it)."""
-    import torch  # noqa: F401
+    and ``torch.cuda.is_available()`` left running: numpy's BLAS pool (idle, and a fork copies none
+    of it) and, on a machine with a GPU, NVML's (megatron-core asks ``is_available`` at import, in
+    dist_checkpointing/strategies/torch.py; with PYTORCH_NVML_BASED_CUDA_CHECK=1 that asks NVML, not
+    the CUDA driver, and a forked child still creates its own CUDA context: tests/test_forkserver.py)."""
+    import torch
 
+    torch.cuda.is_available()
     baseline = _threads()
     for name in names:
         module, _, function = name.partition(":")

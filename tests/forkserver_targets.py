@@ -32,3 +32,10 @@ def initialize_cuda() -> None:
     import torch
 
     torch.cuda.is_initialized = lambda: True
+
+
+def use_cuda() -> None:
+    """A worker that creates its own CUDA context and reads a result back."""
+    import torch
+
+    print(f"cuda {float(torch.ones(4, device='cuda').sum())}", flush=True)

@@ -16,7 +16,8 @@ from test_faults import TINY, alive, gone_within, train
 from launch.forkserver import ForkServer, env_key
 from launch.process import end_group
 
-ENV = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO / "tests"), str(REPO)]))
+ENV = dict(os.environ, PYTHONPATH=os.pathsep.join(
+    p for p in [str(REPO / "tests"), str(REPO), os.environ.get("PYTHONPATH")] if p))
 
 
 @pytest.fixture(scope="module")
@@ -64,6 +65,40 @@ def test_a_child_dies_with_the_server(tmp_path):
 def test_it_refuses_to_serve_what_a_fork_would_break(preload, reason):
     with pytest.raises(RuntimeError, match=reason):
         ForkServer([preload], ENV, str(REPO))
+
+
+def test_the_thread_baseline_includes_what_cuda_is_available_starts(monkeypatch):
+    """megatron-core asks ``torch.cuda.is_available()`` at import; on a GPU machine (with the server's
+    PYTORCH_NVML_BASED_CUDA_CHECK=1) that starts NVML's thread. The server asks first and counts it
+    in the baseline, so the refusal catches only threads the imports start beyond it."""
+    from collections import Counter
+
+    import torch
+
+    from launch import forkserver
+
+    asked = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: asked.append(1) or True)
+    monkeypatch.setattr(forkserver, "_threads", lambda: Counter(python=16, nvml=len(asked)))
+    assert forkserver._preload([])["nvml"] == 1
+    assert forkserver._unsafe(Counter(python=16, nvml=1)) is None
+
+
+@pytest.mark.gpu
+def test_a_forked_child_uses_cuda_after_megatron_is_imported(tmp_path):
+    """On a GPU: the server imports megatron-core (which asks for CUDA at import) and a child forked
+    from it still creates its own CUDA context."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    server = ForkServer(["forkserver_targets", "megatron.core"], ENV, str(REPO))
+    try:
+        proc = server.spawn("forkserver_targets:use_cuda", [], ENV, str(tmp_path))
+        out = proc.stdout.read()
+        assert proc.wait(timeout=120) == 0 and "cuda 4.0" in out, out
+    finally:
+        server.close()
 
 
 def test_a_server_is_reused_only_for_the_same_environment():
