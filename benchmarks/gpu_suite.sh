@@ -104,9 +104,25 @@ step_defaults() {  # the speed defaults against the settings the committed table
     if [ "$m" = moe ]; then $PY train.py -m model=moe size=$SIZE $SWEEP_ARGS recompute=none measure.repeat=0,1,2 \
       model.moe_token_dispatcher_type=allgather,local hydra.sweep.dir=results/dispatch_moe 2>&1 | quiet 8; fi
   done; }
+step_speed() {  # docs/speed.md at the defaults: every CUDA sync of a dense and an MoE step, by call site; dense
+  # none/mlp/full; MoE none and moe_act in 3 processes each, none in 4 more free and 4 pinned to cores 0-3;
+  # MLA none twice; the 6-point sweep's seconds per point, forked and not
+  stamp speed; for m in standard_attn moe; do $PY benchmarks/bench_dispatch.py --step model=$m size=$SIZE 2>&1 \
+    | grep "^##\|^- \|^CUDA sync"; done
+  $PY train.py -m model=standard_attn size=$SIZE $SWEEP_ARGS recompute=none,selective/mlp,full \
+    hydra.sweep.dir=results/speed_standard_attn 2>&1 | quiet 6
+  $PY train.py -m model=moe size=$SIZE $SWEEP_ARGS recompute=none,selective/moe_act measure.repeat=0,1,2 \
+    hydra.sweep.dir=results/speed_moe 2>&1 | quiet 6
+  $PY train.py -m model=moe size=$SIZE $SWEEP_ARGS recompute=none measure.repeat=0,1,2,3 \
+    hydra.sweep.dir=results/speed_moe_free 2>&1 | quiet 4
+  taskset -c 0-3 $PY train.py -m model=moe size=$SIZE $SWEEP_ARGS recompute=none measure.repeat=0,1,2,3 \
+    hydra.sweep.dir=results/speed_moe_pinned 2>&1 | quiet 4
+  $PY train.py -m model=mla size=$SIZE $SWEEP_ARGS recompute=none measure.repeat=0,1 \
+    hydra.sweep.dir=results/speed_mla 2>&1 | quiet 4
+  $PY benchmarks/bench_points.py size=$SIZE --repeats 1 2>&1 | tail -6; }
 step_dispatch() {  # the MoE dispatchers: one layer's time and host syncs; every host sync of a training step
   stamp bench_dispatch; $PY benchmarks/bench_dispatch.py 2>&1 | grep -v "Warning\|warn(" | tail -14
-  $PY benchmarks/bench_dispatch.py --step size=$SIZE profile=none 2>&1 | grep -v "Warning\|warn(" | grep "^##\|^- "; }
+  $PY benchmarks/bench_dispatch.py --step size=$SIZE profile=none 2>&1 | grep -v "Warning\|warn(" | grep "^##\|^- \|^CUDA sync"; }
 step_oom() {  # a forced OOM inside a sweep (a memory fraction); the sweep goes on
   stamp oom; $PY train.py -m size=$SIZE attention=unfused measure.memory_fraction=0.2 \
     recompute=none,selective/core_attn,full hydra.sweep.dir=results/oom 2>&1 | quiet 8; }

@@ -19,6 +19,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere: import the repository's recipes
 
+from recipes.analyze.plan import price_config  # noqa: E402
 from recipes.config import upgrade  # noqa: E402
 from recipes.offload import option_of as offload_option  # noqa: E402
 from recipes.recompute import option_of as recompute_option  # noqa: E402
@@ -29,21 +30,36 @@ HEADER = ("| model | size | point | status | peak alloc GiB | host GiB (per micr
 
 
 def load(dirs: list[str]) -> list[dict]:
-    """Every result.json under the directories, with the plan's prediction if the script saved one."""
+    """Every result.json under the directories, with the plan's prediction if the script saved one: its
+    row for the point's options, or, where the plan priced them at another offload fraction or block
+    layer count than the point ran, the point's own config priced at the plan's rates."""
     out = []
     for d in dirs:
-        predicted = {}
+        predicted, rates = {}, None
         plan = Path(d) / "plan.json"
         if plan.exists():
-            predicted = {(r["recompute"], r["offload"]): r for r in json.loads(plan.read_text())["plan"]["rows"]}
+            saved = json.loads(plan.read_text())["plan"]
+            predicted = {(r["recompute"], r["offload"]): r for r in saved["rows"]}
+            rates = saved["tflops"], saved["host_link_gb_s"]
         for path in sorted(Path(d).glob("*/result.json")):
             result = json.loads(path.read_text())
             cfg = upgrade(result.get("config") or {})
             recompute, offload = recompute_option(cfg), offload_option(cfg)
             result["_plan"] = (recompute, offload)
-            result["_predicted"] = predicted.get((recompute, offload))
+            row = predicted.get((recompute, offload))
+            if row and not _same_settings(row, cfg):
+                row = price_config(cfg, *rates)
+            result["_predicted"] = row
             out.append(result)
     return out
+
+
+def _same_settings(row: dict, cfg: dict) -> bool:
+    """Whether a plan row priced the offload fraction and block layer count the point ran with."""
+    fraction = cfg["offload"]["activation_offload_fraction"] if row["offload"] != "none" else 1.0
+    layers = row.get("recompute_num_layers")
+    return (row.get("activation_offload_fraction", 1.0) == fraction
+            and (layers is None or layers == cfg["recompute"].get("recompute_num_layers")))
 
 
 def _worst(result: dict) -> dict:

@@ -403,6 +403,23 @@ def test_the_planner_prices_recompute_and_offload_in_one_unit():
     assert slow_by[("selective/mlp", "none")]["cost_s"] == pytest.approx(by[("selective/mlp", "none")]["cost_s"])
 
 
+def test_price_config_prices_a_point_as_it_ran():
+    """benchmarks/offload_table.py prices a measured point the plan priced at another offload fraction
+    with ``price_config``: the same numbers as the plan's row at the row's fraction, other ones at 1.0."""
+    from recipes.analyze.plan import plan, price_config
+    from recipes.config import compose_config
+
+    base = ["model=standard_attn", "size=h200", UNFUSED, "recompute=selective/layernorm", "offload=attn_norm"]
+    p = plan(compose_config(base), 21.5)
+    row = p["choice"]
+    assert (row["recompute"], row["offload"], row["activation_offload_fraction"]) == ("selective/layernorm", "attn_norm", 0.5)
+    same = price_config(compose_config([*base, "offload.activation_offload_fraction=0.5"]), p["tflops"], p["host_link_gb_s"])
+    for key in ("predicted_peak_gib", "recompute_s", "offload_host_s", "cost_s"):
+        assert same[key] == pytest.approx(row[key])
+    whole = price_config(compose_config(base), p["tflops"], p["host_link_gb_s"])
+    assert whole["offload_host_s"] > same["offload_host_s"] and whole["predicted_peak_gib"] < same["predicted_peak_gib"]
+
+
 def test_predicted_advice_prints_the_plan_runner_up_and_one_sweep_to_confirm_both():
     advice = advise.advise_before_running(["model=standard_attn", "size=h200", UNFUSED], 21.5)
     text = advise.explain_prediction(advice)
