@@ -118,13 +118,13 @@ def test_same_command_same_directory(tmp_path):
     """Dry-run sweeps (no workers): the directory follows the command, rerun/logger do not move it,
     and a stored result counts only if it was measured with the same config."""
     args = [sys.executable, str(REPO / "train.py"), "-m", "sweep=moe", "recompute=none,selective/moe_act",
-            "dry_run=true"]
+            "measure.repeat=0", "dry_run=true"]  # one process a point (sweep=moe repeats each 3 times)
     done = subprocess.run([*args, "rerun=true"], cwd=tmp_path, env=_env(), capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
-    sweep = tmp_path / "multirun/moe/recompute=none__selective.moe_act"
+    sweep = tmp_path / "multirun/moe/measure.repeat=0__recompute=none__selective.moe_act"
     points = sorted(p.parent for p in sweep.glob("*/config.yaml"))
-    assert [p.name for p in points] == ["recompute=none", "recompute=selective.moe_act"]
+    assert [p.name for p in points] == ["measure.repeat=0__recompute=none", "measure.repeat=0__recompute=selective.moe_act"]
     for point in points:  # results as if measured; the second one with another seed
         config = yaml.safe_load((point / "config.yaml").read_text())
         config["train"]["seed"] += point.name.endswith("moe_act")
