@@ -165,10 +165,13 @@ def _preload(names: list[str]) -> Counter:
     and ``torch.cuda.is_available()`` left running: numpy's BLAS pool (idle, and a fork copies none
     of it) and, on a machine with a GPU, NVML's (megatron-core asks ``is_available`` at import, in
     dist_checkpointing/strategies/torch.py; with PYTORCH_NVML_BASED_CUDA_CHECK=1 that asks NVML, not
-    the CUDA driver, and a forked child still creates its own CUDA context: tests/test_forkserver.py)."""
+    the CUDA driver, and a forked child still creates its own CUDA context: tests/test_forkserver.py).
+    Where NVML does not answer, ``is_available`` falls back to the driver; the server does not ask
+    then, so a driver thread the imports start is refused."""
     import torch
 
-    torch.cuda.is_available()
+    if torch.cuda._device_count_nvml() >= 0:  # NVML answers; else is_available would initialize CUDA
+        torch.cuda.is_available()
     baseline = _threads()
     for name in names:
         module, _, function = name.partition(":")

@@ -80,8 +80,13 @@ def test_the_thread_baseline_includes_what_cuda_is_available_starts(monkeypatch)
     asked = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: asked.append(1) or True)
     monkeypatch.setattr(forkserver, "_threads", lambda: Counter(python=16, nvml=len(asked)))
+    monkeypatch.setattr(torch.cuda, "_device_count_nvml", lambda: 1)
     assert forkserver._preload([])["nvml"] == 1
     assert forkserver._unsafe(Counter(python=16, nvml=1)) is None
+    # without NVML is_available would initialize the driver: not asked, so its thread is refused later
+    asked.clear()
+    monkeypatch.setattr(torch.cuda, "_device_count_nvml", lambda: -1)
+    assert forkserver._preload([])["nvml"] == 0 and not asked
 
 
 @pytest.mark.gpu
