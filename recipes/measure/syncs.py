@@ -169,7 +169,7 @@ def _caller(depth: int = 2) -> str:
 
 
 def _short(path: str) -> str:
-    for marker in ("/site-packages/", "/recipes/", "/tests/", "/benchmarks/"):
+    for marker in ("/site-packages/", "/megatron/", "/recipes/", "/tests/", "/benchmarks/"):
         if marker in path:
             head = "" if marker == "/site-packages/" else marker.strip("/") + "/"
             return head + path.split(marker, 1)[1]
