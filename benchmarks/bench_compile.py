@@ -12,9 +12,12 @@ equals eager's bit for bit and the largest difference, and the graph breaks dyna
 frequent reasons below the table.
 
 Variants: ``eager``; ``compile`` (``torch.compile(layer.forward)`` for every ``TransformerLayer``,
-the per-block compile torchtitan applies, default mode). megatron-core's own fused helpers
-(``jit_fuser``: the fused SwiGLU) are compiled in both. This is a benchmark: it changes no default;
-docs/speed.md says what it measured.
+the per-block compile torchtitan applies, default mode); on a GPU also ``cudagraphs``, megatron-core's
+own per-layer CUDA graphs (``cuda_graph_impl="local"``, passed as ``+model.cuda_graph_impl=local``;
+megatron captures them after ``cuda_graph_warmup_steps``, 3, so that variant warms up 2 steps more).
+megatron-core's own fused helpers (``jit_fuser``: the fused SwiGLU) are compiled in all. A variant
+that fails prints its error in its row. This is a benchmark: it changes no default; docs/speed.md says
+what it measured.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-VARIANTS = ("eager", "compile")
+VARIANTS = ("eager", "compile", "cudagraphs")  # cudagraphs: on a GPU only
 
 
 def compile_layers(chunks) -> int:
@@ -91,19 +94,32 @@ def main() -> None:
                       LOCAL_RANK="0")
     cfg = compose_config(args.overrides)
     init_distributed(cfg)
+    variants = VARIANTS if torch.cuda.is_available() else VARIANTS[:2]
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU (a smoke run: times mean nothing)"
     print(f"# {' '.join(args.overrides) or 'defaults'}; {device}; torch {torch.__version__}; "
           f"{args.warmup} warm-up + {args.steps} timed steps")
-    rows = [run(cfg, v, args.warmup, args.steps) for v in VARIANTS]
+    rows = []
+    for v in variants:
+        try:
+            if v == "cudagraphs":
+                graphs = compose_config([*args.overrides, "+model.cuda_graph_impl=local"])
+                rows.append(run(graphs, v, args.warmup + 2, args.steps))
+            else:
+                rows.append(run(cfg, v, args.warmup, args.steps))
+        except Exception as err:  # a variant that cannot run here is a finding, not the end of the table
+            rows.append({"variant": v, "error": f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"})
     eager = rows[0]
     print("\n| variant | layers compiled | step ms (median) | vs eager | losses equal to eager | largest loss difference | graph breaks |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
+        if "error" in r:
+            print(f"| {r['variant']} | - | - | - | - | - | failed: {r['error']} |")
+            continue
         diff = max(abs(a - b) for a, b in zip(r["losses"], eager["losses"]))
         print(f"| {r['variant']} | {r['layers']} | {r['step_ms']:.1f} | {r['step_ms'] / eager['step_ms']:.3f}x | "
               f"{r['losses'] == eager['losses']} | {diff:.3e} | {sum(r['breaks'].values())} |")
     for r in rows:
-        for reason, n in r["breaks"].most_common(5):
+        for reason, n in r.get("breaks", Counter()).most_common(5):
             print(f"- {r['variant']}: {n} x {reason[:200]}")
 
 
