@@ -100,10 +100,8 @@ def price_config(cfg: dict, tflops: float, link_gb_s: float) -> dict:
     """One config as it is (its offload fraction, its block layer count): predicted peak and added
     step time at these rates, as ``plan`` prices its rows."""
     cfg = upgrade(cfg)
-    rc_option = option_of(cfg)
-    remat = 0 if is_full(rc_option) else elementwise_bytes(cfg)
     p = predict(cfg, "cuda")
-    return {"predicted_peak_gib": p["peak_bytes"] / GIB, **price(cfg, p, tflops, link_gb_s, remat)}
+    return {"predicted_peak_gib": p["peak_bytes"] / GIB, **price(cfg, p, tflops, link_gb_s, elementwise_bytes(cfg))}
 
 
 def plan(cfg: dict, budget_gib: float, tflops: float | None = None, link_gb_s: float | None = None) -> dict:
