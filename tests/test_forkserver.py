@@ -71,6 +71,7 @@ def test_the_thread_baseline_includes_what_cuda_is_available_starts(monkeypatch)
     """megatron-core asks ``torch.cuda.is_available()`` at import; on a GPU machine (with the server's
     PYTORCH_NVML_BASED_CUDA_CHECK=1) that starts NVML's thread. The server asks first and counts it
     in the baseline, so the refusal catches only threads the imports start beyond it."""
+    import threading
     from collections import Counter
 
     import torch
@@ -78,6 +79,8 @@ def test_the_thread_baseline_includes_what_cuda_is_available_starts(monkeypatch)
     from launch import forkserver
 
     asked = []
+    # the server runs no Python thread but its main one; this test's process runs pytest's and others'
+    monkeypatch.setattr(threading, "active_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: asked.append(1) or True)
     monkeypatch.setattr(forkserver, "_threads", lambda: Counter(python=16, nvml=len(asked)))
     monkeypatch.setattr(torch.cuda, "_device_count_nvml", lambda: 1)
