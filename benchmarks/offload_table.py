@@ -3,63 +3,61 @@
 One row per point of the sweep directories given (their ``result.json``), grouped by model and size:
 peak allocated, what the point copied to the host (the ledger's host bytes of one micro-batch after
 megatron's plan; bytes moved per measured step), step time and its change against the group's
-``none`` point (or, where ``none`` did not fit, its fastest completed point), the copy time the
-profiled step measured on the copy streams and the part of it no compute kernel overlapped (exposed),
-and the host link's bandwidth.
+``none`` point (or, where ``none`` did not fit, its fastest completed point) in percent and in ms
+beside the planner's prediction of that difference (today's model at the rates the sweep measured), the
+copy time the profiled step measured on the copy streams and the part of it no compute kernel
+overlapped (exposed), and the host link's bandwidth.
 
     python benchmarks/offload_table.py results/offload_standard_attn_h200 results/offload_moe_h200 ...
+    python benchmarks/offload_table.py --fit docs/offload-h200/standard_attn_h200
+
+``--fit`` prints the least-squares ``estimate.offload_ms_per_group`` and ``estimate.offload_ms_per_gib``
+of the offload points without recompute: their measured added time, less the predicted wait for
+reloads, against the groups and GiB each moved per step.
 """
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere: import the repository's recipes
 
+from recipes.analyze.advise import measured_rates  # noqa: E402
 from recipes.analyze.plan import price_config  # noqa: E402
-from recipes.config import upgrade  # noqa: E402
+from recipes.analyze.plan import rates as rates_of  # noqa: E402
+from recipes.analyze.report import find_results  # noqa: E402
+from recipes.config import EstimateConfig  # noqa: E402
 from recipes.offload import option_of as offload_option  # noqa: E402
 from recipes.recompute import option_of as recompute_option  # noqa: E402
 
 GIB = 2**30
 HEADER = ("| model | size | point | status | peak alloc GiB | host GiB (per micro-batch) | moved GiB per step | "
-          "step ms | vs none | copies ms | exposed ms | link GB/s (D2H / H2D) | predicted added ms |")
+          "step ms | vs none | added ms | predicted added ms | copies ms | exposed ms | link GB/s (D2H / H2D) |")
 
 
 def load(dirs: list[str]) -> list[dict]:
-    """Every result.json under the directories, with the plan's prediction if the script saved one: its
-    row for the point's options, or, where the plan priced them at another offload fraction or block
-    layer count than the point ran, the point's own config priced at the plan's rates."""
+    """Every result.json under the directories, priced (``priced``) at the rates its sweep measured
+    (``measured_rates``: its base point's TFLOP/s, the link its offload points recorded), as the
+    advisor prices a measured sweep; a CPU sweep's points are not priced."""
     out = []
     for d in dirs:
-        predicted, rates = {}, None
-        plan = Path(d) / "plan.json"
-        if plan.exists():
-            saved = json.loads(plan.read_text())["plan"]
-            predicted = {(r["recompute"], r["offload"]): r for r in saved["rows"]}
-            rates = saved["tflops"], saved["host_link_gb_s"]
-        for path in sorted(Path(d).glob("*/result.json")):
-            result = json.loads(path.read_text())
-            cfg = upgrade(result.get("config") or {})
-            recompute, offload = recompute_option(cfg), offload_option(cfg)
-            result["_plan"] = (recompute, offload)
-            row = predicted.get((recompute, offload))
-            if row and not _same_settings(row, cfg):
-                row = price_config(cfg, *rates)
-            result["_predicted"] = row
-            out.append(result)
+        results = find_results(Path(d))
+        out += priced(results, measured_rates(results))
     return out
 
 
-def _same_settings(row: dict, cfg: dict) -> bool:
-    """Whether a plan row priced the offload fraction and block layer count the point ran with."""
-    fraction = cfg["offload"]["activation_offload_fraction"] if row["offload"] != "none" else 1.0
-    layers = row.get("recompute_num_layers")
-    return (row.get("activation_offload_fraction", 1.0) == fraction
-            and (layers is None or layers == cfg["recompute"].get("recompute_num_layers")))
+def priced(results: list[dict], measured: tuple[float | None, float | None]) -> list[dict]:
+    """The results, each with its options and today's model's price of it (``price_config``: the config
+    as it ran, its offload fraction and block layer count) at ``measured`` (TFLOP/s, link GB/s; no
+    TFLOP/s: not priced)."""
+    for result in results:
+        cfg = result.get("config") or {}
+        result["_plan"] = (recompute_option(cfg), offload_option(cfg))
+        result["_rates"] = rates_of(cfg, *measured) if cfg and measured[0] else None
+        result["_predicted"] = price_config(cfg, *result["_rates"]) if result["_rates"] else None
+    return results
 
 
 def _worst(result: dict) -> dict:
@@ -84,7 +82,10 @@ def row(result: dict) -> dict:
             "copy_ms": transfer["copy_busy_s"] * 1e3 if transfer.get("copy_busy_s") is not None else None,
             "exposed_ms": transfer["exposed_s"] * 1e3 if transfer.get("exposed_s") is not None else None,
             "link": (link["d2h_gb_s"], link["h2d_gb_s"]) if link.get("d2h_gb_s") else None,
-            "predicted_ms": predicted["cost_s"] * 1e3 if predicted else None}
+            "predicted_ms": predicted["cost_s"] * 1e3 if predicted else None,
+            "groups": predicted.get("offload_groups") if predicted else None,
+            "gib": predicted.get("offload_gib") if predicted else None,
+            "stall_ms": predicted["offload_stall_s"] * 1e3 if predicted else None}
 
 
 def _f(value, fmt: str) -> str:
@@ -106,15 +107,69 @@ def table(results: list[dict]) -> str:
                   else f" (vs {base['point']})") if r["step_ms"] and base and r is not base else
                   ("reference" if r is base else "-"))
             link = f"{r['link'][0]:.1f} / {r['link'][1]:.1f}" if r["link"] else "-"
+            added = r["step_ms"] - base["step_ms"] if r["step_ms"] and base else None
+            # against the same reference as the measured column (the reference's own predicted cost)
+            predicted = (r["predicted_ms"] - base["predicted_ms"] if r["predicted_ms"] is not None and base
+                         and base["predicted_ms"] is not None else None)
             lines.append(f"| {model} | {size} | {r['point']} | {r['status']} | {_f(r['peak'], '{:.2f}')} | "
                          f"{_f(r['host'] / GIB if r['host'] is not None else None, '{:.2f}')} | "
                          f"{_f(r['moved'] / GIB if r['moved'] is not None else None, '{:.2f}')} | "
-                         f"{_f(r['step_ms'], '{:.1f}')} | {vs} | {_f(r['copy_ms'], '{:.1f}')} | "
-                         f"{_f(r['exposed_ms'], '{:.1f}')} | {link} | {_f(r['predicted_ms'], '{:.1f}')} |")
+                         f"{_f(r['step_ms'], '{:.1f}')} | {vs} | {_f(added, '{:+.1f}')} | "
+                         f"{_f(predicted, '{:+.1f}')} | {_f(r['copy_ms'], '{:.1f}')} | "
+                         f"{_f(r['exposed_ms'], '{:.1f}')} | {link} |")
+    return "\n".join(lines)
+
+
+def fit(results: list[dict]) -> str:
+    """Least squares of measured added ms = stall + a x groups + b x GiB over the offload points without
+    recompute, each point's fit beside it. The stall depends on a and b (the overhead lengthens the
+    layers the copies hide under): Gauss-Newton on the whole model, from the defaults."""
+    rows = {id(r): row(r) for r in results}
+    base = {(r["model"], r["size"]): r["step_ms"] for r in rows.values()
+            if r["recompute"] == "none" and r["offload"] == "none" and r["step_ms"]}
+    used = [r for r in results if (x := rows[id(r)])["recompute"] == "none" and x["offload"] != "none"
+            and x["step_ms"] and x["groups"] is not None and (x["model"], x["size"]) in base]
+    if len(used) < 2:
+        return "--fit needs two offload points without recompute and a none point, with their configs"
+
+    def offload_ms(r: dict, a: float, b: float) -> tuple[float, float]:
+        """(stall, stall + overhead) in ms at a ms a group and b ms a GiB."""
+        est = {**r["config"]["estimate"], "offload_ms_per_group": a, "offload_ms_per_gib": b}
+        p = price_config({**r["config"], "estimate": est}, *r["_rates"])
+        return p["offload_stall_s"] * 1e3, (p["offload_stall_s"] + p["offload_overhead_s"]) * 1e3
+
+    y = [rows[id(r)]["step_ms"] - base[(rows[id(r)]["model"], rows[id(r)]["size"])] for r in used]
+    default = EstimateConfig()
+    a, b, h = default.offload_ms_per_group, default.offload_ms_per_gib, 1e-4
+    for _ in range(30):
+        f = [offload_ms(r, a, b)[1] for r in used]
+        ja = [(offload_ms(r, a + h, b)[1] - fi) / h for r, fi in zip(used, f)]
+        jb = [(offload_ms(r, a, b + h)[1] - fi) / h for r, fi in zip(used, f)]
+        res = [yi - fi for yi, fi in zip(y, f)]
+        saa, sab, sbb = sum(x * x for x in ja), sum(x * z for x, z in zip(ja, jb)), sum(z * z for z in jb)
+        sar, sbr = sum(x * e for x, e in zip(ja, res)), sum(z * e for z, e in zip(jb, res))
+        det = saa * sbb - sab * sab
+        if not det:
+            return "--fit needs offload points that differ in groups per GiB moved"
+        da, db = (sar * sbb - sbr * sab) / det, (saa * sbr - sab * sar) / det
+        a, b = a + da, b + db
+        if abs(da) < 1e-7 and abs(db) < 1e-6:
+            break
+    lines = [f"estimate.offload_ms_per_group={a:.3f} estimate.offload_ms_per_gib={b:.2f} "
+             f"(least squares over {len(used)} points)",
+             "| point | groups per step | GiB per step | measured added ms - stall | fit ms | fit vs measured |",
+             "|---|---|---|---|---|---|"]
+    for r, yi in zip(used, y):
+        x, (stall, _) = rows[id(r)], offload_ms(r, a, b)
+        f = a * x["groups"] + b * x["gib"]
+        lines.append(f"| {x['model']} {x['size']} {x['point']} | {x['groups']} | {x['gib']:.2f} | {yi - stall:.1f} | "
+                     f"{f:.1f} | {(f - (yi - stall)) / (yi - stall):+.0%} |")
     return "\n".join(lines)
 
 
 def main(argv: list[str]) -> int:
+    fitting = "--fit" in argv
+    argv = [a for a in argv if a != "--fit"]
     if not argv:
         print(__doc__, file=sys.stderr)
         return 2
@@ -122,7 +177,7 @@ def main(argv: list[str]) -> int:
     if not results:
         print("no result.json under " + " ".join(argv), file=sys.stderr)
         return 1
-    print(table(results))
+    print(fit(results) if fitting else table(results))
     return 0
 
 

@@ -158,3 +158,33 @@ def test_the_expert_parallel_slack_covers_every_ep_rank_on_two_h200s():
                    if r.get("status") == "ok" and r.get("memory")]
     assert len(ratios) >= 7 and max(ratios) <= 1 + EP_MOE_SLACK
     assert max(ratios) > 1 + ALLOCATOR_SLACK
+
+
+OFFLOAD = REPO / "docs" / "offload-h200"
+OFFLOAD_SWEEPS = [OFFLOAD / f"{m}_{s}" for s in ("h200", "h200_long") for m in ("standard_attn", "moe")]
+
+
+def _offload_table(*args: str) -> str:
+    import subprocess
+
+    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "offload_table.py"), *args],
+                          capture_output=True, text=True, timeout=300, check=True)
+    return done.stdout
+
+
+def test_the_offload_table_regenerates_identically():
+    """docs/offload-h200/table.md is benchmarks/offload_table.py over the committed sweeps, with today's
+    time model: a change to the model or its rates rewrites it (and docs/offload.md's numbers)."""
+    assert _offload_table(*map(str, OFFLOAD_SWEEPS)) == (OFFLOAD / "table.md").read_text()
+
+
+def test_the_offload_overhead_rates_are_the_fit_of_the_dense_points():
+    """estimate.offload_ms_per_group and offload_ms_per_gib are what --fit finds in the dense h200 sweep,
+    and that fit is within 20% of each dense offload-only point (docs/offload.md)."""
+    from recipes.config import EstimateConfig
+
+    out = _offload_table("--fit", str(OFFLOAD / "standard_attn_h200")).splitlines()
+    default = EstimateConfig()
+    assert out[0].startswith(f"estimate.offload_ms_per_group={default.offload_ms_per_group:.3f} "
+                             f"estimate.offload_ms_per_gib={default.offload_ms_per_gib:.2f} ")
+    assert len(out) == 8 and all(abs(int(line.split("|")[-2].strip().rstrip("%"))) <= 20 for line in out[3:])

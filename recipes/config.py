@@ -231,11 +231,12 @@ class EstimateConfig:
     # GB/s each way (PCIe 5.0 x16's order; a GPU offload run records the real one: offload.link).
     mfu: float = 0.38
     host_link_gb_s: float = 50.0
-    # megatron's offload manager's host time per tensor it moves, out and back (ms): in the H200 trace of
-    # offload=core_attn at the h200 size, 0.18 ms in the group commit (contiguous copy, pinned buffer,
-    # events) and 0.09 ms in the reload per tensor; the measured step costs of the dense offload options
-    # fit 0.15-0.38 ms a tensor (docs/offload.md). A step whose forward is host-bound pays it in full.
-    offload_host_ms_per_copy: float = 0.2
+    # What activation offload's copies cost a step beyond the link (recipes.predict.offload): per group
+    # moved (one layer's module: the manager's Python, events and stream waits at each group commit
+    # and reload) and per GiB moved (out and back). Fitted to the five dense offload points one H200
+    # measured at the h200 size (benchmarks/offload_table.py --fit; docs/offload.md).
+    offload_ms_per_group: float = 0.130
+    offload_ms_per_gib: float = 1.92
     # Elementwise replays (moe_act, layernorm, gdn_norm_out) are memory traffic: GB/s of device
     # memory they run at (the H200's HBM3e peaks at 4800).
     hbm_gb_s: float = 3000.0

@@ -372,26 +372,30 @@ UNFUSED = "model.bias_activation_fusion=false"
 
 def test_the_planner_prices_recompute_and_offload_in_one_unit():
     """Dense at the h200 size, 21.5 GiB: no recompute does not fit; offloading core attention's tensors
-    (which core_attn recompute cannot drop under SDPA) fits with its copies hidden under compute, but
-    megatron's manager costs host time per tensor moved (4 a layer), so layernorm recompute with the
-    input norm's one tensor offloaded is the choice (as the H200 measured: 88.3 ms against core_attn
-    offload's 102.7); the runner-up is another plan, not the choice plus more; combinations
-    megatron-core refuses are never priced."""
+    (which core_attn recompute cannot drop under SDPA) fits with its reloads hidden under compute, but
+    each group and GiB moved costs the step (as the H200 measured), so layernorm recompute with the
+    fewest groups offloaded is the choice; the runner-up is another plan, not the choice plus more;
+    combinations megatron-core refuses are never priced."""
     from recipes.analyze.plan import overrides_of, plan
     from recipes.config import compose_config
 
     p = plan(compose_config(["model=standard_attn", "size=h200", UNFUSED]), 21.5)
     by = {(r["recompute"], r["offload"]): r for r in p["rows"]}
     assert not by[("none", "none")]["fits"] and by[("none", "core_attn")]["fits"]
-    assert (p["choice"]["recompute"], p["choice"]["offload"]) == ("selective/layernorm", "attn_norm")
-    # the smallest activation_offload_fraction that fits: 4 of the 7 movable layers' groups (int(7 * 0.5)
-    # stay), 0.2 ms a tensor, 1 tensor a group, 4 micro-batches
-    assert p["choice"]["activation_offload_fraction"] == 0.5
-    assert "offload=attn_norm offload.activation_offload_fraction=0.5" in overrides_of(p["choice"])
-    assert p["choice"]["offload_host_s"] == pytest.approx(0.2e-3 * 1 * 4 * 4)
-    core = by[("none", "core_attn")]  # copies hidden; the manager's host time is what it costs
-    assert core["offload_exposed_s"] == pytest.approx(core["offload_host_s"])
-    assert core["activation_offload_fraction"] == 0.75 and core["offload_host_s"] == pytest.approx(0.2e-3 * 4 * 6 * 4)
+    choice = p["choice"]  # layernorm's replay and a few groups of one tensor: the two are within 0.1 ms
+    assert choice["recompute"] == "selective/layernorm" and choice["offload"] in ("attn_norm", "core_attn")
+    # the smallest activation_offload_fraction that fits; 0.130 ms a group and 1.92 ms a GiB moved
+    assert choice["activation_offload_fraction"] in (0.25, 0.5) and choice["offload_stall_s"] == 0.0
+    assert (f"offload={choice['offload']} offload.activation_offload_fraction="
+            f"{choice['activation_offload_fraction']:g}") in overrides_of(choice)
+    assert choice["offload_overhead_s"] == pytest.approx(
+        choice["offload_groups"] * 0.130e-3 + choice["offload_gib"] * 1.92e-3)
+    core = by[("none", "core_attn")]  # reloads hidden; the overhead is what it costs
+    assert core["offload_s"] == pytest.approx(core["offload_overhead_s"]) and core["offload_stall_s"] == 0.0
+    assert core["activation_offload_fraction"] == 0.75
+    # 6 of the 7 movable layers' groups (int(7 * 0.25) stay), 4 micro-batches
+    assert core["offload_groups"] == 6 * 4 and core["offload_gib"] == pytest.approx(4 * core["host_gib"])
+    assert core["offload_overhead_s"] == pytest.approx(24 * 0.130e-3 + core["offload_gib"] * 1.92e-3)
     assert p["runner_up"] is not None and p["runner_up"] is not p["choice"]
     assert ("selective/core_attn", "core_attn") not in by and ("full", "attn_norm") not in by
     assert all(fits(r["predicted_peak_gib"], 21.5, p["allocator_slack"]) for r in p["rows"] if r["fits"])
@@ -411,22 +415,22 @@ def test_price_config_prices_a_point_as_it_ran():
 
     base = ["model=standard_attn", "size=h200", UNFUSED, "recompute=selective/layernorm", "offload=attn_norm"]
     p = plan(compose_config(base), 21.5)
-    row = p["choice"]
-    assert (row["recompute"], row["offload"], row["activation_offload_fraction"]) == ("selective/layernorm", "attn_norm", 0.5)
+    (row,) = [r for r in p["rows"] if (r["recompute"], r["offload"]) == ("selective/layernorm", "attn_norm")]
+    assert row["activation_offload_fraction"] == 0.5
     same = price_config(compose_config([*base, "offload.activation_offload_fraction=0.5"]), p["tflops"], p["host_link_gb_s"])
-    for key in ("predicted_peak_gib", "recompute_s", "offload_host_s", "cost_s"):
+    for key in ("predicted_peak_gib", "recompute_s", "offload_overhead_s", "cost_s"):
         assert same[key] == pytest.approx(row[key])
     whole = price_config(compose_config(base), p["tflops"], p["host_link_gb_s"])
-    assert whole["offload_host_s"] > same["offload_host_s"] and whole["predicted_peak_gib"] < same["predicted_peak_gib"]
+    assert whole["offload_overhead_s"] > same["offload_overhead_s"] and whole["predicted_peak_gib"] < same["predicted_peak_gib"]
 
 
 def test_predicted_advice_prints_the_plan_runner_up_and_one_sweep_to_confirm_both():
     advice = advise.advise_before_running(["model=standard_attn", "size=h200", UNFUSED], 21.5)
     text = advise.explain_prediction(advice)
-    assert "choice:    recompute=selective/layernorm offload=attn_norm" in text and "runner-up: " in text
+    assert "choice:    recompute=selective/layernorm offload=" in text and "runner-up: " in text
     commands = [line.strip() for line in text.splitlines() if line.strip().startswith("python train.py -m")]
     assert len(commands) == 2 and all(c.endswith("hydra.sweep.dir=multirun/confirm") for c in commands)
-    assert "recompute=selective/layernorm offload=attn_norm offload.activation_offload_fraction=0.5" in commands[0]
+    assert "recompute=selective/layernorm offload=" in commands[0] and "activation_offload_fraction=" in commands[0]
     assert "python -m recipes advise multirun/confirm --budget-gib 21.5" in text
 
 

@@ -236,16 +236,27 @@ def test_estimator_predicts_device_and_host_bytes(megatron_world, model, recompu
 
 
 def test_exposed_transfer_model():
-    """Copies hide under the next layer's forward (out) and backward (back, 2 x forward)."""
+    """Compute never waits for a copy out; a layer's backward waits for its reload, issued as the
+    backward of the layer above starts and started once its copy out is done. The overhead is per
+    group and per GiB moved, whatever the link."""
     from recipes.predict.offload import exposed_transfer_s
 
-    hidden = exposed_transfer_s([10**9], forward_s=0.05, link_gb_s=50.0, microbatches=1)  # 20 ms a copy
-    assert hidden == {"copy_s": pytest.approx(0.04), "exposed_s": 0.0, "host_s": 0.0}
-    slow = exposed_transfer_s([10**9, 10**9], forward_s=0.005, link_gb_s=50.0, microbatches=2)
-    assert slow["exposed_s"] == pytest.approx(2 * 2 * (0.015 + 0.010))
-    # the manager's host time: per tensor moved, per micro-batch, whatever the link
-    host = exposed_transfer_s([10**9, 10**9], 0.05, 50.0, 2, copies_per_layer=[4, 1], host_s_per_copy=2e-4)
-    assert host["host_s"] == pytest.approx(2 * 5 * 2e-4) and host["exposed_s"] == 0.0
+    # 20 ms a copy each way; the kept top layer's backward (2 x 50 ms) hides the reload
+    hidden = exposed_transfer_s([10**9, 0], forward_s=0.05, link_gb_s=50.0, microbatches=1)
+    assert hidden == {"copy_s": pytest.approx(0.04), "exposed_s": 0.0, "overhead_s": 0.0}
+    # 5 ms layers: layer 0's copy out (from 2.5 ms) is done at 22.5 ms, its reload (issued at 10 ms, as
+    # the backward of layer 1 starts) at 42.5 ms; layer 0's backward was due at 20 ms
+    slow = exposed_transfer_s([10**9, 0], forward_s=0.005, link_gb_s=50.0, microbatches=2)
+    assert slow["exposed_s"] == pytest.approx(2 * 0.0225)
+    # the reloads queue on one link: two layers' copies, the second waits for the first's reload
+    two = exposed_transfer_s([10**9, 10**9, 0], forward_s=0.005, link_gb_s=50.0, microbatches=1)
+    # outs: layer 0 done 22.5 ms, layer 1 42.5; backward from 15 ms: layer 2 to 25, layer 1 reload
+    # 42.5-62.5 (waits 37.5), layer 0 reload issued at 62.5, done 82.5, due 72.5 (waits 10)
+    assert two["exposed_s"] == pytest.approx(0.0375 + 0.010)
+    # the overhead: per group moved and per GiB moved, per micro-batch
+    over = exposed_transfer_s([2**30, 2**30, 0], 0.05, 50.0, 2, groups_per_layer=[3, 1, 0],
+                              s_per_group=1e-4, s_per_gib=2e-3)
+    assert over["overhead_s"] == pytest.approx(2 * (4 * 1e-4 + 2 * 2e-3)) and over["exposed_s"] == 0.0
 
 
 def test_host_memory_is_checked_against_the_prediction(megatron_world):
@@ -325,3 +336,36 @@ def test_one_hardware_queue_is_asked_for_only_under_tensor_parallelism(monkeypat
     assert worker_environment(compose("parallel=tp2"))["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "4")  # the user's own setting stands
     assert worker_environment(compose("parallel=tp2"))["CUDA_DEVICE_MAX_CONNECTIONS"] == "4"
+
+
+def test_the_overhead_fit_recovers_the_rates_a_sweep_was_made_with():
+    """benchmarks/offload_table.py --fit: points whose added time is a x groups + b x GiB plus the stall
+    the model predicts at those a and b (a slow link, so the stall is not zero and depends on them)
+    give back a and b, from the defaults as a start; a point with recompute is left out of the fit."""
+    import importlib.util
+
+    from conftest import REPO
+
+    from recipes.analyze.plan import price_config
+    from recipes.config import EstimateConfig, compose_config
+
+    spec = importlib.util.spec_from_file_location("offload_table", REPO / "benchmarks" / "offload_table.py")
+    table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(table)
+    a, b, rates = 0.3, 4.0, (400.0, 12.0)
+    assert (a, b) != (EstimateConfig().offload_ms_per_group, EstimateConfig().offload_ms_per_gib)
+    results, stalls = [], []
+    for offload in ("none", "qkv_linear", "core_attn", "attn_norm-mlp_norm", "selective/layernorm"):
+        recompute = "selective/layernorm" if "/" in offload else "none"
+        cfg = compose_config(["model=standard_attn", "size=h200", f"recompute={recompute}",
+                              f"offload={'attn_norm' if '/' in offload else offload}"])
+        true = price_config({**cfg, "estimate": {**cfg["estimate"], "offload_ms_per_group": a,
+                                                 "offload_ms_per_gib": b}}, *rates)
+        stalls.append(true["offload_stall_s"])
+        step = 0.3 + (0.0 if offload == "none" else true["cost_s"]) + (0.05 if "/" in offload else 0.0)
+        results.append({"choices": {"model": "standard_attn", "size": "h200"}, "status": "ok", "config": cfg,
+                        "worst_rank": 0, "ranks": [{"rank": 0, "timing": {"step_time_s": step}}]})
+    assert max(stalls) > 0.001  # the fit has a stall to take off that moves with a and b
+    out = table.fit(table.priced(results, rates)).splitlines()
+    assert out[0] == f"estimate.offload_ms_per_group={a:.3f} estimate.offload_ms_per_gib={b:.2f} (least squares over 3 points)"
+    assert all(line.endswith(("| +0% |", "| -0% |")) for line in out[3:]) and len(out) == 6

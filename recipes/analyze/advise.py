@@ -178,20 +178,34 @@ def predicted_next_to_measured(sweep_dir: Path) -> list[dict]:
     return rows
 
 
+def _gpu_points(results: list[dict]) -> list[dict]:
+    return [r for r in results if r.get("status") == "ok" and r.get("config") and _on_gpu(r)]
+
+
+def _base_point(ok: list[dict]) -> dict:
+    """The point the others are priced against: no offload, the least recompute."""
+    return min(ok, key=lambda r: (offload_option_of(r["config"]) != "none", recompute_order(recompute_of(r))))
+
+
+def measured_rates(results: list[dict]) -> tuple[float | None, float | None]:
+    """What a GPU sweep measured for the planner: the model TFLOP/s per GPU its base point achieved
+    (``_base_point``) and the slowest host link an offload point recorded (each None when it has none)."""
+    ok = _gpu_points(results)
+    links = [min(link["d2h_gb_s"], link["h2d_gb_s"]) for r in ok for rank in r.get("ranks") or []
+             if (link := (rank.get("offload") or {}).get("link")) and link.get("d2h_gb_s")]
+    return (worst_row(_base_point(ok)).model_tflops_per_gpu if ok else None), (min(links) if links else None)
+
+
 def sweep_plan(sweep_dir: Path, budget_gib: float) -> dict | None:
     """The planner (``recipes.analyze.plan``) on a GPU sweep's configuration, at the rate the sweep's
     no-recompute point achieved (model TFLOP/s per GPU) and the host link an offload point recorded;
     None for a CPU sweep or one without a completed point."""
-    results = find_results(sweep_dir)
-    ok = [r for r in results if r.get("status") == "ok" and r.get("config") and _on_gpu(r)]
+    ok = _gpu_points(find_results(sweep_dir))
     if not ok:
         return None
-    base = min(ok, key=lambda r: (offload_option_of(r["config"]) != "none", recompute_order(recompute_of(r))))
-    rate = worst_row(base).model_tflops_per_gpu
-    links = [min(link["d2h_gb_s"], link["h2d_gb_s"]) for r in ok for rank in r.get("ranks") or []
-             if (link := (rank.get("offload") or {}).get("link")) and link.get("d2h_gb_s")]
+    base = _base_point(ok)
     try:
-        p = plan(base["config"], budget_gib, rate, min(links) if links else None)
+        p = plan(base["config"], budget_gib, *measured_rates(ok))
     except ConfigError:
         return None
     p["measured"] = sorted({(recompute_of(r), offload_option_of(r["config"])) for r in ok})

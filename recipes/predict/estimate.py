@@ -40,7 +40,7 @@ from recipes.predict.activations import (
     validate_for,
 )
 from recipes.predict.fit import ALLOCATOR_SLACK, FITS, OVER, TIGHT, slack_for, verdict, with_slack
-from recipes.predict.offload import HostTerm, chunk_offload, exposed_transfer_s, layer_forward_s
+from recipes.predict.offload import HostTerm, chunk_offload, exposed_transfer_s, layer_forward_s, offload_overhead
 from recipes.recipe import GPU_BUDGET_GIB, at_full_depth, compose_recipe
 from recipes.recompute import (
     ATTENTION_KIND,
@@ -67,7 +67,7 @@ class Chunk:
 
     def host_by_kind(self) -> dict[str, int]:
         totals = dict.fromkeys(KINDS, 0)
-        for kind, _, _, copied in [t for layer in self.host for t in layer]:
+        for kind, _, _, copied, _ in [t for layer in self.host for t in layer]:
             totals[kind] += copied
         return totals
 
@@ -313,16 +313,16 @@ def predict(cfg: dict, device: str = "auto", stage: int | None = None,
             "host_bytes_by_kind": host_by_kind, "host_bytes": sum(host_by_kind.values()),
             "in_flight_host_bytes": sum(host_chunk[v] for v in order),
             "host_bytes_per_layer": host_layers,
-            "host_copies_per_layer": [sum(1 for t in layer if t[3] > 0) for c in chunks for layer in c.host],
+            "host_groups_per_layer": [len({t[4] for t in layer if t[3] > 0}) for c in chunks for layer in c.host],
         })
     pick = stages[stage] if stage is not None else max(stages, key=lambda s: s["peak_bytes"])
     if pick["host_bytes"]:  # the copies' time per step at the assumed rate and link (estimate.*)
         est = cfg.get("estimate") or {}
         tflops, link = est.get("mfu", 0.38) * cfg["measure"]["peak_tflops"], est.get("host_link_gb_s", 50.0)
-        per_copy = est.get("offload_host_ms_per_copy", 0.2) / 1e3
+        overhead = offload_overhead(est)
         pick = {**pick, "offload_transfer": {**exposed_transfer_s(pick["host_bytes_per_layer"], layer_forward_s(
-            cfg, tflops), link, m_count, pick["host_copies_per_layer"], per_copy), "tflops": tflops,
-            "host_link_gb_s": link, "host_s_per_copy": per_copy}}
+            cfg, tflops), link, m_count, pick["host_groups_per_layer"], *overhead), "tflops": tflops,
+            "host_link_gb_s": link, "s_per_group": overhead[0], "s_per_gib": overhead[1]}}
     ep = par["expert_model_parallel_size"] > 1 and MLP_KIND.get(cfg["model"]["family"]) == "moe"
     share = None if not ep else [float(f) for f in routed_share] if per_layer else float(routed_share)
     worst = max(stages, key=lambda s: s["peak_bytes"])
@@ -535,11 +535,12 @@ def format_prediction(p: dict, title: str, budget_gib: float | None = None, term
                   "(the last layer of each offloaded module stays on the device)"]
         t = p.get("offload_transfer")
         if t:
-            lines.append(f"offload time per step: copies {t['copy_s'] * 1e3:.1f} ms, exposed (not hidden by "
-                         f"compute) {t['exposed_s'] * 1e3:.1f} ms at a {t['host_link_gb_s']:g} GB/s link and "
-                         f"{t['tflops']:.0f} TFLOP/s (estimate.host_link_gb_s, estimate.mfu); the offload "
-                         f"manager's host time {t['host_s'] * 1e3:.1f} ms ({t['host_s_per_copy'] * 1e3:g} ms a "
-                         "tensor moved, estimate.offload_host_ms_per_copy)")
+            lines.append(f"offload time per step: copies {t['copy_s'] * 1e3:.1f} ms; stalled waiting for a "
+                         f"reload {t['exposed_s'] * 1e3:.1f} ms at a {t['host_link_gb_s']:g} GB/s link and "
+                         f"{t['tflops']:.0f} TFLOP/s (estimate.host_link_gb_s, estimate.mfu); the copies' "
+                         f"overhead {t['overhead_s'] * 1e3:.1f} ms ({t['s_per_group'] * 1e3:g} ms a group, "
+                         f"{t['s_per_gib'] * 1e3:g} ms a GiB moved: estimate.offload_ms_per_group, "
+                         "estimate.offload_ms_per_gib)")
     if len(p["stages"]) > 1:
         lines.append("peak per pipeline stage (GiB): " + ", ".join(
             f"pp{st['stage']} {st['peak_bytes'] / GIB:.1f}" for st in p["stages"]))

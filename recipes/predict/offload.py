@@ -16,23 +16,29 @@ The plan (megatron's ``post_warmup_callback``): after its first step the manager
 layer's group of each module on the device, so that the first backward does not wait for a copy; a
 chunk moves its other layers' groups (modeled per model chunk, as measured for one pipeline stage).
 
-Time. Copies run on their own streams beside compute: a layer's copy to the host overlaps the next
-layer's forward, its copy back the backward of the layer after it (megatron prefetches one group
-ahead). ``exposed_transfer_s`` is the copy time no compute hides, per step, from a link bandwidth and
-each layer's forward time (its FLOPs at an achieved rate); backward takes twice the forward; plus
-the manager's host time per tensor moved (``estimate.offload_host_ms_per_copy``), which a step whose
-forward is host-bound pays in full (on the H200 it, not the link, was most of offload's cost).
-``recompute_s`` prices recompute in the same unit: the forward FLOPs it replays, at the same rate.
+Time. Copies run on their own streams beside compute. Compute never waits for a copy out (megatron's
+d2h stream waits for compute, not the reverse): a layer's copy out queues behind the earlier ones.
+A reload is issued one group ahead in backward (when the group after it, in backward order, is done)
+and cannot start before its copy out has finished; the layer's backward waits for it.
+``exposed_transfer_s`` plays that queue per micro-batch, from a link bandwidth and each layer's forward
+time (its FLOPs at an achieved rate; backward twice that), for the stall no compute hides. To that
+it adds what the copies cost a step that hides them: a time per group moved (a layer's module: the
+manager's Python, event records and stream waits each group commit and reload) and per GiB moved
+(``estimate.offload_ms_per_group``, ``estimate.offload_ms_per_gib``; fitted to the dense offload points
+one H200 measured, docs/offload.md), which also lengthens the layers the copies hide under. ``recompute_s`` prices recompute in the same unit: the forward
+FLOPs it replays, at the same rate.
 """
 
 from __future__ import annotations
 
+from recipes.config import EstimateConfig
 from recipes.measure.flops import layer_forward_flops, replayed_layer_flops
 from recipes.offload import modules_of
 from recipes.predict.activations import Dims, Term
 
-#: A host term: (kind, what, bytes kept on the device before offload, bytes copied to the host).
-HostTerm = tuple[str, str, int, int]
+#: A host term: (kind, what, bytes kept on the device before offload, bytes copied to the host, the
+#: offload module whose group copies it).
+HostTerm = tuple[str, str, int, int, str]
 
 _NORM_POINT = {"input norm": "attn_norm", "pre-MLP norm": "mlp_norm"}
 _QKV_TERMS = ("qkv input (norm output)", "q_layernorm", "k_layernorm", "q_up input", "kv_up input",
@@ -146,11 +152,11 @@ def offload_layers(d: Dims, layers: list[list[Term]], gdn: list[bool], modules: 
             shared_context = point == "core_attn" and term[1] == "output" and context_copied
             if stays_on_device(term, d) or shared_context and (i, "attn_proj") not in moved:
                 device.append(term)  # e.g. the projection still holds core attention's output
-                host.append((term[0], term[1], 0, copy))
+                host.append((term[0], term[1], 0, copy, point))
                 continue
-            host.append((term[0], term[1], term[2], copy))
+            host.append((term[0], term[1], term[2], copy, point))
             if shared_context:  # the projection copies it again before it is released
-                host.append((term[0], "linear_proj input (core attention's output)", 0, copy))
+                host.append((term[0], "linear_proj input (core attention's output)", 0, copy, "attn_proj"))
         out_layers.append(device)
         hosts.append(host)
     return out_layers, hosts
@@ -189,15 +195,43 @@ def recompute_s(cfg: dict, tflops: float, layers: int, microbatches: int, elemen
     return microbatches * (layers * replay / (tflops * 1e12) + memory)
 
 
+def offload_overhead(estimate: dict) -> tuple[float, float]:
+    """``estimate.offload_ms_per_group`` and ``estimate.offload_ms_per_gib`` in seconds."""
+    default = EstimateConfig()
+    return (estimate.get("offload_ms_per_group", default.offload_ms_per_group) / 1e3,
+            estimate.get("offload_ms_per_gib", default.offload_ms_per_gib) / 1e3)
+
+
 def exposed_transfer_s(host_per_layer: list[int], forward_s: float, link_gb_s: float,
-                       microbatches: int, copies_per_layer: list[int] | None = None,
-                       host_s_per_copy: float = 0.0) -> dict:
-    """Copy time per step and the part compute does not hide: each layer's copy out against the next
-    layer's forward, its copy back against the backward of the layer after it (2 x forward). And the
-    host time megatron's offload manager spends per tensor it moves (out and back: the group commit's
-    contiguous copy, pinned buffer and events, the reload's allocation), which a host-bound step pays."""
+                       microbatches: int, groups_per_layer: list[int] | None = None,
+                       s_per_group: float = 0.0, s_per_gib: float = 0.0) -> dict:
+    """Copy time per step, the stall no compute hides, and the copies' overhead, for one chunk's layers
+    (bytes each copies to the host per micro-batch).
+
+    Overhead: ``s_per_group`` a group moved and ``s_per_gib`` a GiB moved (out and back), whatever
+    the link; half of a layer's is spent in its forward (the group commits), half in its backward
+    (the reloads), and lengthens that layer. Stall: layer i's forward takes ``forward_s`` plus its
+    half; its copy out is ready halfway through and starts once the copy before it is done.
+    Backward runs the layers in reverse, 2 x ``forward_s`` plus the other half each, after the last
+    forward; layer i's reload is issued when the backward of the layer after it starts (megatron
+    prefetches one group ahead, kept groups included), starts once the link is free and its copy
+    out is done, and layer i's backward waits for it."""
     copy = [n / (link_gb_s * 1e9) for n in host_per_layer]
-    exposed = sum(max(0.0, c - forward_s) + max(0.0, c - 2 * forward_s) for c in copy)
-    host = host_s_per_copy * sum(copies_per_layer or [])
-    return {"copy_s": 2 * sum(copy) * microbatches, "exposed_s": exposed * microbatches,
-            "host_s": host * microbatches}
+    groups = groups_per_layer or [0] * len(copy)
+    half = [(s_per_group * g + s_per_gib * n / 2**30) / 2 for g, n in zip(groups, host_per_layer)]
+    out_done, free, now = [], 0.0, 0.0
+    for c, h in zip(copy, half):
+        free = max(free, now + (forward_s + h) / 2) + c if c else free
+        out_done.append(free)
+        now += forward_s + h
+    stall, link, issued = 0.0, 0.0, None
+    for i in reversed(range(len(copy))):
+        if copy[i]:
+            start = issued if issued is not None else now
+            link = max(start, link, out_done[i]) + copy[i]
+            wait = max(0.0, link - now)
+            stall, now = stall + wait, now + wait
+        issued = now  # the next reload (the layer below) is issued as this layer's backward starts
+        now += 2 * forward_s + half[i]
+    return {"copy_s": 2 * sum(copy) * microbatches, "exposed_s": stall * microbatches,
+            "overhead_s": 2 * sum(half) * microbatches}
