@@ -7,6 +7,8 @@ SWEEP ?= standard_attn
 DIR ?= $(shell ls -dt multirun/*/* 2>/dev/null | head -1)
 BUDGET ?= 80
 ARGS ?=
+# make test's pytest workers (pytest-xdist): auto = one per core; 1 runs the suite in one process.
+TEST_WORKERS ?= auto
 # A Python >= 3.12 (megatron-core 0.17+ needs it): PYTHON=..., else the first of python3.12, python3 on
 # PATH, then pyenv's 3.12.x, 3.13.x, ... that actually runs and is >= 3.12 (pyenv shims may not).
 PYTHON ?= $(shell for p in python3.12 python3 $$(for v in $$(pyenv versions --bare 2>/dev/null | grep -E '^3\.(1[2-9]|[2-9][0-9])(\.|$$)' | sort -V); do echo "$$(pyenv prefix $$v)/bin/python3"; done); do \
@@ -30,8 +32,8 @@ install: $(VENV)/.installed ## Build .venv with Python >= 3.12 and the pinned de
 run: install ## Main job: a small recompute comparison (CPU without a GPU); prints a table, writes multirun/
 	$(PY) train.py -m size=$(SIZE) attention=unfused recompute=none,control,selective/core_attn,selective/mlp,full $(ARGS)
 
-test: install ## Run the test suite (GPU tests skip on a CPU)
-	$(PY) -m pytest -q $(ARGS)
+test: install ## Run the test suite on every core (GPU tests skip on a CPU); TEST_WORKERS=1 for one process
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup $(ARGS)
 
 lint: install ## ruff check (settings in pyproject.toml)
 	$(PY) -m ruff check .

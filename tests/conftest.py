@@ -23,6 +23,14 @@ CONF = str(REPO / "conf")
 from launch.torchrun import free_port  # noqa: E402  (after the repo is on sys.path)
 
 
+def pytest_collection_modifyitems(items: list) -> None:
+    """Under ``make test``'s workers (pytest-xdist, ``--dist loadgroup``) the GPU tests run one after
+    another in one worker: they measure memory and time on a device the others would share."""
+    for item in items:
+        if item.get_closest_marker("gpu"):
+            item.add_marker(pytest.mark.xdist_group("gpu"))
+
+
 def compose(*overrides: str) -> dict:
     """The resolved config for these overrides, as the worker would read it."""
     from recipes.config import compose_config

@@ -184,6 +184,7 @@ def test_gpu_measurements_are_none_on_a_cpu():
     assert host_link_bandwidth() is None and copy_overlap(lambda: None) is None
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: pinned copies and CUDA streams")
 def test_host_link_bandwidth_on_a_gpu():
     from recipes.measure.offload import host_link_bandwidth

@@ -187,6 +187,7 @@ def test_replay_markers_and_resizes():
     assert out["forward_end"]["activation_bytes_by_kind"]["mlp"] == 0  # discarded before the backward
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the allocator path needs a CUDA device")
 def test_allocator_attribution_sums_to_max_memory_allocated(megatron_world):
     prof, _, _ = _profile("attention=unfused", "recompute=control")

@@ -47,6 +47,7 @@ def test_tracing_a_step_needs_a_gpu():
     assert trace_step(lambda: None) is None
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: CUDA kernels and copies to trace")
 def test_a_traced_step_on_a_gpu_sees_its_kernels_and_copies(tmp_path):
     a = torch.randn(2048, 2048, device="cuda")

@@ -172,6 +172,7 @@ def test_make_sweep_runs_the_sweep_file():
     assert "train.py -m sweep=moe size=tiny train.seq_length=128" in done.stdout
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="a real out-of-memory needs a GPU")
 def test_gpu_oom_is_recorded_and_the_sweep_goes_on(tmp_path):
     """A memory cap far below the tiny model's needs: that point is ``oom`` with the allocator's
