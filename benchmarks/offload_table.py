@@ -84,8 +84,7 @@ def row(result: dict) -> dict:
             "link": (link["d2h_gb_s"], link["h2d_gb_s"]) if link.get("d2h_gb_s") else None,
             "predicted_ms": predicted["cost_s"] * 1e3 if predicted else None,
             "groups": predicted.get("offload_groups") if predicted else None,
-            "gib": predicted.get("offload_gib") if predicted else None,
-            "stall_ms": predicted["offload_stall_s"] * 1e3 if predicted else None}
+            "gib": predicted.get("offload_gib") if predicted else None}
 
 
 def _f(value, fmt: str) -> str:
