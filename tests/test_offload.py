@@ -249,6 +249,12 @@ def test_exposed_transfer_model():
     # the backward of layer 1 starts) at 42.5 ms; layer 0's backward was due at 20 ms
     slow = exposed_transfer_s([10**9, 0], forward_s=0.005, link_gb_s=50.0, microbatches=2)
     assert slow["exposed_s"] == pytest.approx(2 * 0.0225)
+    # the overhead (h = half of it a pass) lengthens layer 0's forward and backward: its copy out is
+    # ready h/2 later, the reload is issued h later and due h later, so h/2 more of it is hidden
+    h = 2e-3 * 10**9 / 2**30 / 2
+    lengthened = exposed_transfer_s([10**9, 0], 0.005, 50.0, 2, s_per_gib=2e-3)
+    assert lengthened["exposed_s"] == pytest.approx(2 * (0.0225 - h / 2))
+    assert lengthened["overhead_s"] == pytest.approx(2 * 2 * h)
     # the reloads queue on one link: two layers' copies, the second waits for the first's reload
     two = exposed_transfer_s([10**9, 10**9, 0], forward_s=0.005, link_gb_s=50.0, microbatches=1)
     # outs: layer 0 done 22.5 ms, layer 1 42.5; backward from 15 ms: layer 2 to 25, layer 1 reload
