@@ -383,9 +383,11 @@ def test_the_planner_prices_recompute_and_offload_in_one_unit():
     by = {(r["recompute"], r["offload"]): r for r in p["rows"]}
     assert not by[("none", "none")]["fits"] and by[("none", "core_attn")]["fits"]
     choice = p["choice"]  # layernorm's replay and a few groups of one tensor: the two are within 0.1 ms
-    assert choice["recompute"] == "selective/layernorm" and choice["offload"] in ("attn_norm", "core_attn")
+    assert (choice["recompute"], choice["offload"]) == ("selective/layernorm", "core_attn")
+    assert (p["runner_up"]["recompute"], p["runner_up"]["offload"]) == ("selective/layernorm", "attn_norm")
     # the smallest activation_offload_fraction that fits; 0.130 ms a group and 1.92 ms a GiB moved
-    assert choice["activation_offload_fraction"] in (0.25, 0.5) and choice["offload_stall_s"] == 0.0
+    assert choice["activation_offload_fraction"] == 0.25 and choice["offload_stall_s"] == 0.0
+    assert p["runner_up"]["activation_offload_fraction"] == 0.5
     assert (f"offload={choice['offload']} offload.activation_offload_fraction="
             f"{choice['activation_offload_fraction']:g}") in overrides_of(choice)
     assert choice["offload_overhead_s"] == pytest.approx(
@@ -427,10 +429,11 @@ def test_price_config_prices_a_point_as_it_ran():
 def test_predicted_advice_prints_the_plan_runner_up_and_one_sweep_to_confirm_both():
     advice = advise.advise_before_running(["model=standard_attn", "size=h200", UNFUSED], 21.5)
     text = advise.explain_prediction(advice)
-    assert "choice:    recompute=selective/layernorm offload=" in text and "runner-up: " in text
+    assert "choice:    recompute=selective/layernorm offload=core_attn" in text and "runner-up: " in text
     commands = [line.strip() for line in text.splitlines() if line.strip().startswith("python train.py -m")]
     assert len(commands) == 2 and all(c.endswith("hydra.sweep.dir=multirun/confirm") for c in commands)
-    assert "recompute=selective/layernorm offload=" in commands[0] and "activation_offload_fraction=" in commands[0]
+    assert "recompute=selective/layernorm offload=core_attn offload.activation_offload_fraction=0.25" in commands[0]
+    assert "recompute=selective/layernorm offload=attn_norm offload.activation_offload_fraction=0.5" in commands[1]
     assert "python -m recipes advise multirun/confirm --budget-gib 21.5" in text
 
 

@@ -374,5 +374,6 @@ def test_the_overhead_fit_recovers_the_rates_a_sweep_was_made_with():
                         "worst_rank": 0, "ranks": [{"rank": 0, "timing": {"step_time_s": step}}]})
     assert max(stalls) > 0.001  # the fit has a stall to take off that moves with a and b
     out = table.fit(table.priced(results, rates)).splitlines()
-    assert out[0] == f"estimate.offload_ms_per_group={a:.3f} estimate.offload_ms_per_gib={b:.2f} (least squares over 3 points)"
+    assert out[0] == (f"estimate.offload_ms_per_group={a:.3f} estimate.offload_ms_per_gib={b:.2f} "
+                      "(least squares over 3 points)")
     assert all(line.endswith(("| +0% |", "| -0% |")) for line in out[3:]) and len(out) == 6

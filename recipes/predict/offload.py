@@ -25,8 +25,8 @@ time (its FLOPs at an achieved rate; backward twice that), for the stall no comp
 it adds what the copies cost a step that hides them: a time per group moved (a layer's module: the
 manager's Python, event records and stream waits each group commit and reload) and per GiB moved
 (``estimate.offload_ms_per_group``, ``estimate.offload_ms_per_gib``; fitted to the dense offload points
-one H200 measured, docs/offload.md), which also lengthens the layers the copies hide under. ``recompute_s`` prices recompute in the same unit: the forward
-FLOPs it replays, at the same rate.
+one H200 measured, docs/offload.md), which also lengthens the layers the copies hide under.
+``recompute_s`` prices recompute in the same unit: the forward FLOPs it replays, at the same rate.
 """
 
 from __future__ import annotations
