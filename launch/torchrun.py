@@ -1,6 +1,7 @@
 """The torchrun command line the controller uses for several worker processes.
 
-One node (``launcher=local``): a c10d rendezvous on 127.0.0.1 and a free port. Several nodes
+One node (``launcher=local``): a c10d rendezvous on 127.0.0.1, on ``launcher.master_port`` or, for 0,
+torchrun's standalone rendezvous, whose store takes a free port when it binds. Several nodes
 (``launcher=slurm``, see ``launch.slurm``): every node runs this same command with its own
 ``--node-rank`` and the first node's address, torchrun's static rendezvous, so global ranks are laid
 out node by node (rank = node_rank * nproc_per_node + local_rank), as megatron's groups expect.
@@ -41,8 +42,10 @@ def torchrun_command(launcher: dict, program: list[str], rendezvous: Rendezvous 
         if launcher["nnodes"] != 1:
             raise ValueError(f"launcher.nnodes={launcher['nnodes']} needs a rendezvous across nodes: "
                              "use launcher=slurm (launch.slurm.slurm_rendezvous)")
-        port = launcher["master_port"] or free_port()
-        cmd += ["--nnodes=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}"]
+        if launcher["master_port"]:
+            cmd += ["--nnodes=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{launcher['master_port']}"]
+        else:  # torchrun's store binds port 0 itself: a port picked here could be taken before it binds
+            cmd += ["--nnodes=1", "--standalone"]
     else:
         cmd += [f"--nnodes={rendezvous.nnodes}", f"--node-rank={rendezvous.node_rank}",
                 f"--master-addr={rendezvous.master_addr}", f"--master-port={rendezvous.master_port}"]

@@ -190,11 +190,26 @@ def test_torchrun_commands():
     local = torchrun_command({"nproc_per_node": 2, "nnodes": 1, "master_port": 4321}, ["-m", "x"])
     assert local[-2:] == ["-m", "x"] and "--nproc-per-node=2" in local
     assert "--rdzv-endpoint=127.0.0.1:4321" in local
+    # master_port 0: the store binds a free port itself (a port picked before torchrun starts can be
+    # taken by another process's connection meanwhile, and torchrun then waits on it as a client)
+    free = torchrun_command({"nproc_per_node": 2, "nnodes": 1, "master_port": 0}, ["-m", "x"])
+    assert "--standalone" in free and not any(a.startswith("--rdzv-endpoint") for a in free)
     multi = torchrun_command({"nproc_per_node": 8, "nnodes": 2, "master_port": 0}, ["-m", "x"],
                              Rendezvous(2, 1, "gpu01", 25000))
     assert {"--nnodes=2", "--node-rank=1", "--master-addr=gpu01", "--master-port=25000"} <= set(multi)
     with pytest.raises(ValueError, match="launcher=slurm"):
         torchrun_command({"nproc_per_node": 8, "nnodes": 2, "master_port": 0}, ["-m", "x"])
+
+
+def test_a_single_process_worker_binds_its_own_free_port(monkeypatch):
+    """One process: MASTER_PORT=0, so its store binds a free port when it starts (a port picked by the
+    controller could be taken by another process meanwhile); several processes: torchrun's."""
+    from recipes.run.controller import worker_environment
+
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    assert worker_environment(compose())["MASTER_PORT"] == "0"
+    assert "MASTER_PORT" not in worker_environment(compose("parallel=dp2"))
 
 
 def test_slurm_rendezvous_from_the_job_environment():
