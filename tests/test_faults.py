@@ -245,6 +245,27 @@ def test_ctrl_c_ends_the_sweep_in_one_line_keeps_results_and_resumes(tmp_path):
 
 
 @pytest.mark.slow
+def test_sigterm_ends_the_sweep_after_recording_its_point_and_the_rest_resume(tmp_path):
+    """SIGTERM to the controller (`timeout`, `kill`, a scheduler without submitit) stops the point that
+    runs, records it, and starts no further point: before, the sweep went on to the next one."""
+    long = [*TINY[:1], "train.train_iters=100000", *TINY[2:]]
+    sweep, (full, none) = dry_sweep(tmp_path, base=long)
+    for point in (full, none):
+        (point / "config.yaml").unlink()  # nothing stored: the sweep runs none first, then full
+    proc = start(["-m", "recompute=none,full", *long, f"hydra.sweep.dir={sweep}"], tmp_path)
+    wait_for(lambda: worker_pid(none), proc)
+    time.sleep(1.0)
+    os.kill(proc.pid, signal.SIGTERM)  # the controller alone; it forwards it to the worker
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out + err
+    assert load_result(none)["status"] == "preempted"
+    assert not (full / "result.json").exists() and not (full / "worker.log").exists()
+    assert "not started, the sweep received SIGTERM" in out
+    again = train(["-m", "recompute=none,full", *long, f"hydra.sweep.dir={sweep}", "dry_run=true"], tmp_path)
+    assert again.returncode == 0 and "[dry-run] standard_attn sdpa full" in again.stdout
+
+
+@pytest.mark.slow
 def test_a_point_another_sweep_holds_is_waited_for_then_skipped_and_said(tmp_path):
     from recipes.config import slug
 

@@ -213,6 +213,9 @@ def worker_environment(cfg: dict) -> dict[str, str]:
 #: Signals forwarded to the workers, with the handler they replaced (submitit's requeue under Slurm),
 #: which ``run`` calls once the run is recorded.
 RECEIVED: list = []
+#: The signal that stopped this controller's sweep: the points after the one it stopped do not start
+#: (a re-run of the same command runs them; the stopped one resumes from its checkpoint).
+STOPPED: dict = {}
 #: Worker output lines the controller echoes to its console (the rest only goes to worker.log).
 ECHOED = ("[progress]", "[checkpoint]", "[signal]", "[eval]", "warning: W&B")
 
@@ -239,6 +242,7 @@ def run_workers(command: list[str], env: dict[str, str], log, server: ForkServer
     def forward(signum, _frame):
         proc.send_signal(signum)
         RECEIVED.append((signum, previous[signal.Signals(signum)]))
+        STOPPED.setdefault("signal", signal.Signals(signum).name)
 
     def pump() -> None:
         try:
@@ -359,6 +363,10 @@ def _run(cfg: DictConfig) -> dict:
     CURRENT["run_dir"] = run_dir
     if in_multirun():
         print(sweep_progress(name), flush=True)
+        if STOPPED:  # SIGTERM (a preemption, `timeout`, `kill`) ends the sweep, not just its current point
+            print(f"[signal] {name}: not started, the sweep received {STOPPED['signal']} (the same command "
+                  "runs the points left)", flush=True)
+            return {"status": "not_started", "name": name, "run_dir": str(run_dir)}
     try:
         validate(plain)  # before any worker starts
         validate(plain, planned_host_bytes=planned_host_bytes(plain))  # activation offload's host copies
