@@ -136,6 +136,9 @@ class LauncherConfig:
     nproc_per_node: int = 1
     nnodes: int = 1
     master_port: int = 0  # 0 = pick a free port
+    # pin each local rank to this many cores of its own, its GPU's NUMA node first (null: unpinned;
+    # launch/affinity.py): the same host-bound MoE point then times alike from process to process
+    cpu_cores_per_rank: Optional[int] = None
 
 
 @dataclass

@@ -11,6 +11,7 @@ import difflib
 import importlib.util
 from typing import Any
 
+from launch.affinity import usable_cores
 from recipes.config import RecipeConfig
 from recipes.errors import ConfigError
 from recipes.files import GIB
@@ -91,6 +92,7 @@ POSITIVE = {
     "measure": ("start_step", "steps"),
     "parallel": ("expert_tensor_parallel_size",),
     "data": ("eval_iters",),
+    "launcher": ("cpu_cores_per_rank",),
 }
 #: (section, key, lowest, highest, whether the lowest is allowed, whether the highest is, the fix's example)
 RANGES = (
@@ -359,6 +361,12 @@ def _validate_parallel(cfg, num_gpus: int) -> None:
     _check(launch["name"] == "slurm" or nnodes == 1, "launcher.nnodes",
            f"launcher=local starts torchrun on this machine only, not on {nnodes} nodes",
            f"use launcher=slurm launcher.nnodes={nnodes} (torchrun on every node of a Slurm job)")
+    per_rank = launch.get("cpu_cores_per_rank")
+    if per_rank and launch["name"] == "local":
+        usable = usable_cores()
+        _check(per_rank * nproc <= usable, "launcher.cpu_cores_per_rank",
+               f"{nproc} process(es) x {per_rank} cores need {per_rank * nproc} cores, and this process may "
+               f"use {usable}", f"set launcher.cpu_cores_per_rank<={max(1, usable // nproc)}, or null (unpinned)")
     for key, size in (("tensor_model_parallel_size", tp), ("pipeline_model_parallel_size", pp),
                       ("context_parallel_size", cp), ("expert_model_parallel_size", ep)):
         _check(size >= 1, f"parallel.{key}", f"{size} is not a size", f"set parallel.{key}>=1")

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from launch.affinity import pin_worker
 from recipes.analyze.logger import NullRun, WandbRun, open_run, read_identity
 from recipes.build import compat, upstream
 from recipes.build.model import num_parameters
@@ -539,6 +540,10 @@ def main(run_dir: str) -> int:
     result: dict[str, Any] = {"rank": rank, "status": "failed", "host": socket.gethostname()}
     result["device"] = torch.cuda.get_device_name() if compat.cuda_available() else "cpu"
     result["timeline"] = {"main_start": time.time()}
+    cores = pin_worker(cfg["launcher"].get("cpu_cores_per_rank"))  # before the threads it starts
+    if cores is not None:
+        result["cpu_cores"] = cores
+        torch.set_num_threads(len(cores))  # no more CPU threads than its cores (OMP_NUM_THREADS is the server's)
     exit_code = 0
     logger = open_run(cfg, run, rank, resuming=resumes(cfg, run))  # logger=wandb, rank 0; else a no-op twin
     if logger:
