@@ -4,15 +4,17 @@
     python benchmarks/bench_compile.py model=moe size=h200 --steps 8
     python benchmarks/bench_compile.py model=standard_attn                  # size=tiny: a CPU smoke run
 
-For each variant a fresh ``Trainer`` (the worker's, with the given Hydra overrides) from the same
-seed runs ``--warmup`` steps (the compiled variant compiles here), then ``--steps`` timed ones. It
+Each variant runs in a fresh process (a device-side assert in one, as the compiled MoE layer hit on
+the H200, poisons that process's CUDA context and no other): a ``Trainer`` (the worker's, with the
+given Hydra overrides) from the same seed runs ``--warmup`` steps (the compiled variant compiles here), then ``--steps`` timed ones. It
 prints one row per variant: the median step time, its ratio to eager, whether every step's loss
 equals eager's bit for bit and the largest difference, and the graph breaks dynamo recorded
 (each a return to Python inside a layer, which keeps kernels from fusing across it), with the most
 frequent reasons below the table.
 
 Variants: ``eager``; ``compile`` (``torch.compile(layer.forward)`` for every ``TransformerLayer``,
-the per-block compile torchtitan applies, default mode); on a GPU also ``cudagraphs``, megatron-core's
+the per-block compile torchtitan applies, default mode); on a GPU also ``eager again`` (eager in
+another process: how far two eager runs' losses differ where kernels are not deterministic) and ``cudagraphs``, megatron-core's
 own per-layer CUDA graphs (``cuda_graph_impl="local"``, passed as ``+model.cuda_graph_impl=local``;
 megatron captures them after ``cuda_graph_warmup_steps``, 3, so that variant warms up 2 steps more).
 megatron-core's own fused helpers (``jit_fuser``: the fused SwiGLU) are compiled in all. A variant
@@ -33,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-VARIANTS = ("eager", "compile", "cudagraphs")  # cudagraphs: on a GPU only
+VARIANTS = ("eager", "compile", "cudagraphs", "eager again")  # the last two: on a GPU only
 
 
 def compile_layers(chunks) -> int:
@@ -79,47 +81,78 @@ def run(cfg: dict, variant: str, warmup: int, steps: int) -> dict:
             "breaks": breaks}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("overrides", nargs="*", help="Hydra overrides (model=..., size=..., recompute=...)")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation happens here)")
-    parser.add_argument("--steps", type=int, default=5, help="timed steps")
-    args = parser.parse_args()
-
+def run_variant(overrides: list[str], variant: str, warmup: int, steps: int) -> dict:
+    """One variant in this process (``--variant``): a row, or the error it ended with."""
     from launch.torchrun import free_port
     from recipes.config import compose_config
     from recipes.run.worker import init_distributed
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
                       LOCAL_RANK="0")
-    cfg = compose_config(args.overrides)
-    init_distributed(cfg)
-    variants = VARIANTS if torch.cuda.is_available() else VARIANTS[:2]
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU (a smoke run: times mean nothing)"
-    print(f"# {' '.join(args.overrides) or 'defaults'}; {device}; torch {torch.__version__}; "
-          f"{args.warmup} warm-up + {args.steps} timed steps")
-    rows = []
-    for v in variants:
+    try:
+        if variant == "cudagraphs":
+            cfg = compose_config([*overrides, "+model.cuda_graph_impl=local"])
+            warmup += 2
+        else:
+            cfg = compose_config(overrides)
+        init_distributed(cfg)
+        row = run(cfg, variant, warmup, steps)
+        row["breaks"] = dict(row["breaks"])
+        return row
+    except Exception as err:  # a variant that cannot run here is a finding, not the end of the table
+        return {"variant": variant, "error": f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"}
+
+
+def in_own_process(overrides: list[str], variant: str, warmup: int, steps: int) -> dict:
+    """``run_variant`` in a fresh process; a process that dies (a device-side assert) is a failed row."""
+    import json
+    import subprocess
+    import tempfile
+
+    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+        done = subprocess.run([sys.executable, os.path.abspath(__file__), "--variant", variant, "--json", out.name,
+                               "--warmup", str(warmup), "--steps", str(steps), *overrides],
+                              capture_output=True, text=True)
         try:
-            if v == "cudagraphs":
-                graphs = compose_config([*args.overrides, "+model.cuda_graph_impl=local"])
-                rows.append(run(graphs, v, args.warmup + 2, args.steps))
-            else:
-                rows.append(run(cfg, v, args.warmup, args.steps))
-        except Exception as err:  # a variant that cannot run here is a finding, not the end of the table
-            rows.append({"variant": v, "error": f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"})
+            return json.loads(open(out.name).read())
+        except ValueError:
+            tail = [line for line in done.stderr.splitlines() if line.strip()][-1:] or [f"exit {done.returncode}"]
+            return {"variant": variant, "error": f"process ended ({done.returncode}): {tail[0][:200]}"}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides (model=..., size=..., recompute=...)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation happens here)")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps")
+    parser.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)  # one variant, in this process
+    parser.add_argument("--json", help=argparse.SUPPRESS)  # where --variant writes its row
+    args = parser.parse_args()
+    if args.variant:
+        import json
+
+        row = run_variant(args.overrides, args.variant, args.warmup, args.steps)
+        with open(args.json, "w") as f:
+            json.dump(row, f)
+        return
+    cuda = torch.cuda.is_available()
+    variants = VARIANTS if cuda else VARIANTS[:2]
+    device = torch.cuda.get_device_name() if cuda else "CPU (a smoke run: times mean nothing)"
+    print(f"# {' '.join(args.overrides) or 'defaults'}; {device}; torch {torch.__version__}; "
+          f"{args.warmup} warm-up + {args.steps} timed steps; each variant in its own process")
+    rows = [in_own_process(args.overrides, v, args.warmup, args.steps) for v in variants]
     eager = rows[0]
     print("\n| variant | layers compiled | step ms (median) | vs eager | losses equal to eager | largest loss difference | graph breaks |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
-        if "error" in r:
-            print(f"| {r['variant']} | - | - | - | - | - | failed: {r['error']} |")
+        if "error" in r or "error" in eager:
+            print(f"| {r['variant']} | - | {r.get('step_ms', '-')} | - | - | - | failed: {r.get('error', 'eager failed')} |")
             continue
         diff = max(abs(a - b) for a, b in zip(r["losses"], eager["losses"]))
         print(f"| {r['variant']} | {r['layers']} | {r['step_ms']:.1f} | {r['step_ms'] / eager['step_ms']:.3f}x | "
               f"{r['losses'] == eager['losses']} | {diff:.3e} | {sum(r['breaks'].values())} |")
     for r in rows:
-        for reason, n in r.get("breaks", Counter()).most_common(5):
+        for reason, n in Counter(r.get("breaks", {})).most_common(5):
             print(f"- {r['variant']}: {n} x {reason[:200]}")
 
 
