@@ -120,6 +120,21 @@ step_speed() {  # docs/speed.md at the defaults: every CUDA sync of a dense and 
   $PY train.py -m model=mla size=$SIZE $SWEEP_ARGS recompute=none measure.repeat=0,1 \
     hydra.sweep.dir=results/speed_mla 2>&1 | quiet 4
   $PY benchmarks/bench_points.py size=$SIZE --repeats 1 2>&1 | tail -6; }
+step_peer() {  # Megatron-LM's pretrain_gpt.py side by side (MEGATRON_LM: benchmarks/extract_megatron_lm.sh's output)
+  [ -n "${MEGATRON_LM:-}" ] || { echo "set MEGATRON_LM to a Megatron-LM directory (bash benchmarks/extract_megatron_lm.sh" \
+    "<Megatron-LM git dir> core_r0.19.0 /tmp/megatron-lm)" >&2; return 1; }
+  stamp "bench_peer"; $PY benchmarks/bench_peer.py --megatron-lm "$MEGATRON_LM" --repeats 2 --iters 8 model=standard_attn \
+    size=$SIZE attention=unfused recompute=none 2>&1 | grep -v "Warning\|warn(" | tail -32; }
+step_pinning() {  # MoE none unpinned, pinned to 1 core and to 4 cores per rank, alternating, 4 processes each
+  stamp "pinning"; $PY train.py -m model=moe size=$SIZE $SWEEP_ARGS recompute=none measure.repeat=0,1,2,3 \
+    launcher.cpu_cores_per_rank=null,1,4 hydra.sweep.dir=results/moe_pinning 2>&1 | quiet 6; }
+step_compile() {  # torch.compile and megatron's CUDA graphs against eager, each variant in its own process
+  local models=${1:-moe,standard_attn}; for m in ${models//,/ }; do stamp "bench_compile model=$m"
+    $PY benchmarks/bench_compile.py model=$m size=$SIZE 2>&1 | grep -v "Warning\|warn(" | tail -14; done; }
+step_gdn_speed() {  # GDN at the defaults, recompute=none, 2 processes (Triton >= 3.7.1; the first step autotunes)
+  local pp; pp=$(triton_path) || return
+  stamp "gdn none"; PYTHONPATH=$pp $PY train.py -m model=gdn size=$SIZE $SWEEP_ARGS recompute=none measure.repeat=0,1 \
+    hydra.sweep.dir=results/speed_gdn 2>&1 | quiet 6; }
 step_dispatch() {  # the MoE dispatchers: one layer's time and host syncs; every host sync of a training step
   stamp bench_dispatch; $PY benchmarks/bench_dispatch.py 2>&1 | grep -v "Warning\|warn(" | tail -14
   $PY benchmarks/bench_dispatch.py --step size=$SIZE profile=none 2>&1 | grep -v "Warning\|warn(" | grep "^##\|^- \|^CUDA sync"; }
