@@ -346,6 +346,18 @@ def _size(nbytes: float) -> str:
     return f"{nbytes / GIB:.1f} GiB" if nbytes >= GIB / 10 else f"{nbytes / 2**20:.1f} MiB"
 
 
+def validate_cores(cfg) -> None:
+    """``launcher.cpu_cores_per_rank`` against the cores this process may use, before a local launch
+    (not in ``validate``: a prediction or a report for another machine must not depend on this one)."""
+    launch = cfg["launcher"]
+    per_rank, nproc = launch.get("cpu_cores_per_rank"), launch["nproc_per_node"]
+    if per_rank and launch["name"] == "local":
+        usable = usable_cores()
+        _check(per_rank * nproc <= usable, "launcher.cpu_cores_per_rank",
+               f"{nproc} process(es) x {per_rank} cores need {per_rank * nproc} cores, and this process may "
+               f"use {usable}", f"set launcher.cpu_cores_per_rank<={max(1, usable // nproc)}, or null (unpinned)")
+
+
 def _validate_parallel(cfg, num_gpus: int) -> None:
     """The layout against the launcher's world size, the batch and the model (before any launch)."""
     par, m, launch, train = cfg["parallel"], cfg["model"], cfg["launcher"], cfg["train"]
@@ -361,12 +373,6 @@ def _validate_parallel(cfg, num_gpus: int) -> None:
     _check(launch["name"] == "slurm" or nnodes == 1, "launcher.nnodes",
            f"launcher=local starts torchrun on this machine only, not on {nnodes} nodes",
            f"use launcher=slurm launcher.nnodes={nnodes} (torchrun on every node of a Slurm job)")
-    per_rank = launch.get("cpu_cores_per_rank")
-    if per_rank and launch["name"] == "local":
-        usable = usable_cores()
-        _check(per_rank * nproc <= usable, "launcher.cpu_cores_per_rank",
-               f"{nproc} process(es) x {per_rank} cores need {per_rank * nproc} cores, and this process may "
-               f"use {usable}", f"set launcher.cpu_cores_per_rank<={max(1, usable // nproc)}, or null (unpinned)")
     for key, size in (("tensor_model_parallel_size", tp), ("pipeline_model_parallel_size", pp),
                       ("context_parallel_size", cp), ("expert_model_parallel_size", ep)):
         _check(size >= 1, f"parallel.{key}", f"{size} is not a size", f"set parallel.{key}>=1")

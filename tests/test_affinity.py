@@ -30,15 +30,16 @@ def test_each_rank_gets_its_own_block_the_gpus_cores_first():
 
 def test_more_cores_than_this_machine_lets_us_use_is_refused_with_the_fix():
     from recipes.errors import ConfigError
-    from recipes.validate import validate
+    from recipes.validate import validate, validate_cores
 
     usable = len(os.sched_getaffinity(0))
     with pytest.raises(ConfigError) as err:
-        validate(compose(f"launcher.cpu_cores_per_rank={usable + 1}"))
+        validate_cores(compose(f"launcher.cpu_cores_per_rank={usable + 1}"))
     assert "launcher.cpu_cores_per_rank" in str(err.value) and f"<={usable}" in str(err.value)
     with pytest.raises(ConfigError, match="launcher.cpu_cores_per_rank"):
         validate(compose("launcher.cpu_cores_per_rank=0"))
-    validate(compose("launcher.cpu_cores_per_rank=1"))
+    validate_cores(compose("launcher.cpu_cores_per_rank=1"))
+    validate(compose(f"launcher.cpu_cores_per_rank={usable + 1}"))  # a plan for another machine: not refused
 
 
 def test_a_pinned_worker_runs_on_its_cores_and_records_them(tmp_path, monkeypatch):

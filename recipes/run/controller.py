@@ -31,7 +31,7 @@ from recipes.recipe import apply_recipe
 from recipes.recompute import option_of
 from recipes.results import NOT_MEASURED, load_result, merge_result
 from recipes.run.console import print_run
-from recipes.validate import validate
+from recipes.validate import validate, validate_cores
 
 #: Statuses that count as a complete result (a sweep re-run skips them unless rerun=true).
 COMPLETE = ("ok", "oom")
@@ -371,6 +371,7 @@ def _run(cfg: DictConfig) -> dict:
         validate(plain)  # before any worker starts
         validate(plain, planned_host_bytes=planned_host_bytes(plain))  # activation offload's host copies
         validate_data(plain)  # files, .idx header and .bin size, tokenizer sidecar (cheap)
+        validate_cores(plain)  # launcher.cpu_cores_per_rank on this machine
     except ConfigError as err:
         if not in_multirun():
             raise
