@@ -1,6 +1,7 @@
 """The table benchmarks/gpu_offload.sh ends with: recompute against activation offload, measured.
 
-One row per point of the sweep directories given (their ``result.json``), grouped by model and size:
+One row per point of the sweep directories given (their ``result.json``; a point repeated in several
+processes, ``measure.repeat``, is one row of their medians), grouped by model and size:
 peak allocated, what the point copied to the host (the ledger's host bytes of one micro-batch after
 megatron's plan; bytes moved per measured step), step time and its change against the group's
 ``none`` point (or, where ``none`` did not fit, its fastest completed point) in percent and in ms
@@ -74,8 +75,10 @@ def row(result: dict) -> dict:
     ch = result.get("choices") or {}
     recompute, offload = result["_plan"]
     predicted = result.get("_predicted")
+    fraction = ((result.get("config") or {}).get("offload") or {}).get("activation_offload_fraction", 1.0)
+    share = f" at fraction {fraction:g}" if offload != "none" and fraction != 1.0 else ""
     return {"model": ch.get("model"), "size": ch.get("size"), "status": result.get("status"),
-            "point": f"recompute={recompute}" + (f" offload={offload}" if offload != "none" else ""),
+            "point": f"recompute={recompute}" + (f" offload={offload}{share}" if offload != "none" else ""),
             "offload": offload, "recompute": recompute,
             "peak": mem.get("peak_allocated_gib"), "host": ledger.get("host_total_bytes"), "moved": moved,
             "step_ms": timing["step_time_s"] * 1e3 if timing.get("step_time_s") else None,
@@ -91,8 +94,31 @@ def _f(value, fmt: str) -> str:
     return "-" if value is None else fmt.format(value)
 
 
+def merged(rows: list[dict]) -> list[dict]:
+    """One row per point: the processes of a repeated point (``measure.repeat``) as their median step,
+    copy and exposed times, the status saying how many ran and how far apart their steps were."""
+    import statistics
+
+    points: dict[tuple, list[dict]] = {}
+    for r in rows:
+        points.setdefault((r["model"], r["size"], r["point"]), []).append(r)
+    out = []
+    for same in points.values():
+        timed = [r for r in same if r["step_ms"] is not None]
+        if len(same) == 1 or not timed:
+            out += same
+            continue
+        median = {k: statistics.median(r[k] for r in timed if r[k] is not None)
+                  if any(r[k] is not None for r in timed) else None for k in ("step_ms", "copy_ms", "exposed_ms")}
+        steps = sorted(r["step_ms"] for r in timed)
+        status = f"ok, {len(timed)} processes: {steps[0]:.1f}-{steps[-1]:.1f} ms" if len(timed) == len(same) else \
+            f"{len(timed)} of {len(same)} processes timed: {steps[0]:.1f}-{steps[-1]:.1f} ms"
+        out.append({**timed[0], **median, "status": status})
+    return out
+
+
 def table(results: list[dict]) -> str:
-    rows = [row(r) for r in results]
+    rows = merged([row(r) for r in results])
     lines = [HEADER, "|" + "---|" * (HEADER.count("|") - 1)]
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
