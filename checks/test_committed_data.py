@@ -178,6 +178,12 @@ def test_the_offload_table_regenerates_identically():
     assert _offload_table(*map(str, OFFLOAD_SWEEPS)) == (OFFLOAD / "table.md").read_text()
 
 
+def test_the_offload_repeats_table_regenerates_identically():
+    """docs/offload-h200/repeats.md: the 2026-12-02 re-measurement (several processes a point)."""
+    sweeps = [OFFLOAD / "standard_attn_h200_layernorm_repeats", OFFLOAD / "moe_h200_pinned_repeats"]
+    assert _offload_table(*map(str, sweeps)) == (OFFLOAD / "repeats.md").read_text()
+
+
 def test_the_offload_overhead_rates_are_the_fit_of_the_dense_points():
     """estimate.offload_ms_per_group and offload_ms_per_gib are what --fit finds in the dense h200 sweep,
     and that fit is within 20% of each dense offload-only point (docs/offload.md)."""
