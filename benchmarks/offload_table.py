@@ -19,6 +19,7 @@ reloads, against the groups and GiB each moved per step.
 
 from __future__ import annotations
 
+import statistics
 import sys
 from pathlib import Path
 
@@ -97,8 +98,6 @@ def _f(value, fmt: str) -> str:
 def merged(rows: list[dict]) -> list[dict]:
     """One row per point: the processes of a repeated point (``measure.repeat``) as their median step,
     copy and exposed times, the status saying how many ran and how far apart their steps were."""
-    import statistics
-
     points: dict[tuple, list[dict]] = {}
     for r in rows:
         points.setdefault((r["model"], r["size"], r["point"]), []).append(r)

@@ -1,10 +1,11 @@
 """Pinning each local worker process to CPU cores of its own (``launcher.cpu_cores_per_rank``).
 
 A host-bound step (an MoE step launches about 4,600 kernels, and its GPU waits on the launch rate)
-runs as fast as its Python thread is fed. Unpinned, the scheduler moves that thread between cores
-and NUMA nodes, and the same point's step time moves by several percent from one process to the next
-(docs/speed.md). Pinned, each local rank gets ``cpu_cores_per_rank`` cores of its own: first the
-cores next to its GPU (the PCI device's ``local_cpulist``), then the rest of what this process may use.
+runs as fast as its Python thread is fed, and on a node of several NUMA nodes that thread is best
+next to its GPU. Pinned, each local rank gets ``cpu_cores_per_rank`` cores of its own: first the
+cores next to its GPU (the PCI device's ``local_cpulist``), then the rest of what this process may
+use. On the one-socket H200 machine of docs/speed.md it did not make MoE step times repeatable, and
+one core a rank made the step 1.4-1.8x slower (the step's other threads take that core).
 """
 
 from __future__ import annotations

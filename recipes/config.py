@@ -137,7 +137,7 @@ class LauncherConfig:
     nnodes: int = 1
     master_port: int = 0  # 0 = pick a free port
     # pin each local rank to this many cores of its own, its GPU's NUMA node first (null: unpinned;
-    # launch/affinity.py): the same host-bound MoE point then times alike from process to process
+    # launch/affinity.py): keeps a rank's launching thread next to its GPU on a multi-socket node
     cpu_cores_per_rank: Optional[int] = None
 
 

@@ -543,7 +543,7 @@ def main(run_dir: str) -> int:
     cores = pin_worker(cfg["launcher"].get("cpu_cores_per_rank"))  # before the threads it starts
     if cores is not None:
         result["cpu_cores"] = cores
-        torch.set_num_threads(len(cores))  # no more CPU threads than its cores (OMP_NUM_THREADS is the server's)
+        torch.set_num_threads(len(cores))  # no more CPU threads than its cores, whatever OMP_NUM_THREADS says
     exit_code = 0
     logger = open_run(cfg, run, rank, resuming=resumes(cfg, run))  # logger=wandb, rank 0; else a no-op twin
     if logger:
