@@ -11,7 +11,6 @@ import difflib
 import importlib.util
 from typing import Any
 
-from launch.affinity import usable_cores
 from recipes.config import RecipeConfig
 from recipes.errors import ConfigError
 from recipes.files import GIB
@@ -346,13 +345,13 @@ def _size(nbytes: float) -> str:
     return f"{nbytes / GIB:.1f} GiB" if nbytes >= GIB / 10 else f"{nbytes / 2**20:.1f} MiB"
 
 
-def validate_cores(cfg) -> None:
-    """``launcher.cpu_cores_per_rank`` against the cores this process may use, before a local launch
-    (not in ``validate``: a prediction or a report for another machine must not depend on this one)."""
+def validate_cores(cfg, usable: int) -> None:
+    """``launcher.cpu_cores_per_rank`` against the ``usable`` cores of this process (its affinity mask),
+    before a local launch (not in ``validate``: a prediction or a report for another machine must not
+    depend on this one)."""
     launch = cfg["launcher"]
     per_rank, nproc = launch.get("cpu_cores_per_rank"), launch["nproc_per_node"]
     if per_rank and launch["name"] == "local":
-        usable = usable_cores()
         _check(per_rank * nproc <= usable, "launcher.cpu_cores_per_rank",
                f"{nproc} process(es) x {per_rank} cores need {per_rank * nproc} cores, and this process may "
                f"use {usable}", f"set launcher.cpu_cores_per_rank<={max(1, usable // nproc)}, or null (unpinned)")

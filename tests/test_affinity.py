@@ -34,11 +34,11 @@ def test_more_cores_than_this_machine_lets_us_use_is_refused_with_the_fix():
 
     usable = len(os.sched_getaffinity(0))
     with pytest.raises(ConfigError) as err:
-        validate_cores(compose(f"launcher.cpu_cores_per_rank={usable + 1}"))
+        validate_cores(compose(f"launcher.cpu_cores_per_rank={usable + 1}"), usable)
     assert "launcher.cpu_cores_per_rank" in str(err.value) and f"<={usable}" in str(err.value)
     with pytest.raises(ConfigError, match="launcher.cpu_cores_per_rank"):
         validate(compose("launcher.cpu_cores_per_rank=0"))
-    validate_cores(compose("launcher.cpu_cores_per_rank=1"))
+    validate_cores(compose("launcher.cpu_cores_per_rank=1"), usable)
     validate(compose(f"launcher.cpu_cores_per_rank={usable + 1}"))  # a plan for another machine: not refused
 
 
@@ -52,13 +52,31 @@ def test_a_pinned_worker_runs_on_its_cores_and_records_them(tmp_path, monkeypatc
     from omegaconf import OmegaConf
 
     OmegaConf.save(compose("launcher.cpu_cores_per_rank=1"), tmp_path / "config.yaml")
-    before = os.sched_getaffinity(0)
+    import torch
+
+    before, threads = os.sched_getaffinity(0), torch.get_num_threads()
     monkeypatch.setattr(worker, "init_distributed", lambda cfg, marks=None: None)
     monkeypatch.setattr(worker, "rank_coordinates", lambda: {})
     try:
         assert worker.main(str(tmp_path)) == 0
-    finally:
+        assert torch.get_num_threads() == 1  # no more CPU threads than its one core
+    finally:  # this test's process runs other tests next
         os.sched_setaffinity(0, before)
+        torch.set_num_threads(threads)
     rank = json.loads((tmp_path / "ranks" / "rank0.json").read_text())
     assert len(rank["cpu_cores"]) == 1 and seen["cores"] == set(rank["cpu_cores"])
     assert rank["cpu_cores"][0] in before
+
+
+def test_train_py_refuses_too_many_cores_before_launch(tmp_path):
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    usable = len(os.sched_getaffinity(0))
+    proc = subprocess.run([sys.executable, str(REPO / "train.py"), f"launcher.cpu_cores_per_rank={usable + 1}",
+                           f"output_dir={tmp_path}"], cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, WANDB_MODE="disabled"))
+    assert proc.returncode == 2 and "launcher.cpu_cores_per_rank" in proc.stderr and f"<={usable}" in proc.stderr
+    assert not (tmp_path / "result.json").exists() and not (tmp_path / "worker.log").exists()

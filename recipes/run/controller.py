@@ -16,6 +16,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from launch.affinity import usable_cores
 from launch.forkserver import ForkServer, env_key
 from launch.process import end_group, start_group
 from launch.slurm import node_rank, slurm_rendezvous, wait_for_rank_files
@@ -371,7 +372,7 @@ def _run(cfg: DictConfig) -> dict:
         validate(plain)  # before any worker starts
         validate(plain, planned_host_bytes=planned_host_bytes(plain))  # activation offload's host copies
         validate_data(plain)  # files, .idx header and .bin size, tokenizer sidecar (cheap)
-        validate_cores(plain)  # launcher.cpu_cores_per_rank on this machine
+        validate_cores(plain, usable_cores())  # launcher.cpu_cores_per_rank on this machine
     except ConfigError as err:
         if not in_multirun():
             raise
