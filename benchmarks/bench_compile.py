@@ -30,6 +30,7 @@ import statistics
 import sys
 import time
 from collections import Counter
+from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -114,7 +115,7 @@ def in_own_process(overrides: list[str], variant: str, warmup: int, steps: int) 
                                "--warmup", str(warmup), "--steps", str(steps), *overrides],
                               capture_output=True, text=True)
         try:
-            return json.loads(open(out.name).read())
+            return json.loads(Path(out.name).read_text())
         except ValueError:
             tail = [line for line in done.stderr.splitlines() if line.strip()][-1:] or [f"exit {done.returncode}"]
             return {"variant": variant, "error": f"process ended ({done.returncode}): {tail[0][:200]}"}

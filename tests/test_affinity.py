@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
-from conftest import compose
+from conftest import REPO, compose
 
 from launch.affinity import parse_cpulist, rank_cores
 
@@ -69,11 +71,6 @@ def test_a_pinned_worker_runs_on_its_cores_and_records_them(tmp_path, monkeypatc
 
 
 def test_train_py_refuses_too_many_cores_before_launch(tmp_path):
-    import subprocess
-    import sys
-
-    from conftest import REPO
-
     usable = len(os.sched_getaffinity(0))
     proc = subprocess.run([sys.executable, str(REPO / "train.py"), f"launcher.cpu_cores_per_rank={usable + 1}",
                            f"output_dir={tmp_path}"], cwd=REPO, capture_output=True, text=True, timeout=120,
