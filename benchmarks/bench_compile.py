@@ -13,10 +13,13 @@ equals eager's bit for bit and the largest difference, and the graph breaks dyna
 frequent reasons below the table.
 
 Variants: ``eager``; ``compile`` (``torch.compile(layer.forward)`` for every ``TransformerLayer``,
-the per-block compile torchtitan applies, default mode); on a GPU also ``eager again`` (eager in
-another process: how far two eager runs' losses differ where kernels are not deterministic) and ``cudagraphs``, megatron-core's
-own per-layer CUDA graphs (``cuda_graph_impl="local"``, passed as ``+model.cuda_graph_impl=local``;
-megatron captures them after ``cuda_graph_warmup_steps``, 3, so that variant warms up 2 steps more).
+the per-block compile torchtitan applies, default mode); on a GPU also ``compile attention`` (only each
+layer's ``self_attention``: the MoE layer's grouped experts stay eager), ``cudagraphs``, megatron-core's
+own per-layer CUDA graphs (``cuda_graph_impl="local"``, passed as ``+model.cuda_graph_impl=local``, with
+the graph-safe RNG tracker they need; megatron captures them after ``cuda_graph_warmup_steps``, 3, so
+that variant warms up 2 steps more), and ``eager again`` (eager in another process: how far two eager
+runs' losses differ where kernels are not deterministic). Each row has the process's peak allocated
+memory; ``--logs DIR`` keeps each variant's output (a failed one's traceback).
 megatron-core's own fused helpers (``jit_fuser``: the fused SwiGLU) are compiled in all. A variant
 that fails prints its error in its row. This is a benchmark: it changes no default; docs/speed.md says
 what it measured.
@@ -36,16 +39,18 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-VARIANTS = ("eager", "compile", "cudagraphs", "eager again")  # the last two: on a GPU only
+VARIANTS = ("eager", "compile", "compile attention", "cudagraphs", "eager again")  # after the first two: a GPU only
 
 
-def compile_layers(chunks) -> int:
-    """Compile every transformer layer's forward in place; returns how many."""
+def compile_layers(chunks, attention_only: bool = False) -> int:
+    """Compile every transformer layer's forward in place (or only its ``self_attention``); returns how
+    many."""
     count = 0
     for chunk in chunks:
         for module in chunk.modules():
             if type(module).__name__ == "TransformerLayer":
-                module.forward = torch.compile(module.forward)
+                target = module.self_attention if attention_only else module
+                target.forward = torch.compile(target.forward)
                 count += 1
     return count
 
@@ -56,10 +61,10 @@ def run(cfg: dict, variant: str, warmup: int, steps: int) -> dict:
     from recipes.build.compat import seed_model_parallel_rng
     from recipes.run.worker import Trainer
 
-    seed_model_parallel_rng(cfg["train"]["seed"])
+    seed_model_parallel_rng(cfg["train"]["seed"], cudagraphable=variant == "cudagraphs")
     trainer = Trainer(cfg)
     counters.clear()
-    layers = compile_layers(trainer.chunks) if variant == "compile" else 0
+    layers = compile_layers(trainer.chunks, variant == "compile attention") if variant.startswith("compile") else 0
     cuda = torch.cuda.is_available()
     losses, times = [], []
     try:
@@ -78,8 +83,9 @@ def run(cfg: dict, variant: str, warmup: int, steps: int) -> dict:
     breaks: Counter = Counter()
     for reason, n in counters["graph_break"].items():  # dynamo's reasons run over several lines
         breaks[" ".join(reason.split("\n")[:2]).strip()] += n
+    peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
     return {"variant": variant, "layers": layers, "losses": losses, "step_ms": statistics.median(times) * 1e3,
-            "breaks": breaks}
+            "peak_gib": peak, "breaks": breaks}
 
 
 def run_variant(overrides: list[str], variant: str, warmup: int, steps: int) -> dict:
@@ -101,11 +107,15 @@ def run_variant(overrides: list[str], variant: str, warmup: int, steps: int) -> 
         row["breaks"] = dict(row["breaks"])
         return row
     except Exception as err:  # a variant that cannot run here is a finding, not the end of the table
+        import traceback
+
+        traceback.print_exc()  # into the variant's log (--logs)
         return {"variant": variant, "error": f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"}
 
 
-def in_own_process(overrides: list[str], variant: str, warmup: int, steps: int) -> dict:
-    """``run_variant`` in a fresh process; a process that dies (a device-side assert) is a failed row."""
+def in_own_process(overrides: list[str], variant: str, warmup: int, steps: int, logs: str | None = None) -> dict:
+    """``run_variant`` in a fresh process; a process that dies (a device-side assert) is a failed row.
+    With ``logs``, the process's output goes to ``logs/<variant>.log``."""
     import json
     import subprocess
     import tempfile
@@ -114,6 +124,9 @@ def in_own_process(overrides: list[str], variant: str, warmup: int, steps: int) 
         done = subprocess.run([sys.executable, os.path.abspath(__file__), "--variant", variant, "--json", out.name,
                                "--warmup", str(warmup), "--steps", str(steps), *overrides],
                               capture_output=True, text=True)
+        if logs:
+            Path(logs).mkdir(parents=True, exist_ok=True)
+            Path(logs, f"{variant.replace(' ', '_')}.log").write_text(done.stdout + done.stderr)
         try:
             return json.loads(Path(out.name).read_text())
         except ValueError:
@@ -126,6 +139,7 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*", help="Hydra overrides (model=..., size=..., recompute=...)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation happens here)")
     parser.add_argument("--steps", type=int, default=5, help="timed steps")
+    parser.add_argument("--logs", help="a folder for each variant's output (its traceback when it fails)")
     parser.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)  # one variant, in this process
     parser.add_argument("--json", help=argparse.SUPPRESS)  # where --variant writes its row
     args = parser.parse_args()
@@ -141,16 +155,18 @@ def main() -> None:
     device = torch.cuda.get_device_name() if cuda else "CPU (a smoke run: times mean nothing)"
     print(f"# {' '.join(args.overrides) or 'defaults'}; {device}; torch {torch.__version__}; "
           f"{args.warmup} warm-up + {args.steps} timed steps; each variant in its own process")
-    rows = [in_own_process(args.overrides, v, args.warmup, args.steps) for v in variants]
+    rows = [in_own_process(args.overrides, v, args.warmup, args.steps, args.logs) for v in variants]
     eager = rows[0]
-    print("\n| variant | layers compiled | step ms (median) | vs eager | losses equal to eager | largest loss difference | graph breaks |")
-    print("|---|---|---|---|---|---|---|")
+    print("\n| variant | layers compiled | step ms (median) | vs eager | peak allocated GiB | losses equal to eager | "
+          "largest loss difference | graph breaks |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "error" in r or "error" in eager:
-            print(f"| {r['variant']} | - | {r.get('step_ms', '-')} | - | - | - | failed: {r.get('error', 'eager failed')} |")
+            print(f"| {r['variant']} | - | {r.get('step_ms', '-')} | - | - | - | - | failed: {r.get('error', 'eager failed')} |")
             continue
         diff = max(abs(a - b) for a, b in zip(r["losses"], eager["losses"]))
-        print(f"| {r['variant']} | {r['layers']} | {r['step_ms']:.1f} | {r['step_ms'] / eager['step_ms']:.3f}x | "
+        peak = "-" if r.get("peak_gib") is None else f"{r['peak_gib']:.2f}"
+        print(f"| {r['variant']} | {r['layers']} | {r['step_ms']:.1f} | {r['step_ms'] / eager['step_ms']:.3f}x | {peak} | "
               f"{r['losses'] == eager['losses']} | {diff:.3e} | {sum(r['breaks'].values())} |")
     for r in rows:
         for reason, n in Counter(r.get("breaks", {})).most_common(5):

@@ -87,10 +87,12 @@ class _TorchOnCpu:
         return torch.zeros(*args, device=device, **kwargs)
 
 
-def seed_model_parallel_rng(seed: int) -> None:
+def seed_model_parallel_rng(seed: int, cudagraphable: bool = False) -> None:
     """Seed torch and megatron's RNG tracker (data/tensor/expert-parallel states).
 
-    On a GPU this is megatron's own ``model_parallel_cuda_manual_seed``. On a CPU the inference
+    On a GPU this is megatron's own ``model_parallel_cuda_manual_seed``; ``cudagraphable`` (for
+    ``model.cuda_graph_impl=local``) gives it the graph-safe generators megatron's CUDA graphs require
+    (TE's tracker is the other kind they accept). On a CPU the inference
     tracker is used: its ``fork`` leaves the (CPU) default generator in place instead of reading
     CUDA generator states that do not exist.
     """
@@ -98,7 +100,8 @@ def seed_model_parallel_rng(seed: int) -> None:
 
     torch.manual_seed(seed)
     if cuda_available():
-        tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
+        tensor_parallel.model_parallel_cuda_manual_seed(seed, use_cudagraphable_rng=cudagraphable,
+                                                        force_reset_rng=True)
     else:
         tensor_parallel.model_parallel_cuda_manual_seed(
             seed, inference_rng_tracker=True, force_reset_rng=True

@@ -90,7 +90,8 @@ def init_distributed(cfg: dict, marks: dict | None = None) -> None:
         expert_tensor_parallel_size=par["expert_tensor_parallel_size"],
     )
     # As Megatron-LM does: each pipeline stage draws its own weights (seed + 100 * pp rank).
-    compat.seed_model_parallel_rng(cfg["train"]["seed"] + 100 * parallel_state.get_pipeline_model_parallel_rank())
+    compat.seed_model_parallel_rng(cfg["train"]["seed"] + 100 * parallel_state.get_pipeline_model_parallel_rank(),
+                                   cudagraphable=cfg["model"].get("cuda_graph_impl", "none") == "local")
 
 
 def rank_coordinates() -> dict:
