@@ -12,9 +12,10 @@ equals eager's bit for bit and the largest difference, and the graph breaks dyna
 (each a return to Python inside a layer, which keeps kernels from fusing across it), with the most
 frequent reasons below the table.
 
-Variants: ``eager``; ``compile`` (``torch.compile(layer.forward)`` for every ``TransformerLayer``,
-the per-block compile torchtitan applies, default mode); on a GPU also ``compile attention`` (only each
-layer's ``self_attention``: the MoE layer's grouped experts stay eager), ``cudagraphs``, megatron-core's
+Variants: ``eager``; ``compile`` (``model.compile=layer``: ``torch.compile(layer.forward)`` for every
+``TransformerLayer``, the per-block compile torchtitan applies, default mode); on a GPU also ``compile
+attention`` (``model.compile=attention``: each layer's ``self_attention`` only, the MoE layer's grouped
+experts stay eager), ``cudagraphs``, megatron-core's
 own per-layer CUDA graphs (``cuda_graph_impl="local"``, passed as ``+model.cuda_graph_impl=local``, with
 the graph-safe RNG tracker they need; megatron captures them after ``cuda_graph_warmup_steps``, 3, so
 that variant warms up 2 steps more), and ``eager again`` (eager in another process: how far two eager
@@ -42,17 +43,8 @@ import torch  # noqa: E402
 VARIANTS = ("eager", "compile", "compile attention", "cudagraphs", "eager again")  # after the first two: a GPU only
 
 
-def compile_layers(chunks, attention_only: bool = False) -> int:
-    """Compile every transformer layer's forward in place (or only its ``self_attention``); returns how
-    many."""
-    count = 0
-    for chunk in chunks:
-        for module in chunk.modules():
-            if type(module).__name__ == "TransformerLayer":
-                target = module.self_attention if attention_only else module
-                target.forward = torch.compile(target.forward)
-                count += 1
-    return count
+#: The ``model.compile`` scope each compiled variant builds with (recipes.build.model.compile_layers).
+SCOPES = {"compile": "layer", "compile attention": "attention"}
 
 
 def run(cfg: dict, variant: str, warmup: int, steps: int) -> dict:
@@ -64,7 +56,8 @@ def run(cfg: dict, variant: str, warmup: int, steps: int) -> dict:
     seed_model_parallel_rng(cfg["train"]["seed"], cudagraphable=variant == "cudagraphs")
     trainer = Trainer(cfg)
     counters.clear()
-    layers = compile_layers(trainer.chunks, variant == "compile attention") if variant.startswith("compile") else 0
+    layers = sum(type(m).__name__ == "TransformerLayer" for c in trainer.chunks for m in c.modules()) \
+        if variant in SCOPES else 0
     cuda = torch.cuda.is_available()
     losses, times = [], []
     try:
@@ -100,8 +93,8 @@ def run_variant(overrides: list[str], variant: str, warmup: int, steps: int) -> 
         if variant == "cudagraphs":
             cfg = compose_config([*overrides, "+model.cuda_graph_impl=local"])
             warmup += 2
-        else:
-            cfg = compose_config(overrides)
+        else:  # no validation: the benchmark also runs what train.py refuses (a compiled MoE layer)
+            cfg = compose_config([*overrides, *([f"model.compile={SCOPES[variant]}"] if variant in SCOPES else [])])
         init_distributed(cfg)
         row = run(cfg, variant, warmup, steps)
         row["breaks"] = dict(row["breaks"])

@@ -21,6 +21,9 @@ from omegaconf import MISSING, OmegaConf
 from recipes.errors import ConfigError
 from recipes.files import CONF_DIR
 
+#: ``model.compile``'s scopes: what ``recipes.build.model.compile_layers`` hands to ``torch.compile``.
+COMPILE_SCOPES = ("none", "attention", "layer")
+
 
 @dataclass
 class ModelConfig:
@@ -49,6 +52,9 @@ class ModelConfig:
     qk_layernorm: bool = False
     # megatron's fused SwiGLU (bias_swiglu); null = auto: on for a SwiGLU model on a GPU, off on a CPU
     bias_activation_fusion: Optional[bool] = None
+    # torch.compile of the layers (recipes.build.model.compile_layers): none | attention (each layer's
+    # self_attention) | layer (each whole TransformerLayer; not MoE layers)
+    compile: str = "none"  # one of COMPILE_SCOPES
     # Multi-Latent Attention (family=mla): MLATransformerConfig fields
     q_lora_rank: Optional[int] = None
     kv_lora_rank: int = 512

@@ -11,7 +11,7 @@ import difflib
 import importlib.util
 from typing import Any
 
-from recipes.config import RecipeConfig
+from recipes.config import COMPILE_SCOPES, RecipeConfig
 from recipes.errors import ConfigError
 from recipes.files import GIB
 from recipes.offload import layer_offload_problem, option_of, rule_problem
@@ -158,6 +158,14 @@ def _validate_model(cfg) -> None:
            or m["activation"] == "silu", "model.bias_activation_fusion",
            f"the grouped experts fuse SwiGLU only, not gated {m['activation']}",
            "set model.bias_activation_fusion=null (auto: fused SwiGLU only) or false")
+    _check(m["compile"] in COMPILE_SCOPES, "model.compile", f"unknown scope {m['compile']!r}",
+           f"use model.compile=<one of {', '.join(COMPILE_SCOPES)}>")
+    _check(m["compile"] != "layer" or MLP_KIND[m["family"]] != "moe", "model.compile",
+           "a compiled MoE layer stops at a device-side assert in torch._grouped_mm on a GPU (torch 2.11, "
+           "the H200 run in docs/speed.md)", "use model.compile=attention (the experts stay eager) or none")
+    _check(m["compile"] == "none" or ATTENTION_KIND[m["family"]] != "gdn", "model.compile",
+           "the GatedDeltaNet layers' fla Triton kernels are not compiled or checked under torch.compile",
+           "use model.compile=none with this family")
     heads, groups = m["num_attention_heads"], m["num_query_groups"] or m["num_attention_heads"]
     _check(heads % groups == 0, "model.num_query_groups",
            f"{heads} attention heads are not divisible into {groups} query groups",
@@ -316,6 +324,9 @@ def _validate_offload(cfg, num_gpus: int, te_available: bool, planned_host_bytes
     if problem:
         raise ConfigError(*problem)
     option = f"offload={option_of(cfg)}"
+    _check(m.get("compile", "none") == "none", "model.compile", f"{option} inside a compiled layer is not "
+           "checked: megatron's offload manager commits and reloads its groups from Python inside the layer's "
+           "forward, which torch.compile would trace", f"set model.compile=none with {option}, or offload=none")
     if num_gpus:
         _check(not off["emulate_on_cpu"], "offload.emulate_on_cpu", "emulated copy streams are for a CPU "
                "run's tests; this machine has a GPU, where the offload is real", "set offload.emulate_on_cpu=false")

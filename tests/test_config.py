@@ -147,6 +147,11 @@ REFUSED = [
     (["model=moe", "model.bias_activation_fusion=true", "model.activation=gelu"], "model.bias_activation_fusion",
      "fused SwiGLU only"),
     (["measure.trace_step=true"], "measure.trace_step", "leave measure.trace_step=false"),
+    (["model.compile=graph"], "model.compile", "model.compile=<one of none, attention, layer>"),
+    (["model=moe", "model.compile=layer"], "model.compile", "use model.compile=attention"),
+    (["model=gdn", "model.compile=attention"], "model.compile", "use model.compile=none"),
+    (["model.compile=layer", "offload=attn_norm", "offload.emulate_on_cpu=true"], "model.compile",
+     "offload=none"),
 ]
 
 

@@ -27,6 +27,7 @@ NON_TRANSFORMER_FIELDS = {
     "untie_embeddings_and_output_weights",
     "experts",
     "activation",
+    "compile",
 }
 #: MLATransformerConfig-only fields (passed only for MLA families: mla, mla_moe).
 MLA_FIELDS = {"q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim"}
@@ -259,7 +260,34 @@ def build_model(cfg: Any, config) -> list[torch.nn.Module]:
 
             chunk = Float16Module(config, chunk)
         chunks.append(chunk)
+    compile_layers(chunks, model_cfg["compile"])
     return chunks
+
+
+def compile_layers(chunks: list[torch.nn.Module], scope: str) -> int:
+    """``model.compile``: ``torch.compile`` each ``TransformerLayer``'s forward (``layer``) or its
+    ``self_attention``'s (``attention``), in place, the per-block compile torchtitan applies; returns how
+    many. Per layer, not the whole model: the pipeline schedule, the loss and megatron's hooks stay
+    eager, and every layer of one kind shares one compiled graph."""
+    if scope == "none":
+        return 0
+    import torch._dynamo
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    count = 0
+    for chunk in chunks:
+        for module in chunk.modules():
+            if isinstance(module, TransformerLayer):
+                target = module.self_attention if scope == "attention" else module
+                target.forward = torch.compile(target.forward)
+                count += 1
+    # dynamo specializes each layer (its layer_number) and each grad mode (a recompute's replay): at
+    # its default limit of 8 graphs per function, the 9th layer on would silently run eager
+    limit = 2 * count + 8
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
+    torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit,
+                                                           4 * limit)
+    return count
 
 
 def num_parameters(chunks: list[torch.nn.Module]) -> int:
