@@ -27,10 +27,13 @@ def train(cfg: dict, run_dir: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     return result, params
 
 
-@pytest.mark.parametrize("family", ["standard_attn", "moe", "mla", "gdn"])
-def test_resume_is_bit_exact(megatron_world, tmp_path, family):
+@pytest.mark.parametrize("family, extra", [
+    *[pytest.param(f, (), id=f) for f in ("standard_attn", "moe", "mla", "gdn")],
+    pytest.param("standard_attn", ("model.compile=layer",), id="standard_attn-compiled", marks=pytest.mark.slow),
+])
+def test_resume_is_bit_exact(megatron_world, tmp_path, family, extra):
     """20 steps straight == 10 steps, a checkpoint, a new process state, 10 more (losses, lr, weights)."""
-    base = (f"model={family}", *SCHEDULE)
+    base = (f"model={family}", *SCHEDULE, *extra)
     straight, weights = train(compose(*base), tmp_path / "straight")
     run = tmp_path / "resumed"
     parts = (*base, "checkpoint=default", "checkpoint.interval=5", "train.exit_interval=10")
