@@ -249,6 +249,14 @@ class EstimateConfig:
     # Elementwise replays (moe_act, layernorm, gdn_norm_out) are memory traffic: GB/s of device
     # memory they run at (the H200's HBM3e peaks at 4800).
     hbm_gb_s: float = 3000.0
+    # What an elementwise label's replay costs beyond its bytes (recipes.predict.offload.recompute_s):
+    # per checkpoint region replayed (megatron's CheckpointWithoutOutput: RNG states saved and
+    # restored, a nested autograd backward), fitted to the one robust row, dense selective/layernorm
+    # at the h200 size on one H200 (+10.5 ms in two processes, 64 regions a step; docs/offload.md);
+    # and, where the step is host-bound (MoE, MLA), per kernel replayed: an eager op's host cost
+    # (dispatch and launch), an order of magnitude, not fitted.
+    replay_region_ms: float = 0.142
+    launch_us: float = 10.0
 
 
 @dataclass

@@ -510,6 +510,9 @@ def _validate_run(cfg) -> None:
         value = est.get(key, 1.0)
         _check(value > 0 and (key != "mfu" or value <= 1), f"estimate.{key}", f"{value} is not "
                + ("in (0, 1]" if key == "mfu" else "> 0"), f"set estimate.{key}={example}")
+    for key, example in (("replay_region_ms", "0.142"), ("launch_us", "10")):
+        value = est.get(key, 0.0)
+        _check(value >= 0, f"estimate.{key}", f"{value} is negative", f"set estimate.{key}={example} (0: not counted)")
     _check(imbalance >= 1.0, "estimate.moe_imbalance", f"{imbalance} is below balanced routing (1.0): it "
            "bounds the worst expert-parallel rank", "use 1.0 (balanced) or more; the default 1.5 was measured")
     _check(data["name"] in ("mock", "indexed"), "data", f"unknown data {data['name']!r}",

@@ -373,21 +373,23 @@ UNFUSED = "model.bias_activation_fusion=false"
 def test_the_planner_prices_recompute_and_offload_in_one_unit():
     """Dense at the h200 size, 21.5 GiB: no recompute does not fit; offloading core attention's tensors
     (which core_attn recompute cannot drop under SDPA) fits with its reloads hidden under compute, but
-    each group and GiB moved costs the step (as the H200 measured), so layernorm recompute with the
-    fewest groups offloaded is the choice; the runner-up is another plan, not the choice plus more;
-    combinations megatron-core refuses are never priced."""
+    each group and GiB moved costs the step (as the H200 measured); layernorm recompute's two replayed
+    regions a layer cost more (estimate.replay_region_ms, as the H200 measured), so core attention's
+    offload alone at the smallest fraction that fits is the choice, one fully recomputed layer the
+    runner-up (another plan, not the choice plus more); combinations megatron-core refuses are never
+    priced."""
     from recipes.analyze.plan import overrides_of, plan
     from recipes.config import compose_config
 
     p = plan(compose_config(["model=standard_attn", "size=h200", UNFUSED]), 21.5)
     by = {(r["recompute"], r["offload"]): r for r in p["rows"]}
     assert not by[("none", "none")]["fits"] and by[("none", "core_attn")]["fits"]
-    choice = p["choice"]  # layernorm's replay and a few groups of one tensor: the two are within 0.1 ms
-    assert (choice["recompute"], choice["offload"]) == ("selective/layernorm", "core_attn")
-    assert (p["runner_up"]["recompute"], p["runner_up"]["offload"]) == ("selective/layernorm", "attn_norm")
+    choice = p["choice"]
+    assert (choice["recompute"], choice["offload"]) == ("none", "core_attn")
+    assert (p["runner_up"]["recompute"], p["runner_up"]["offload"]) == ("full/block", "none")
+    assert by[("selective/layernorm", "core_attn")]["cost_s"] > choice["cost_s"]
     # the smallest activation_offload_fraction that fits; 0.130 ms a group and 1.92 ms a GiB moved
-    assert choice["activation_offload_fraction"] == 0.25 and choice["offload_stall_s"] == 0.0
-    assert p["runner_up"]["activation_offload_fraction"] == 0.5
+    assert choice["activation_offload_fraction"] == 0.75 and choice["offload_stall_s"] == 0.0
     assert (f"offload={choice['offload']} offload.activation_offload_fraction="
             f"{choice['activation_offload_fraction']:g}") in overrides_of(choice)
     assert choice["offload_overhead_s"] == pytest.approx(
@@ -426,14 +428,38 @@ def test_price_config_prices_a_point_as_it_ran():
     assert whole["offload_overhead_s"] > same["offload_overhead_s"] and whole["predicted_peak_gib"] < same["predicted_peak_gib"]
 
 
+def test_an_elementwise_replay_costs_its_bytes_regions_and_host_bound_launches():
+    """A layernorm replay (no matmul) is priced above its FLOPs (none) and its bytes: two regions a
+    layer at ``estimate.replay_region_ms``; a host-bound MoE step adds ``estimate.launch_us`` a kernel."""
+    from recipes.analyze.plan import elementwise_bytes
+    from recipes.config import compose_config
+    from recipes.predict.offload import elementwise_replays, recompute_s
+
+    def cost(overrides, **est):
+        cfg = compose_config(overrides)
+        cfg = {**cfg, "estimate": {**cfg["estimate"], **est}}
+        return recompute_s(cfg, 376.0, 8, 4, elementwise_bytes(cfg), 3000.0), cfg
+
+    dense = ["model=standard_attn", "size=h200", "recompute=selective/layernorm"]
+    bytes_only, cfg = cost(dense, replay_region_ms=0.0, launch_us=0.0)
+    assert elementwise_replays(cfg) == (2.0, 2.0)
+    assert bytes_only == pytest.approx(2 * elementwise_bytes(cfg) * 4 / 3000e9) and bytes_only > 0
+    assert cost(dense, replay_region_ms=0.1)[0] == pytest.approx(bytes_only + 4 * 8 * 2 * 0.1e-3)
+    assert cost(dense, replay_region_ms=0.0, launch_us=50.0)[0] == pytest.approx(bytes_only)  # GPU-bound
+    moe = ["model=moe", "size=h200", "recompute=selective/moe_act", "model.bias_activation_fusion=false"]
+    base, cfg = cost(moe, replay_region_ms=0.0, launch_us=0.0)
+    assert elementwise_replays(cfg) == (1.0, 5.0)
+    assert cost(moe, replay_region_ms=0.0, launch_us=10.0)[0] == pytest.approx(base + 4 * 8 * 5 * 10e-6)
+
+
 def test_predicted_advice_prints_the_plan_runner_up_and_one_sweep_to_confirm_both():
     advice = advise.advise_before_running(["model=standard_attn", "size=h200", UNFUSED], 21.5)
     text = advise.explain_prediction(advice)
-    assert "choice:    recompute=selective/layernorm offload=core_attn" in text and "runner-up: " in text
+    assert "choice:    recompute=none offload=core_attn" in text and "runner-up: " in text
     commands = [line.strip() for line in text.splitlines() if line.strip().startswith("python train.py -m")]
     assert len(commands) == 2 and all(c.endswith("hydra.sweep.dir=multirun/confirm") for c in commands)
-    assert "recompute=selective/layernorm offload=core_attn offload.activation_offload_fraction=0.25" in commands[0]
-    assert "recompute=selective/layernorm offload=attn_norm offload.activation_offload_fraction=0.5" in commands[1]
+    assert "recompute=none offload=core_attn offload.activation_offload_fraction=0.75" in commands[0]
+    assert "recompute=full/block recompute.recompute_num_layers=1" in commands[1]
     assert "python -m recipes advise multirun/confirm --budget-gib 21.5" in text
 
 

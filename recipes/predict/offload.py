@@ -26,7 +26,8 @@ it adds what the copies cost a step that hides them: a time per group moved (a l
 manager's Python, event records and stream waits each group commit and reload) and per GiB moved
 (``estimate.offload_ms_per_group``, ``estimate.offload_ms_per_gib``; fitted to the dense offload points
 one H200 measured, docs/offload.md), which also lengthens the layers the copies hide under.
-``recompute_s`` prices recompute in the same unit: the forward FLOPs it replays, at the same rate.
+``recompute_s`` prices recompute in the same unit: the forward FLOPs it replays, at the same rate,
+and an elementwise replay's bytes, checkpoint regions and (host-bound step) kernel launches.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from recipes.config import EstimateConfig
 from recipes.measure.flops import layer_forward_flops, replayed_layer_flops
 from recipes.offload import modules_of
 from recipes.predict.activations import Dims, Term
+from recipes.recompute import ATTENTION_KIND, gdn_pattern, moe_pattern
 
 #: A host term: (kind, what, bytes kept on the device before offload, bytes copied to the host, the
 #: offload module whose group copies it).
@@ -182,17 +184,51 @@ def layer_forward_s(cfg: dict, tflops: float) -> float:
     return flops / cfg["parallel"]["tensor_model_parallel_size"] / (tflops * 1e12)
 
 
+def elementwise_replays(cfg: dict) -> tuple[float, float]:
+    """(checkpoint regions, kernels) the run's elementwise labels replay per layer and micro-batch,
+    on CUDA with the local spec (counted from megatron-core 0.19.2 and recipes/build; model=gdn and
+    partial MoE: the average layer). ``layernorm``: the input and pre-MLP norms, two
+    ``CheckpointWithoutOutput`` regions of one kernel each (torch's RMSNorm is one fused kernel
+    on CUDA, ``_fused_rms_norm``; the CPU's composite runs six). ``moe_act``: one region, the
+    experts' activation x probs: one kernel fused (``bias_activation_fusion``), unfused silu, the
+    GLU's offset add, the product, the probs product (fp32) and the cast back. ``gdn_norm_out``: one
+    region, the gated output norm (norm, silu of the gate, product, cast; approximate)."""
+    labels = set(cfg["recompute"]["recompute_modules"]) if cfg["recompute"]["recompute_granularity"] == "selective" else set()
+    m = cfg["model"]
+    moe = sum(moe_pattern(m)) / m["num_layers"]
+    gdn = sum(gdn_pattern(m)) / m["num_layers"]
+    act = 1 if m["bias_activation_fusion"] else (5 if m["gated_linear_unit"] else 3)
+    regions, kernels = 0.0, 0.0
+    for label, share, n in (("layernorm", 1.0, 2), ("moe_act", moe, 1), ("gdn_norm_out", gdn, 1)):
+        if label in labels:
+            regions += share * n
+            kernels += share * {"layernorm": 2, "moe_act": act, "gdn_norm_out": 4}[label]
+    return regions, kernels
+
+
+def host_bound(cfg: dict) -> bool:
+    """A step the host's launch rate bounds: MoE (routing, permutation, many small kernels) and
+    MLA; the GPU idles there for a third of a bare MoE step (docs/h200-results.md)."""
+    return any(moe_pattern(cfg["model"])) or ATTENTION_KIND[cfg["model"]["family"]] == "mla"
+
+
 def recompute_s(cfg: dict, tflops: float, layers: int, microbatches: int, elementwise_bytes: int = 0,
                 hbm_gb_s: float = 3000.0) -> float:
-    """Seconds per step the run's recompute replays: its replayed forward FLOPs at ``tflops``, and
-    the elementwise replays (``moe_act``, ``layernorm``, ``gdn_norm_out``: no matmul) as memory
+    """Seconds per step the run's recompute replays: its replayed forward FLOPs at ``tflops``; the
+    elementwise replays (``moe_act``, ``layernorm``, ``gdn_norm_out``: no matmul) as memory
     traffic, reading their inputs and writing the ``elementwise_bytes`` they rematerialize (one
-    micro-batch, the rank's layers) at ``hbm_gb_s``."""
+    micro-batch, the rank's layers) at ``hbm_gb_s``, plus ``estimate.replay_region_ms`` a region
+    replayed and, in a host-bound step, ``estimate.launch_us`` a kernel replayed
+    (``elementwise_replays``)."""
     layer = layer_forward_flops(cfg)
     per_layer = sum(layer.get(k, 0.0) for k in ("attn_proj", "core_attn", "mlp", "moe"))
     replay = replayed_layer_flops(cfg, layer, per_layer) / cfg["parallel"]["tensor_model_parallel_size"]
     memory = 2 * elementwise_bytes / (hbm_gb_s * 1e9)
-    return microbatches * (layers * replay / (tflops * 1e12) + memory)
+    est, default = cfg.get("estimate") or {}, EstimateConfig()
+    regions, kernels = elementwise_replays(cfg)
+    per_kernel = est.get("launch_us", default.launch_us) / 1e6 if host_bound(cfg) else 0.0
+    overhead = regions * est.get("replay_region_ms", default.replay_region_ms) / 1e3 + kernels * per_kernel
+    return microbatches * (layers * (replay / (tflops * 1e12) + overhead) + memory)
 
 
 def offload_overhead(estimate: dict) -> tuple[float, float]:
