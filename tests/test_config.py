@@ -147,6 +147,8 @@ REFUSED = [
     (["model=moe", "model.bias_activation_fusion=true", "model.activation=gelu"], "model.bias_activation_fusion",
      "fused SwiGLU only"),
     (["measure.trace_step=true"], "measure.trace_step", "leave measure.trace_step=false"),
+    (["estimate.replay_region_ms=-0.1"], "estimate.replay_region_ms", "set estimate.replay_region_ms=0.142"),
+    (["estimate.launch_us=-1"], "estimate.launch_us", "set estimate.launch_us=10"),
     (["model.compile=graph"], "model.compile", "model.compile=<one of none, attention, layer>"),
     (["model=moe", "model.compile=layer"], "model.compile", "use model.compile=attention"),
     (["model=gdn", "model.compile=attention"], "model.compile", "use model.compile=none"),
