@@ -450,6 +450,8 @@ def test_an_elementwise_replay_costs_its_bytes_regions_and_host_bound_launches()
     base, cfg = cost(moe, replay_region_ms=0.0, launch_us=0.0)
     assert elementwise_replays(cfg) == (1.0, 5.0)
     assert cost(moe, replay_region_ms=0.0, launch_us=10.0)[0] == pytest.approx(base + 4 * 8 * 5 * 10e-6)
+    auto = ["model=moe", "size=h200", "recompute=selective/moe_act"]  # null: megatron's fused SwiGLU on a GPU
+    assert elementwise_replays(compose_config(auto)) == (1.0, 1.0)
 
 
 def test_predicted_advice_prints_the_plan_runner_up_and_one_sweep_to_confirm_both():

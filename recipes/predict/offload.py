@@ -32,6 +32,7 @@ and an elementwise replay's bytes, checkpoint regions and (host-bound step) kern
 
 from __future__ import annotations
 
+from recipes.build.model import resolve_swiglu_fusion
 from recipes.config import EstimateConfig
 from recipes.measure.flops import layer_forward_flops, replayed_layer_flops
 from recipes.offload import modules_of
@@ -197,7 +198,7 @@ def elementwise_replays(cfg: dict) -> tuple[float, float]:
     m = cfg["model"]
     moe = sum(moe_pattern(m)) / m["num_layers"]
     gdn = sum(gdn_pattern(m)) / m["num_layers"]
-    act = 1 if m["bias_activation_fusion"] else (5 if m["gated_linear_unit"] else 3)
+    act = 1 if resolve_swiglu_fusion(m, on_gpu=True) else (5 if m["gated_linear_unit"] else 3)  # null: auto
     regions, kernels = 0.0, 0.0
     for label, share, n in (("layernorm", 1.0, 2), ("moe_act", moe, 1), ("gdn_norm_out", gdn, 1)):
         if label in labels:
