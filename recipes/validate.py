@@ -324,7 +324,7 @@ def _validate_offload(cfg, num_gpus: int, te_available: bool, planned_host_bytes
     if problem:
         raise ConfigError(*problem)
     option = f"offload={option_of(cfg)}"
-    _check(m.get("compile", "none") == "none", "model.compile", f"{option} inside a compiled layer is not "
+    _check(m["compile"] == "none", "model.compile", f"{option} inside a compiled layer is not "
            "checked: megatron's offload manager commits and reloads its groups from Python inside the layer's "
            "forward, which torch.compile would trace", f"set model.compile=none with {option}, or offload=none")
     if num_gpus:

@@ -22,14 +22,20 @@ from recipes.offload import offload_config, option_modules, rule_problem
 from recipes.offload import options_for as offload_options
 from recipes.predict.estimate import num_microbatches, predict
 from recipes.predict.fit import FITS, TIGHT, fits, slack_for, verdict
-from recipes.predict.offload import exposed_transfer_s, layer_forward_s, offload_overhead, recompute_s
+from recipes.predict.offload import (
+    ELEMENTWISE_REPLAYS,
+    exposed_transfer_s,
+    layer_forward_s,
+    offload_overhead,
+    recompute_s,
+)
 from recipes.recompute import is_full, option_of, options_for, recompute_config, recompute_order, selective_labels
 from recipes.validate import layers_per_chunk
 
 #: Added step times closer than this (seconds) are a tie: the simpler plan wins.
 SAME_TIME_S = 1e-4
-#: Labels that replay elementwise work only (no matmul): priced as memory traffic.
-ELEMENTWISE = frozenset({"moe_act", "layernorm", "gdn_norm_out"})
+#: Labels that replay elementwise work only (no matmul): priced as memory traffic and their replays.
+ELEMENTWISE = frozenset(ELEMENTWISE_REPLAYS)
 
 
 def rates(cfg: dict, tflops: float | None = None, link_gb_s: float | None = None) -> tuple[float, float]:

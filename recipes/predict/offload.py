@@ -37,7 +37,7 @@ from recipes.config import EstimateConfig
 from recipes.measure.flops import layer_forward_flops, replayed_layer_flops
 from recipes.offload import modules_of
 from recipes.predict.activations import Dims, Term
-from recipes.recompute import ATTENTION_KIND, gdn_pattern, moe_pattern
+from recipes.recompute import ATTENTION_KIND, gdn_pattern, labels_of, moe_pattern
 
 #: A host term: (kind, what, bytes kept on the device before offload, bytes copied to the host, the
 #: offload module whose group copies it).
@@ -185,25 +185,28 @@ def layer_forward_s(cfg: dict, tflops: float) -> float:
     return flops / cfg["parallel"]["tensor_model_parallel_size"] / (tflops * 1e12)
 
 
+#: What each elementwise label (no matmul) replays per layer it covers and micro-batch, on CUDA with the
+#: local spec (counted from megatron-core 0.19.2 and recipes/build): (checkpoint regions, kernels; None:
+#: the activation's, one fused or five unfused). ``layernorm``: the input and pre-MLP norms, two
+#: ``CheckpointWithoutOutput`` regions of one kernel each (torch's RMSNorm is one fused kernel on CUDA,
+#: ``_fused_rms_norm``; the CPU's composite runs six). ``moe_act``: one region, the experts' activation x
+#: probs (unfused: silu, the GLU's offset add, the product, the probs product in fp32, the cast back).
+#: ``gdn_norm_out``: one region, the gated output norm (norm, silu of the gate, product, cast; approximate).
+ELEMENTWISE_REPLAYS = {"layernorm": (2, 2), "moe_act": (1, None), "gdn_norm_out": (1, 4)}
+
+
 def elementwise_replays(cfg: dict) -> tuple[float, float]:
-    """(checkpoint regions, kernels) the run's elementwise labels replay per layer and micro-batch,
-    on CUDA with the local spec (counted from megatron-core 0.19.2 and recipes/build; model=gdn and
-    partial MoE: the average layer). ``layernorm``: the input and pre-MLP norms, two
-    ``CheckpointWithoutOutput`` regions of one kernel each (torch's RMSNorm is one fused kernel
-    on CUDA, ``_fused_rms_norm``; the CPU's composite runs six). ``moe_act``: one region, the
-    experts' activation x probs: one kernel fused (``bias_activation_fusion``), unfused silu, the
-    GLU's offset add, the product, the probs product (fp32) and the cast back. ``gdn_norm_out``: one
-    region, the gated output norm (norm, silu of the gate, product, cast; approximate)."""
-    labels = set(cfg["recompute"]["recompute_modules"]) if cfg["recompute"]["recompute_granularity"] == "selective" else set()
-    m = cfg["model"]
-    moe = sum(moe_pattern(m)) / m["num_layers"]
-    gdn = sum(gdn_pattern(m)) / m["num_layers"]
+    """(checkpoint regions, kernels) the run's elementwise labels replay per layer and micro-batch
+    (``ELEMENTWISE_REPLAYS``; model=gdn and partial MoE: the average layer)."""
+    labels, m = set(labels_of(cfg)), cfg["model"]
+    share = {"layernorm": 1.0, "moe_act": sum(moe_pattern(m)) / m["num_layers"],
+             "gdn_norm_out": sum(gdn_pattern(m)) / m["num_layers"]}
     act = 1 if resolve_swiglu_fusion(m, on_gpu=True) else (5 if m["gated_linear_unit"] else 3)  # null: auto
     regions, kernels = 0.0, 0.0
-    for label, share, n in (("layernorm", 1.0, 2), ("moe_act", moe, 1), ("gdn_norm_out", gdn, 1)):
+    for label, (label_regions, label_kernels) in ELEMENTWISE_REPLAYS.items():
         if label in labels:
-            regions += share * n
-            kernels += share * {"layernorm": 2, "moe_act": act, "gdn_norm_out": 4}[label]
+            regions += share[label] * label_regions
+            kernels += share[label] * (act if label_kernels is None else label_kernels)
     return regions, kernels
 
 
