@@ -101,6 +101,9 @@ class RecomputeConfig:
     recompute_method: Optional[str] = None  # full only: uniform | block
     recompute_num_layers: Optional[int] = None  # full only
     distribute_saved_activations: bool = False
+    # the dense MLP's mlp label: false replays FC1 and the activation (recipes.build.mlp; the same
+    # bytes kept), true megatron's whole-MLP checkpoint, which replays FC2's GEMM too
+    mlp_replays_fc2: bool = False
 
 
 @dataclass
@@ -342,8 +345,9 @@ def _defaults() -> dict:
 
 
 #: Fields whose schema default changed: a stored config without them ran with the value here, not
-#: today's default (``bias_activation_fusion`` was false before null meant "auto: fused on a GPU").
-PREVIOUS_DEFAULTS = {("model", "bias_activation_fusion"): False}
+#: today's default (``bias_activation_fusion`` was false before null meant "auto: fused on a GPU";
+#: ``mlp_replays_fc2``: megatron's whole-MLP replay, before recipes.build.mlp).
+PREVIOUS_DEFAULTS = {("model", "bias_activation_fusion"): False, ("recompute", "mlp_replays_fc2"): True}
 #: Top-level fields a stored config may lack that changed nothing measured: filled as they ran.
 PREVIOUS_TOP_LEVEL = {"fork_server": False}
 

@@ -45,13 +45,18 @@ def test_schema_fields_exist_in_megatron():
     """Fields passed through to megatron-core must still exist after an upgrade."""
     from megatron.core.transformer.transformer_config import MLATransformerConfig
 
-    from recipes.build.model import NON_TRANSFORMER_FIELDS, NON_TRANSFORMER_OFFLOAD_FIELDS
+    from recipes.build.model import (
+        NON_TRANSFORMER_FIELDS,
+        NON_TRANSFORMER_OFFLOAD_FIELDS,
+        NON_TRANSFORMER_RECOMPUTE_FIELDS,
+    )
     from recipes.config import ModelConfig, OffloadConfig, ParallelConfig, RecomputeConfig
 
     megatron = {f.name for f in dataclasses.fields(MLATransformerConfig)}
+    ours = NON_TRANSFORMER_FIELDS | NON_TRANSFORMER_OFFLOAD_FIELDS | NON_TRANSFORMER_RECOMPUTE_FIELDS
     for cls in (ModelConfig, ParallelConfig, RecomputeConfig, OffloadConfig):
         for f in dataclasses.fields(cls):
-            if f.name not in NON_TRANSFORMER_FIELDS | NON_TRANSFORMER_OFFLOAD_FIELDS:
+            if f.name not in ours:
                 assert f.name in megatron, f"{cls.__name__}.{f.name} is not a megatron field"
 
 

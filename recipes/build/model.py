@@ -41,6 +41,8 @@ ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu}
 NON_TRANSFORMER_OFFLOAD_FIELDS = {"host_memory_gib", "emulate_on_cpu"}
 #: ParallelConfig fields that are not ModelParallelConfig fields.
 NON_MPC_PARALLEL_FIELDS: set[str] = set()
+#: RecomputeConfig fields that are ours (``transformer_config_kwargs`` passes megatron's by name).
+NON_TRANSFORMER_RECOMPUTE_FIELDS = {"mlp_replays_fc2"}
 
 
 def resolve_precision(precision: str, on_gpu: bool) -> str:
@@ -193,6 +195,10 @@ def local_layer_spec(cfg: Any, num_experts: int | None):
     )
     attn = spec.submodules.self_attention
     attn.submodules = dataclasses.replace(attn.submodules, core_attention=CORE_ATTENTION[cfg["attention"]["backend"]])
+    if not num_experts and not cfg["recompute"]["mlp_replays_fc2"]:
+        from recipes.build.mlp import use_replay_mlp  # imports megatron, as above
+
+        spec = use_replay_mlp(spec)
     if num_experts and model["experts"] == "grouped":
         from recipes.build.experts import grouped_experts_builder  # imports megatron, as above
 
@@ -260,6 +266,10 @@ def build_model(cfg: Any, config) -> list[torch.nn.Module]:
 
             chunk = Float16Module(config, chunk)
         chunks.append(chunk)
+    if not cfg["recompute"]["mlp_replays_fc2"]:
+        from recipes.build.mlp import replay_mlps
+
+        replay_mlps(chunks)
     compile_layers(chunks, model_cfg["compile"])
     return chunks
 

@@ -129,4 +129,15 @@ def replayed_layer_flops(cfg: Any, layer: dict[str, float], per_layer: float) ->
     if rc["recompute_granularity"] != "selective":
         return 0.0
     # moe_act, layernorm and gdn_norm_out replay elementwise work only.
-    return sum(layer.get(label, 0.0) for label in rc["recompute_modules"])
+    replay = {**layer, "mlp": layer.get("mlp", 0.0) * mlp_replay_share(cfg)}
+    return sum(replay.get(label, 0.0) for label in rc["recompute_modules"])
+
+
+def mlp_replay_share(cfg: Any) -> float:
+    """The share of the dense MLP's FLOPs its ``mlp`` label replays: all of them with megatron's
+    whole-MLP checkpoint (``recompute.mlp_replays_fc2``, and Transformer Engine's spec), FC1's alone
+    otherwise (``recipes.build.mlp``: FC1 is glu x FC2's size)."""
+    if cfg["recompute"].get("mlp_replays_fc2", False) or cfg["attention"]["backend"] == "te":
+        return 1.0
+    glu = 2 if cfg["model"]["gated_linear_unit"] else 1
+    return glu / (glu + 1)

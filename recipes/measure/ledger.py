@@ -34,6 +34,7 @@ _SITES = {
     ("transformer_layer.py", "_forward_attention"): "layernorm",
     ("transformer_layer.py", "_forward_pre_mlp_layernorm"): "layernorm",
     ("transformer_layer.py", "_forward_mlp"): "mlp",
+    ("mlp.py", "forward"): "mlp",  # recipes/build/mlp.py (megatron's MLP.forward opens none)
     ("transformer_layer.py", "_forward_mlp_partial_cudagraphs"): "moe",
     ("moe_layer.py", "shared_experts_compute"): "shared_experts",
     ("moe_layer.py", "forward"): "moe",

@@ -35,6 +35,7 @@ from fractions import Fraction
 
 from recipes.build.model import resolve_precision, resolve_swiglu_fusion
 from recipes.errors import ConfigError
+from recipes.measure.flops import mlp_replay_share
 from recipes.recompute import ATTENTION_KIND, FAMILIES, MLP_KIND, gdn_pattern, labels_of, moe_pattern
 from recipes.validate import validate
 
@@ -69,6 +70,9 @@ class Dims:
     #: departs from 1: a recorded share (``estimate --compare``: a Fraction, so rows are exact) or the
     #: bound ``estimate.moe_imbalance`` for the worst EP rank (before a run).
     routed_share: float | Fraction = 1
+    #: The ``mlp`` label as megatron's layer-wide checkpoint (its input saved outside the MLP: kind
+    #: other), not ``recipes.build.mlp``'s FC1-and-activation checkpoint inside it (kind mlp).
+    mlp_replays_fc2: bool = False
 
     @property
     def attention_kind(self) -> str:
@@ -181,7 +185,8 @@ def dims(cfg: dict, device: str = "auto", routed_share: float | Fraction = 1) ->
                 s, s // tp if par["sequence_parallel"] else s, t["micro_batch_size"], h, tp,
                 par["expert_model_parallel_size"], heads // tp, groups // tp, dq, dv, rope, m,
                 frozenset(labels_of(cfg)), cfg["recompute"]["recompute_granularity"] == "full",
-                routed_share if par["expert_model_parallel_size"] > 1 else 1)
+                routed_share if par["expert_model_parallel_size"] > 1 else 1,
+                mlp_replay_share(cfg) == 1.0)
 
 
 # --- terms: (kind, what, bytes) for one layer, one micro-batch -------------------------------------
@@ -346,7 +351,7 @@ def mlp_terms(d: Dims, moe: bool | None = None) -> list[Term]:
     if moe:
         terms += moe_terms(d, norm_out)
     elif "mlp" in L:
-        terms.append(("other", "mlp checkpoint input (norm output)", norm_out))
+        terms.append(("other" if d.mlp_replays_fc2 else "mlp", "mlp checkpoint input (norm output)", norm_out))
     else:
         terms.append(("mlp", "fc1 input (norm output)", norm_out))
         terms += activation_terms(d, m["ffn_hidden_size"] // d.tp, d.s * d.b)
