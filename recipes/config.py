@@ -220,6 +220,9 @@ class MeasureConfig:
     peak_tflops: float = 989.0  # for MFU: H200/H100 dense bf16
     expandable_segments: bool = False  # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
     memory_fraction: Optional[float] = None  # cap this process's share of GPU memory (forces OOMs)
+    # cap PyTorch's allocator at N GiB, as on a GPU of that size (advise's --budget-gib): a point that
+    # needs more stops as oom, so fragmentation counts as it would there
+    memory_budget_gib: Optional[float] = None
     profile: str = "peak"  # peak (one profiled step: timeline, peak attribution) | none (`profile=none`)
     repeat: int = 0  # which repetition of a point; sweep measure.repeat=0,1,2 to time each point in 3 processes
     # GPU: one more step under torch's profiler after the timed ones: where the step's time went (kernels,

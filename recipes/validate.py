@@ -504,6 +504,11 @@ def _validate_run(cfg) -> None:
     frac = meas["memory_fraction"]
     _check(frac is None or 0 < frac <= 1, "measure.memory_fraction", f"{frac} is not in (0, 1]",
            "use a fraction such as 0.5, or null")
+    budget = meas.get("memory_budget_gib")
+    _check(budget is None or budget > 0, "measure.memory_budget_gib", f"{budget} is not > 0",
+           "give the allocator's budget in GiB, e.g. measure.memory_budget_gib=19, or null")
+    _check(budget is None or frac is None, "measure.memory_budget_gib",
+           "both it and measure.memory_fraction cap the allocator", "set one of them, the other null")
     imbalance = (cfg.get("estimate") or {}).get("moe_imbalance", 1.0)  # results written before it existed
     est = cfg.get("estimate") or {}
     for key, example in (("mfu", "0.38"), ("host_link_gb_s", "50"), ("hbm_gb_s", "3000")):

@@ -351,7 +351,8 @@ BAD_INPUTS = [
                                                              "model.num_query_groups=null", "model.kv_channels=16"],
     ["parallel=pp2", "model.num_layers=3"], ["parallel=cp2"], ["parallel.tensor_model_parallel_size=0"],
     ["launcher.nproc_per_node=0"], ["launcher.nnodes=2"], ["launcher.master_port=70000"],
-    ["measure.memory_fraction=2"], ["measure.repeat=-1"], ["measure.peak_tflops=0"], ["data.eval_interval=-1"],
+    ["measure.memory_fraction=2"], ["measure.memory_budget_gib=0"],
+    ["measure.memory_budget_gib=19", "measure.memory_fraction=0.5"], ["measure.repeat=-1"], ["measure.peak_tflops=0"], ["data.eval_interval=-1"],
     ["data=indexed", "data.paths=[]"], ["data=indexed", "data.paths=[no/such/prefix]"], ["logger.mode=sometimes"],
     ["data.num_workers=-1"], ["data.eval_interval=5", "data.eval_iters=0"],
 ]
@@ -398,3 +399,28 @@ if __name__ == "__main__":
           f"| {result['tried']} | {result['refused clearly']} | {result['tracebacks']} | {result['silent']} |")
     for overrides, what in result["failures"]:
         print(f"  {' '.join(overrides)}: {what}")
+
+
+def test_memory_budget_caps_the_allocator_at_that_many_gib(monkeypatch):
+    """``measure.memory_budget_gib``: the allocator's cap is the budget's share of this GPU's memory;
+    a budget above the GPU is refused, naming the option and this GPU's size."""
+    import torch
+
+    from recipes.errors import ConfigError
+    from recipes.files import GIB
+    from recipes.run.worker import cap_allocator
+
+    caps = []
+
+    class Props:
+        total_memory = 139.8 * GIB
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda _: Props)
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", caps.append)
+    cap_allocator({"memory_fraction": None, "memory_budget_gib": 19})
+    assert caps == [pytest.approx(19 / 139.8)]
+    with pytest.raises(ConfigError, match=r"measure.memory_budget_gib.*139.8 GiB"):
+        cap_allocator({"memory_fraction": None, "memory_budget_gib": 200})
+    cap_allocator({"memory_fraction": 0.5, "memory_budget_gib": None})
+    assert caps[-1] == 0.5

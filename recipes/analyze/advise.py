@@ -639,6 +639,10 @@ def explain_plan(p: dict | None, base: str, measured: frozenset = frozenset()) -
         if todo:
             lines.append("Confirm " + ("both" if len(todo) == 2 else "it") + " in one sweep directory:")
             lines += ["  " + cmd for cmd in confirm_commands(base, todo, p["budget_gib"])]
+            if any(r.get("offload", "none") != "none" for r in todo):
+                lines.append("  (offload leaves more of the allocator's memory unusable than recompute does, "
+                             "which the prediction does not price: each runs capped at the budget, and one "
+                             "that does not fit stops as oom; docs/offload.md)")
     return lines
 
 

@@ -194,6 +194,8 @@ def describe(row: dict) -> str:
 
 
 def confirm_commands(base: str, rows: list[dict], budget_gib: float, sweep_dir: str = "multirun/confirm") -> list[str]:
-    """Commands that run each row into one sweep directory, then advise on it."""
-    return ([f"python train.py -m {base} {overrides_of(r)} hydra.sweep.dir={sweep_dir}".replace("  ", " ")
+    """Commands that run each row into one sweep directory with the allocator capped at the budget (a
+    plan whose allocator needs more, fragmentation included, stops as oom), then advise on it."""
+    cap = f"measure.memory_budget_gib={budget_gib:g}"
+    return ([f"python train.py -m {base} {overrides_of(r)} {cap} hydra.sweep.dir={sweep_dir}".replace("  ", " ")
              for r in rows] + [f"python -m recipes advise {sweep_dir} --budget-gib {budget_gib:g}"])

@@ -165,6 +165,20 @@ def memory_now() -> dict:
     }
 
 
+def cap_allocator(measure: dict) -> None:
+    """``measure.memory_fraction`` or ``measure.memory_budget_gib``: cap PyTorch's allocator (its
+    reserved memory) on this GPU; past the cap it frees its cache and retries, then raises an OOM."""
+    if measure["memory_fraction"]:
+        torch.cuda.set_per_process_memory_fraction(measure["memory_fraction"])
+    budget = measure.get("memory_budget_gib")
+    if budget:
+        total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / GIB
+        if budget > total:
+            raise ConfigError("measure.memory_budget_gib", f"{budget:g} GiB is more than this GPU's "
+                              f"{total:.1f} GiB", f"use at most {total:.1f}, or null (no cap)")
+        torch.cuda.set_per_process_memory_fraction(budget / total)
+
+
 def measure_window(cfg: dict, first_step: int) -> tuple[int, int] | None:
     """The measured steps ``(start, end)`` (1-based, inclusive) of a process whose first step is
     ``first_step``, or None when the run ends before it. ``measure.start_step`` and ``measure.steps``
@@ -209,8 +223,8 @@ def train_and_measure(cfg: dict, result: dict, run_dir: Path | None = None,
     """Train ``train.train_iters`` steps; measure inside the window (``measure.*``); fill ``result``.
     ``logger`` (rank 0's W&B run) gets the progress metrics and the validation loss at their steps."""
     train = cfg["train"]
-    if compat.cuda_available() and cfg["measure"]["memory_fraction"]:
-        torch.cuda.set_per_process_memory_fraction(cfg["measure"]["memory_fraction"])
+    if compat.cuda_available():
+        cap_allocator(cfg["measure"])
     t0 = time.perf_counter()
     marks = result.setdefault("timeline", {})
     check_tokenizer(cfg)  # data.tokenizer agrees with the data (vocabulary, eod) before any compute
