@@ -502,6 +502,33 @@ def test_an_offload_point_is_compared_with_the_no_offload_control(tmp_path):
     assert "2. Choice: activation offload (offload=core_attn-attn_proj" in advise.explain(advice, str(sweep))
 
 
+def test_a_plan_the_sweep_ran_out_of_memory_on_is_not_chosen_again(tmp_path):
+    """--predict's 19 GiB dense choice (none + core_attn offload) ran out of memory under the budget's
+    cap on the H200; advise on that confirm sweep must then choose among the others, not suggest it
+    again, and name what did fit."""
+    sweep = tmp_path / "confirm"
+    predicted = advise.advise_before_running(["model=standard_attn", "size=h200"], 19.0)["plan"]["choice"]
+    assert (predicted["recompute"], predicted["offload"]) == ("none", "core_attn")
+    for recompute, offload, measured in (("none", "core_attn", None),
+                                         ("selective/layernorm", "attn_norm-mlp_norm", (17.48, 18.96, 0.3086))):
+        run_dir = sweep / f"recompute={recompute.replace('/', '.')}__offload={offload}"
+        write_json_atomic(run_dir / "ranks" / "rank0.json", rank_result(0, measured))
+        cfg = compose("size=h200", f"recompute={recompute}", f"offload={offload}", "measure.memory_budget_gib=19")
+        meta = {"name": f"standard_attn sdpa {recompute} offload={offload}", "run_dir": str(run_dir), "config": cfg,
+                "choices": {"model": "standard_attn", "attention": "sdpa", "recompute": recompute, "offload": offload}}
+        write_json_atomic(run_dir / "result.json", merge_result(run_dir, meta, 1, None))
+    p = advise.sweep_plan(sweep, 19.0)
+    oom = next(r for r in p["rows"] if (r["recompute"], r["offload"]) == ("none", "core_attn"))
+    assert oom["measured_oom"] and not oom["fits"]
+    assert (p["choice"]["recompute"], p["choice"]["offload"]) != ("none", "core_attn")
+    assert ["none", "core_attn"] in [list(m) for m in p["measured"]]
+    advice = advise.advise(advise.measured_candidates(sweep), 19.0)
+    assert advice["choice"]["offload"] == "attn_norm-mlp_norm"
+    advice["plan"] = p
+    text = advise.explain(advice, str(sweep))
+    assert "ran out of memory" in text and "choice:    recompute=none offload=core_attn:" not in text
+
+
 def test_a_measured_gpu_sweep_gets_the_plan_for_what_it_did_not_run(tmp_path):
     sweep = make_sweep(tmp_path / "sweep", attentions=("sdpa",))
     p = advise.sweep_plan(sweep, 20.0)

@@ -24,7 +24,7 @@ import json
 import sys
 from pathlib import Path
 
-from recipes.analyze.plan import confirm_commands, describe, fewest_block_layers, plan
+from recipes.analyze.plan import confirm_commands, describe, fewest_block_layers, plan, without_measured_ooms
 from recipes.analyze.report import NOISY_STEPS, control_gap_pct, find_results, rank_rows
 from recipes.errors import ConfigError
 from recipes.files import GIB
@@ -200,7 +200,8 @@ def sweep_plan(sweep_dir: Path, budget_gib: float) -> dict | None:
     """The planner (``recipes.analyze.plan``) on a GPU sweep's configuration, at the rate the sweep's
     no-recompute point achieved (model TFLOP/s per GPU) and the host link an offload point recorded;
     None for a CPU sweep or one without a completed point."""
-    ok = _gpu_points(find_results(sweep_dir))
+    results = find_results(sweep_dir)
+    ok = _gpu_points(results)
     if not ok:
         return None
     base = _base_point(ok)
@@ -208,7 +209,10 @@ def sweep_plan(sweep_dir: Path, budget_gib: float) -> dict | None:
         p = plan(base["config"], budget_gib, *measured_rates(ok))
     except ConfigError:
         return None
-    p["measured"] = sorted({(recompute_of(r), offload_option_of(r["config"])) for r in ok})
+    oom = [r for r in results if r.get("status") == "oom" and r.get("config") and _on_gpu(r)]
+    p = without_measured_ooms(p, {(recompute_of(r), offload_option_of(r["config"]),
+                                   r["config"]["offload"]["activation_offload_fraction"]) for r in oom})
+    p["measured"] = sorted({(recompute_of(r), offload_option_of(r["config"])) for r in ok + oom})
     choices = base.get("choices") or {}
     p["base"] = " ".join(f"{g}={choices[g]}" for g in ("model", "size", "attention", "parallel")
                          if choices.get(g) and not (g == "parallel" and choices[g] == "single"))

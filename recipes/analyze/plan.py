@@ -155,11 +155,30 @@ def plan(cfg: dict, budget_gib: float, tflops: float | None = None, link_gb_s: f
                          **({"recompute_num_layers": trial["recompute"]["recompute_num_layers"]}
                             if rc_option == "full/block" else {}),
                          **({"activation_offload_fraction": fraction} if modules and fraction < 1.0 else {})})
-    ranked = sorted((r for r in rows if r["fits"]), key=_order)
-    choice = ranked[0] if ranked else None
-    runner = next((r for r in ranked[1:] if not _extends(r, choice)), None)
-    return {"budget_gib": budget_gib, "tflops": tflops, "host_link_gb_s": link_gb_s, "allocator_slack": slack_for(cfg),
-            "rows": rows, "refused": refused, "choice": choice, "runner_up": runner}
+    return rank({"budget_gib": budget_gib, "tflops": tflops, "host_link_gb_s": link_gb_s,
+                 "allocator_slack": slack_for(cfg), "rows": rows, "refused": refused})
+
+
+def rank(p: dict) -> dict:
+    """``p`` with its choice (the fastest fitting row) and runner-up (the next that is not the choice and more)."""
+    ranked = sorted((r for r in p["rows"] if r["fits"]), key=_order)
+    p["choice"] = ranked[0] if ranked else None
+    p["runner_up"] = next((r for r in ranked[1:] if not _extends(r, p["choice"])), None)
+    return p
+
+
+def plan_key(row: dict) -> tuple:
+    """(recompute option, offload option, offload fraction) of a plan row, to match a measured point."""
+    return row["recompute"], row.get("offload", "none"), row.get("activation_offload_fraction", 1.0)
+
+
+def without_measured_ooms(p: dict, ooms: set[tuple]) -> dict:
+    """``p`` re-ranked with the rows a sweep ran out of memory on (``plan_key``s, under the budget's cap
+    or on a GPU of its size) marked not fitting: what the allocator needed is measured, not predicted."""
+    for row in p["rows"]:
+        if plan_key(row) in ooms:
+            row.update(fits=False, tight=False, measured_oom=True)
+    return rank(p)
 
 
 def _extends(row: dict, choice: dict) -> bool:
