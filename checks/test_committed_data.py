@@ -184,6 +184,12 @@ def test_the_offload_repeats_table_regenerates_identically():
     assert _offload_table(*map(str, sweeps)) == (OFFLOAD / "repeats.md").read_text()
 
 
+def test_the_offload_plans_table_regenerates_identically():
+    """docs/offload-h200/plans.md: the --predict picks and their runners-up, measured 2026-12-02."""
+    sweeps = [OFFLOAD / "plans_standard_attn_h200", OFFLOAD / "plans_moe_h200"]
+    assert _offload_table(*map(str, sweeps)) == (OFFLOAD / "plans.md").read_text()
+
+
 def test_the_offload_overhead_rates_are_the_fit_of_the_dense_points():
     """estimate.offload_ms_per_group and offload_ms_per_gib are what --fit finds in the dense h200 sweep,
     and that fit is within 20% of each dense offload-only point (docs/offload.md)."""
