@@ -32,7 +32,7 @@ class ReplayMLP(MLP):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        # set by use_replay_mlp on the layers whose mlp label is on (megatron's flag on the layer
+        # set by replay_mlps on the layers whose mlp label is on (megatron's flag on the layer
         # is turned off there); recipes.measure.labels reads and flips it like megatron's
         self.recompute_mlp = False
 
