@@ -190,6 +190,13 @@ def test_the_offload_plans_table_regenerates_identically():
     assert _offload_table(*map(str, sweeps)) == (OFFLOAD / "plans.md").read_text()
 
 
+def test_the_recompute_time_table_at_the_defaults_regenerates_identically():
+    """docs/offload-h200/recompute_defaults.md: the label sweeps at the speed defaults (docs/speed.md)
+    priced by today's time model."""
+    sweeps = [REPO / "docs" / "speed-h200" / f"defaults_{m}" for m in ("standard_attn", "mla", "moe")]
+    assert _offload_table(*map(str, sweeps)) == (OFFLOAD / "recompute_defaults.md").read_text()
+
+
 def test_the_offload_overhead_rates_are_the_fit_of_the_dense_points():
     """estimate.offload_ms_per_group and offload_ms_per_gib are what --fit finds in the dense h200 sweep,
     and that fit is within 20% of each dense offload-only point (docs/offload.md)."""
