@@ -352,7 +352,8 @@ BAD_INPUTS = [
     ["parallel=pp2", "model.num_layers=3"], ["parallel=cp2"], ["parallel.tensor_model_parallel_size=0"],
     ["launcher.nproc_per_node=0"], ["launcher.nnodes=2"], ["launcher.master_port=70000"],
     ["measure.memory_fraction=2"], ["measure.memory_budget_gib=0"],
-    ["measure.memory_budget_gib=19", "measure.memory_fraction=0.5"], ["measure.repeat=-1"], ["measure.peak_tflops=0"], ["data.eval_interval=-1"],
+    ["measure.memory_budget_gib=19", "measure.memory_fraction=0.5"], ["measure.memory_budget_gib=19"],
+    ["measure.memory_fraction=0.5"], ["measure.repeat=-1"], ["measure.peak_tflops=0"], ["data.eval_interval=-1"],
     ["data=indexed", "data.paths=[]"], ["data=indexed", "data.paths=[no/such/prefix]"], ["logger.mode=sometimes"],
     ["data.num_workers=-1"], ["data.eval_interval=5", "data.eval_iters=0"],
 ]
