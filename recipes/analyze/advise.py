@@ -24,7 +24,14 @@ import json
 import sys
 from pathlib import Path
 
-from recipes.analyze.plan import confirm_commands, describe, fewest_block_layers, plan, without_measured_ooms
+from recipes.analyze.plan import (
+    confirm_commands,
+    describe,
+    fewest_block_layers,
+    plan,
+    plan_key,
+    without_measured_ooms,
+)
 from recipes.analyze.report import NOISY_STEPS, control_gap_pct, find_results, rank_rows
 from recipes.errors import ConfigError
 from recipes.files import GIB
@@ -651,7 +658,8 @@ def explain_plan(p: dict | None, base: str, measured: frozenset = frozenset()) -
 
 
 def _plan_key(row: dict) -> tuple:
-    return (row["recompute"], row.get("offload", "none"))
+    """(recompute, offload) of a plan row: what ``sweep_plan``'s ``measured`` records of a point."""
+    return plan_key(row)[:2]
 
 
 def explain_prediction(advice: dict) -> str:

@@ -133,11 +133,17 @@ def replayed_layer_flops(cfg: Any, layer: dict[str, float], per_layer: float) ->
     return sum(replay.get(label, 0.0) for label in rc["recompute_modules"])
 
 
+def mlp_replays_fc2(cfg: Any) -> bool:
+    """Whether the ``mlp`` label is megatron's whole-MLP checkpoint (``recompute.mlp_replays_fc2``, and
+    Transformer Engine's spec, which ``recipes.build.mlp`` does not replace)."""
+    return bool(cfg["recompute"].get("mlp_replays_fc2", False)) or cfg["attention"]["backend"] == "te"
+
+
 def mlp_replay_share(cfg: Any) -> float:
     """The share of the dense MLP's FLOPs its ``mlp`` label replays: all of them with megatron's
-    whole-MLP checkpoint (``recompute.mlp_replays_fc2``, and Transformer Engine's spec), FC1's alone
-    otherwise (``recipes.build.mlp``: FC1 is glu x FC2's size)."""
-    if cfg["recompute"].get("mlp_replays_fc2", False) or cfg["attention"]["backend"] == "te":
+    whole-MLP checkpoint (``mlp_replays_fc2``), FC1's alone otherwise (``recipes.build.mlp``: FC1 is
+    glu x FC2's size)."""
+    if mlp_replays_fc2(cfg):
         return 1.0
     glu = 2 if cfg["model"]["gated_linear_unit"] else 1
     return glu / (glu + 1)

@@ -35,7 +35,7 @@ from fractions import Fraction
 
 from recipes.build.model import resolve_precision, resolve_swiglu_fusion
 from recipes.errors import ConfigError
-from recipes.measure.flops import mlp_replay_share
+from recipes.measure.flops import mlp_replays_fc2
 from recipes.recompute import ATTENTION_KIND, FAMILIES, MLP_KIND, gdn_pattern, labels_of, moe_pattern
 from recipes.validate import validate
 
@@ -186,7 +186,7 @@ def dims(cfg: dict, device: str = "auto", routed_share: float | Fraction = 1) ->
                 par["expert_model_parallel_size"], heads // tp, groups // tp, dq, dv, rope, m,
                 frozenset(labels_of(cfg)), cfg["recompute"]["recompute_granularity"] == "full",
                 routed_share if par["expert_model_parallel_size"] > 1 else 1,
-                mlp_replay_share(cfg) == 1.0)
+                mlp_replays_fc2(cfg))
 
 
 # --- terms: (kind, what, bytes) for one layer, one micro-batch -------------------------------------
