@@ -90,10 +90,13 @@ def train_in_process(cfg: dict) -> dict:
     return result
 
 
-def gradients(cfg: dict, record_ledger: bool = True):
-    """(loss, {param name: grad}, ledger bytes by kind, checkpoint counts) of one step, no update."""
+def gradients(cfg: dict, record_ledger: bool = True, before=None):
+    """(loss, {param name: grad}, ledger bytes by kind, checkpoint counts) of one step, no update;
+    ``before(trainer)`` runs first (to hook the built model)."""
     trainer = build_trainer(cfg)
     try:
+        if before:
+            before(trainer)
         loss = trainer.compute_gradients(record_ledger=record_ledger)
         grads = {
             name: p.grad.detach().clone()

@@ -6,27 +6,23 @@ from collections import Counter
 
 import pytest
 import torch
-from conftest import build_trainer, compose
+from conftest import compose, gradients
 
 MEGATRON = "recompute.mlp_replays_fc2=true"
 
 
 def _step(cfg: dict) -> tuple[float, dict, dict, dict, Counter]:
-    """(loss, grads, ledger bytes by kind, checkpoint counts, forward calls per linear) of one step."""
-    trainer = build_trainer(cfg)
+    """``gradients`` of one step, and the forward calls per MLP linear (FC1, FC2)."""
     calls: Counter = Counter()
-    try:
+
+    def count_linears(trainer) -> None:
         for chunk in trainer.chunks:
             for name, module in chunk.named_modules():
                 if name.endswith(("mlp.linear_fc1", "mlp.linear_fc2")):
                     kind = name.rsplit(".", 1)[1]
                     module.register_forward_hook(lambda *_, kind=kind: calls.update([kind]))
-        loss = trainer.compute_gradients(record_ledger=True)
-        grads = {n: p.grad.detach().clone() for c in trainer.chunks for n, p in c.named_parameters()
-                 if p.grad is not None}
-        return loss, grads, dict(trainer.ledger.bytes_by_kind), trainer.counter.as_dict(), calls
-    finally:
-        trainer.close()
+
+    return (*gradients(cfg, before=count_linears), calls)
 
 
 @pytest.mark.parametrize("option", ["selective/mlp", "selective/layernorm recompute.recompute_modules=[layernorm,mlp]"],
