@@ -50,14 +50,15 @@ def load(dirs: list[str]) -> list[dict]:
     return out
 
 
-def priced(results: list[dict], measured: tuple[float | None, float | None]) -> list[dict]:
+def priced(results: list[dict], measured: tuple) -> list[dict]:
     """The results, each with its options and today's model's price of it (``price_config``: the config
-    as it ran, its offload fraction and block layer count) at ``measured`` (TFLOP/s, link GB/s; no
-    TFLOP/s: not priced)."""
+    as it ran, its offload fraction and block layer count) at ``measured`` (TFLOP/s, link GB/s and,
+    optionally, the base point's module times; no TFLOP/s: not priced)."""
+    tflops, link_gb_s, module_times = (*measured, None)[:3]
     for result in results:
         cfg = result.get("config") or {}
         result["_plan"] = (recompute_option(cfg), offload_option(cfg))
-        result["_rates"] = rates_of(cfg, *measured) if cfg and measured[0] else None
+        result["_rates"] = (*rates_of(cfg, tflops, link_gb_s), module_times) if cfg and tflops else None
         result["_predicted"] = price_config(cfg, *result["_rates"]) if result["_rates"] else None
     return results
 

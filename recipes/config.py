@@ -228,6 +228,10 @@ class MeasureConfig:
     # GPU: one more step under torch's profiler after the timed ones: where the step's time went (kernels,
     # idle GPU, copies, blocking CUDA calls) in result.json ranks[*].trace, the trace in RUN_DIR/step_trace*.json.gz
     trace_step: bool = False
+    # one more forward and backward after the timed steps, each layer's modules timed: what each recompute
+    # label's replay costs here (result.json ranks[*].module_times; advise prices the labels from it).
+    # null: on a GPU, eager layers (model.compile=none); true also on a CPU
+    module_times: Optional[bool] = None
 
 
 @dataclass

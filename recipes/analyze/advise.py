@@ -42,7 +42,7 @@ from recipes.predict.estimate import predict, predict_options, recorded_shares, 
 from recipes.predict.fit import FITS, TIGHT, slack_for, verdict, with_slack
 from recipes.recipe import GPU_BUDGET_GIB, at_full_depth, compose_recipe
 from recipes.recompute import NO_RECOMPUTE, is_full, recompute_config, recompute_order, selective_labels
-from recipes.results import first_sentence, recompute_of, worst_row
+from recipes.results import first_sentence, recompute_of, worst_rank, worst_row
 
 MIB = 2**20
 #: Fragmentation is flagged when reserved - allocated is at least this fraction of reserved ...
@@ -194,13 +194,21 @@ def _base_point(ok: list[dict]) -> dict:
     return min(ok, key=lambda r: (offload_option_of(r["config"]) != "none", recompute_order(recompute_of(r))))
 
 
-def measured_rates(results: list[dict]) -> tuple[float | None, float | None]:
+def measured_rates(results: list[dict]) -> tuple[float | None, float | None, dict | None]:
     """What a GPU sweep measured for the planner: the model TFLOP/s per GPU its base point achieved
-    (``_base_point``) and the slowest host link an offload point recorded (each None when it has none)."""
+    (``_base_point``), the slowest host link an offload point recorded, and the module forward times
+    the base point's deciding rank recorded (``measure.module_times``; each None when it has none)."""
     ok = _gpu_points(results)
     links = [min(link["d2h_gb_s"], link["h2d_gb_s"]) for r in ok for rank in r.get("ranks") or []
              if (link := (rank.get("offload") or {}).get("link")) and link.get("d2h_gb_s")]
-    return (worst_row(_base_point(ok)).model_tflops_per_gpu if ok else None), (min(links) if links else None)
+    if not ok:
+        return None, (min(links) if links else None), None
+    base = _base_point(ok)
+    ranks = base.get("ranks") or []
+    deciding = ranks[worst_rank(ranks)] if ranks else {}
+    times = deciding.get("module_times")
+    return (worst_row(base).model_tflops_per_gpu, min(links) if links else None,
+            times if times and "forward_ms" in times else None)
 
 
 def sweep_plan(sweep_dir: Path, budget_gib: float) -> dict | None:
@@ -638,7 +646,9 @@ def explain_plan(p: dict | None, base: str, measured: frozenset = frozenset()) -
     fitting = sorted((r for r in p["rows"] if r["fits"]), key=lambda r: r["cost_s"])
     lines = [f"Plan over recompute x offload ({len(p['rows'])} combinations megatron-core allows, "
              f"{len(fitting)} fit; {len(p['refused'])} refused by its rules), added step time at "
-             f"{p['tflops']:.0f} TFLOP/s and a {p['host_link_gb_s']:g} GB/s host link:"]
+             f"{p['tflops']:.0f} TFLOP/s" + (" (replays at the base point's measured module times)"
+                                              if p.get("module_times") else "")
+             + f" and a {p['host_link_gb_s']:g} GB/s host link:"]
     c, runner = p["choice"], p["runner_up"]
     if c is None:
         near = min(p["rows"], key=lambda r: r["predicted_peak_gib"], default=None)

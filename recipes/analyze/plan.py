@@ -10,7 +10,9 @@ fitting combination predicted fastest (ties: no offload, the guide's recompute o
 modules); the runner-up is the next one, and both are worth one sweep to confirm.
 
 The rate and the link: ``estimate.mfu`` x ``measure.peak_tflops`` and ``estimate.host_link_gb_s``
-before a run; a measured sweep's own achieved TFLOP/s and recorded link bandwidth when it has them.
+before a run; a measured sweep's own achieved TFLOP/s and recorded link bandwidth when it has them,
+and its base point's module forward times (``measure.module_times``), which price the matmul labels'
+and full recompute's replays as measured.
 """
 
 from __future__ import annotations
@@ -87,14 +89,17 @@ def elementwise_bytes(cfg: dict) -> int:
     return max(0, without - predict(plain, "cuda")["activation_bytes"])
 
 
-def price(cfg: dict, p: dict, tflops: float, link_gb_s: float, remat_bytes: int = 0) -> dict:
+def price(cfg: dict, p: dict, tflops: float, link_gb_s: float, remat_bytes: int = 0,
+          module_times: dict | None = None) -> dict:
     """A predicted config's added step time: recompute's replay (``remat_bytes``: what its elementwise
-    labels rematerialize, ``elementwise_bytes``) and offload's (reloads waited for, the copies'
+    labels rematerialize, ``elementwise_bytes``; ``module_times``: a measured point's module forward
+    times, which price the labels they cover) and offload's (reloads waited for, the copies'
     overhead), in seconds."""
     par = cfg["parallel"]
     layers = cfg["model"]["num_layers"] // par["pipeline_model_parallel_size"]
     m = num_microbatches(cfg)
-    replay = recompute_s(cfg, tflops, layers, m, remat_bytes, (cfg.get("estimate") or {}).get("hbm_gb_s", 3000.0))
+    replay = recompute_s(cfg, tflops, layers, m, remat_bytes, (cfg.get("estimate") or {}).get("hbm_gb_s", 3000.0),
+                         module_times)
     copies = exposed_transfer_s(p["host_bytes_per_layer"], layer_forward_s(cfg, tflops), link_gb_s, m,
                                 p.get("host_groups_per_layer"), *offload_overhead(cfg.get("estimate") or {}))
     return {"recompute_s": replay, "offload_s": copies["exposed_s"] + copies["overhead_s"],
@@ -105,17 +110,20 @@ def price(cfg: dict, p: dict, tflops: float, link_gb_s: float, remat_bytes: int 
             "cost_s": replay + copies["exposed_s"] + copies["overhead_s"]}
 
 
-def price_config(cfg: dict, tflops: float, link_gb_s: float) -> dict:
+def price_config(cfg: dict, tflops: float, link_gb_s: float, module_times: dict | None = None) -> dict:
     """One config as it is (its offload fraction, its block layer count): predicted peak and added
-    step time at these rates, as ``plan`` prices its rows."""
+    step time at these rates (and measured module times), as ``plan`` prices its rows."""
     cfg = upgrade(cfg)
     p = predict(cfg, "cuda")
-    return {"predicted_peak_gib": p["peak_bytes"] / GIB, **price(cfg, p, tflops, link_gb_s, elementwise_bytes(cfg))}
+    return {"predicted_peak_gib": p["peak_bytes"] / GIB,
+            **price(cfg, p, tflops, link_gb_s, elementwise_bytes(cfg), module_times)}
 
 
-def plan(cfg: dict, budget_gib: float, tflops: float | None = None, link_gb_s: float | None = None) -> dict:
+def plan(cfg: dict, budget_gib: float, tflops: float | None = None, link_gb_s: float | None = None,
+         module_times: dict | None = None) -> dict:
     """Every allowed (recompute, offload) combination for ``cfg``'s model and layout: predicted peak,
-    fit, added step time; the fastest fitting combination and the runner-up."""
+    fit, added step time; the fastest fitting combination and the runner-up. ``module_times``: a
+    measured point's (``recipes.measure.moduletime``), pricing the replays it covers."""
     cfg = upgrade(cfg)
     tflops, link_gb_s = rates(cfg, tflops, link_gb_s)
     model, pp = cfg["model"], cfg["parallel"]["pipeline_model_parallel_size"]
@@ -151,11 +159,12 @@ def plan(cfg: dict, budget_gib: float, tflops: float | None = None, link_gb_s: f
             mark = verdict(peak, budget_gib, slack)
             rows.append({"recompute": rc_option, "offload": off_option, "predicted_peak_gib": peak,
                          "fits": mark == FITS, "tight": mark == TIGHT, "host_gib": p["in_flight_host_bytes"] / GIB,
-                         **price(trial, p, tflops, link_gb_s, remat),
+                         **price(trial, p, tflops, link_gb_s, remat, module_times),
                          **({"recompute_num_layers": trial["recompute"]["recompute_num_layers"]}
                             if rc_option == "full/block" else {}),
                          **({"activation_offload_fraction": fraction} if modules and fraction < 1.0 else {})})
     return rank({"budget_gib": budget_gib, "tflops": tflops, "host_link_gb_s": link_gb_s,
+                 "module_times": bool(module_times),
                  "allocator_slack": slack_for(cfg), "rows": rows, "refused": refused})
 
 

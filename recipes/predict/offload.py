@@ -27,14 +27,17 @@ manager's Python, event records and stream waits each group commit and reload) a
 (``estimate.offload_ms_per_group``, ``estimate.offload_ms_per_gib``; fitted to the dense offload points
 one H200 measured, docs/offload.md), which also lengthens the layers the copies hide under.
 ``recompute_s`` prices recompute in the same unit: the forward FLOPs it replays, at the same rate,
-and an elementwise replay's bytes, checkpoint regions and (host-bound step) kernel launches.
+and an elementwise replay's bytes, checkpoint regions and (host-bound step) kernel launches. A GPU
+point that timed its layers' modules (``recipes.measure.moduletime``) prices its matmul labels and
+full recompute by what their modules' forward took instead (``measured_replay_s``): a GEMM replays
+at its own rate, not the step's average, and a host-bound module at its host time.
 """
 
 from __future__ import annotations
 
 from recipes.build.model import resolve_swiglu_fusion
 from recipes.config import EstimateConfig
-from recipes.measure.flops import layer_forward_flops, replayed_layer_flops
+from recipes.measure.flops import layer_forward_flops, mlp_replays_fc2, replayed_layer_flops
 from recipes.offload import modules_of
 from recipes.predict.activations import Dims, Term
 from recipes.recompute import ATTENTION_KIND, gdn_pattern, labels_of, moe_pattern
@@ -216,23 +219,81 @@ def host_bound(cfg: dict) -> bool:
     return any(moe_pattern(cfg["model"])) or ATTENTION_KIND[cfg["model"]["family"]] == "mla"
 
 
+#: MLA's attention modules outside its ``mla_up_proj`` checkpoint: the rest of ``self_attention``'s
+#: forward is the up projections, RoPE and the q/k/v assembly the label replays.
+MLA_OUTSIDE_UP_PROJ = ("self_attention.core_attention", "self_attention.linear_proj",
+                       "self_attention.linear_q_proj", "self_attention.linear_q_down_proj",
+                       "self_attention.linear_kv_down_proj", "self_attention.q_layernorm",
+                       "self_attention.kv_layernorm")
+
+
+def measured_replay_s(cfg: dict, module_times: dict) -> dict[str, float]:
+    """Seconds one micro-batch's replay of each matmul label (and ``full``, its layers as ``cfg``'s
+    recompute method and count say) takes on the rank that timed its modules
+    (``recipes.measure.moduletime``): the forward times of the modules the label's checkpoint runs, in
+    the layers it covers. A label whose modules were not timed is left out (priced by its FLOPs)."""
+    fwd, numbers = module_times.get("forward_ms") or {}, module_times.get("layers") or []
+    m = cfg["model"]
+    moe, gdn = moe_pattern(m), gdn_pattern(m)
+
+    def total(plus: tuple, minus: tuple, covers) -> float | None:
+        if not numbers or any(name not in fwd for name in plus):
+            return None
+        ms = sum(sum(fwd[n][i] for n in plus) - sum((fwd.get(n) or [0.0] * len(numbers))[i] for n in minus)
+                 for i, number in enumerate(numbers) if covers(number - 1, i))
+        return max(ms, 0.0) / 1e3
+
+    out = {"full": total(("",), (), _full_covers(cfg, numbers)),
+           "mlp": total(("mlp",), () if mlp_replays_fc2(cfg) else ("mlp.linear_fc2",), lambda g, _: not moe[g]),
+           "moe": total(("mlp",), (), lambda g, _: moe[g]),
+           "shared_experts": total(("mlp.shared_experts",), (), lambda g, _: moe[g])}
+    if ATTENTION_KIND[m["family"]] == "mla":
+        out["mla_up_proj"] = total(("self_attention",), MLA_OUTSIDE_UP_PROJ, lambda g, _: True)
+    out["core_attn"] = total(("self_attention.core_attention",), (), lambda g, _: not gdn[g])
+    return {label: s for label, s in out.items() if s is not None}
+
+
+def _full_covers(cfg: dict, numbers: list[int]):
+    """Which of a rank's layers (megatron's layer numbers, in order) full recompute replays: all of them
+    (uniform), or the first ``recompute_num_layers`` of each model chunk (block; a chunk is a run of
+    consecutive layer numbers)."""
+    rc = cfg["recompute"]
+    if rc["recompute_method"] != "block":
+        return lambda g, i: True
+    position, k = [], rc["recompute_num_layers"] or 0
+    for i, number in enumerate(numbers):
+        position.append(position[-1] + 1 if i and number == numbers[i - 1] + 1 else 0)
+    return lambda g, i: position[i] < k
+
+
 def recompute_s(cfg: dict, tflops: float, layers: int, microbatches: int, elementwise_bytes: int = 0,
-                hbm_gb_s: float = 3000.0) -> float:
-    """Seconds per step the run's recompute replays: its replayed forward FLOPs at ``tflops``; the
-    elementwise replays (``moe_act``, ``layernorm``, ``gdn_norm_out``: no matmul) as memory
+                hbm_gb_s: float = 3000.0, module_times: dict | None = None) -> float:
+    """Seconds per step the run's recompute replays: its replayed forward FLOPs at ``tflops``, or
+    where a point measured its layers' modules (``module_times``, ``measured_replay_s``) their forward
+    times; the elementwise replays (``moe_act``, ``layernorm``, ``gdn_norm_out``: no matmul) as memory
     traffic, reading their inputs and writing the ``elementwise_bytes`` they rematerialize (one
     micro-batch, the rank's layers) at ``hbm_gb_s``, plus ``estimate.replay_region_ms`` a region
     replayed and, in a host-bound step, ``estimate.launch_us`` a kernel replayed
     (``elementwise_replays``)."""
+    rc = cfg["recompute"]
+    measured = measured_replay_s(cfg, module_times) if module_times else {}
+    timed, rest = 0.0, rc
+    if rc["recompute_granularity"] == "full" and "full" in measured:
+        timed, rest = measured["full"], {**rc, "recompute_granularity": None}
+    elif rc["recompute_granularity"] == "selective":
+        covered = [label for label in rc["recompute_modules"] if label in measured]
+        timed = sum(measured[label] for label in covered)
+        rest = {**rc, "recompute_modules": [x for x in rc["recompute_modules"] if x not in covered]}
     layer = layer_forward_flops(cfg)
     per_layer = sum(layer.get(k, 0.0) for k in ("attn_proj", "core_attn", "mlp", "moe"))
-    replay = replayed_layer_flops(cfg, layer, per_layer) / cfg["parallel"]["tensor_model_parallel_size"]
+    replay = replayed_layer_flops({**cfg, "recompute": rest}, layer, per_layer)
+    replay /= cfg["parallel"]["tensor_model_parallel_size"]
     memory = 2 * elementwise_bytes / (hbm_gb_s * 1e9)
     est, default = cfg.get("estimate") or {}, EstimateConfig()
     regions, kernels = elementwise_replays(cfg)
     per_kernel = est.get("launch_us", default.launch_us) / 1e6 if host_bound(cfg) else 0.0
     overhead = regions * est.get("replay_region_ms", default.replay_region_ms) / 1e3 + kernels * per_kernel
-    return microbatches * (layers * (replay / (tflops * 1e12) + overhead) + memory)
+    return microbatches * (timed + layers * (replay / (tflops * 1e12) + overhead) + memory)
 
 
 def offload_overhead(estimate: dict) -> tuple[float, float]:

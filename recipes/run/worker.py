@@ -41,6 +41,7 @@ from recipes.errors import ConfigError
 from recipes.files import GIB, write_json_atomic
 from recipes.measure.flops import step_flops
 from recipes.measure.labels import LabelError, check_resolved, label_findings, resolve_labels
+from recipes.measure.moduletime import time_modules
 from recipes.measure.offload import copy_overlap, host_link_bandwidth, plan_summary
 from recipes.measure.profile import profile_step
 from recipes.measure.routing import RoutingRecorder
@@ -413,6 +414,17 @@ def _measure(trainer: Trainer, cfg: dict, result: dict, window: Window, labels: 
     if labels and cfg["measure"]["ledger"]:
         result["_ledger_warnings"] = control_ledgers(trainer, labels, result, run_dir)
     marks["ledgers_done"] = time.time()
+    if times_modules(cfg, trainer.on_gpu):
+        try:
+            result["module_times"] = time_modules(trainer)
+        except Exception as err:  # an OOM in the extra pass: the run's own measurements stand
+            result["module_times"] = failed_measurement(err)
+
+
+def times_modules(cfg: dict, on_gpu: bool) -> bool:
+    """Whether the run times its layers' modules (``measure.module_times``; null: on a GPU, eager)."""
+    wanted = cfg["measure"]["module_times"]
+    return bool(wanted) if wanted is not None else on_gpu and cfg["model"]["compile"] == "none"
 
 
 def failed_measurement(err: Exception) -> dict:
