@@ -426,7 +426,11 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 def main(argv: list[str] | None = None) -> None:
     opts, overrides = _parse(sys.argv[1:] if argv is None else argv)
-    ours_overrides = [*overrides, *window_overrides(opts.iters, opts.start_step)]
+    # pretrain_gpt.py accumulates weight gradients in fp32 inside the GEMM only with Apex's kernel, which
+    # it does not have here (--no-gradient-accumulation-fusion): train.py runs unfused too, unless told
+    match = [] if any(o.startswith("model.gradient_accumulation_fusion=") for o in overrides) else [
+        "model.gradient_accumulation_fusion=false"]
+    ours_overrides = [*overrides, *match, *window_overrides(opts.iters, opts.start_step)]
     try:
         cfg = compose_config(ours_overrides)
         cmd = peer_command(cfg, opts.megatron_lm, opts.iters)

@@ -104,6 +104,11 @@ step_defaults() {  # the speed defaults against the settings the committed table
     if [ "$m" = moe ]; then $PY train.py -m model=moe size=$SIZE $SWEEP_ARGS recompute=none measure.repeat=0,1,2 \
       model.moe_token_dispatcher_type=allgather,local hydra.sweep.dir=results/dispatch_moe 2>&1 | quiet 8; fi
   done; }
+step_wgrad() {  # megatron's gradient-accumulation fusion (recipes/build/wgrad.py) off and on, recompute=none,
+  # alternating in fresh processes: 2 each (MoE: 3, its step moves between processes)
+  for m in ${1//,/ }; do stamp "wgrad model=$m"; local r=0,1; [ "$m" = moe ] && r=0,1,2
+    $PY train.py -m model=$m size=$SIZE $SWEEP_ARGS recompute=none measure.repeat=$r \
+      model.gradient_accumulation_fusion=false,true hydra.sweep.dir=results/wgrad_$m 2>&1 | quiet 6; done; }
 step_speed() {  # docs/speed.md at the defaults: every CUDA sync of a dense and an MoE step, by call site; dense
   # none/mlp/full; MoE none and moe_act in 3 processes each, none in 4 more free and 4 pinned to cores 0-3;
   # MLA none twice; the 6-point sweep's seconds per point, forked and not

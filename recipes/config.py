@@ -52,6 +52,9 @@ class ModelConfig:
     qk_layernorm: bool = False
     # megatron's fused SwiGLU (bias_swiglu); null = auto: on for a SwiGLU model on a GPU, off on a CPU
     bias_activation_fusion: Optional[bool] = None
+    # the weight gradient accumulated into the fp32 main_grad inside its GEMM (recipes.build.wgrad, what
+    # Apex's kernel does); null = auto: on a GPU under megatron's DistributedOptimizer, off on a CPU
+    gradient_accumulation_fusion: Optional[bool] = None
     # torch.compile of the layers (recipes.build.model.compile_layers): none | attention (each layer's
     # self_attention) | layer (each whole TransformerLayer; not MoE layers)
     compile: str = "none"  # one of COMPILE_SCOPES
@@ -354,7 +357,8 @@ def _defaults() -> dict:
 #: Fields whose schema default changed: a stored config without them ran with the value here, not
 #: today's default (``bias_activation_fusion`` was false before null meant "auto: fused on a GPU";
 #: ``mlp_replays_fc2``: megatron's whole-MLP replay, before recipes.build.mlp).
-PREVIOUS_DEFAULTS = {("model", "bias_activation_fusion"): False, ("recompute", "mlp_replays_fc2"): True}
+PREVIOUS_DEFAULTS = {("model", "bias_activation_fusion"): False, ("recompute", "mlp_replays_fc2"): True,
+                     ("model", "gradient_accumulation_fusion"): False}
 #: Top-level fields a stored config may lack that changed nothing measured: filled as they ran.
 PREVIOUS_TOP_LEVEL = {"fork_server": False}
 

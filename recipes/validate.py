@@ -58,6 +58,10 @@ def validate(cfg: Any, num_gpus: int | None = None, te_available: bool | None = 
            f"forward hooks inside a layer compiled with model.compile={cfg['model']['compile']} would break "
            "its graph and time other code than the compiled run's", "leave measure.module_times=null (off when "
            "compiled) or set model.compile=none")
+    _check(not cfg["model"]["gradient_accumulation_fusion"] or (num_gpus and cfg["train"]["optimizer"] == "auto"),
+           "model.gradient_accumulation_fusion", "it accumulates weight gradients into the fp32 main_grad buffers "
+           "of megatron's DistributedOptimizer, which a CPU run or train.optimizer=adamw does not have",
+           "leave model.gradient_accumulation_fusion=null (auto: on where it applies) or set it false")
     for cap in ("memory_fraction", "memory_budget_gib"):
         _check(num_gpus or cfg["measure"].get(cap) is None, f"measure.{cap}", "it caps a GPU's allocator; "
                "this machine has no GPU, so the cap would do nothing", f"run it on a GPU, or set measure.{cap}=null")

@@ -16,6 +16,8 @@ import torch.nn.functional as F
 
 from recipes.build.compat import device
 from recipes.build.gdn import gdn_layer_spec
+from recipes.build.wgrad import enable as enable_wgrad_fusion
+from recipes.build.wgrad import resolve_wgrad_fusion
 from recipes.recompute import ATTENTION_KIND, MLP_KIND, layer_kinds, moe_pattern
 
 #: Model fields that are ours or GPTModel arguments, not TransformerConfig fields.
@@ -108,7 +110,7 @@ def transformer_config_kwargs(cfg: Any, on_gpu: bool) -> dict:
         pipeline_dtype=dtype,
         transformer_impl="transformer_engine" if cfg["attention"]["backend"] == "te" else "local",
         use_cpu_initialization=not on_gpu,
-        gradient_accumulation_fusion=False,  # needs apex/TE
+        gradient_accumulation_fusion=resolve_wgrad_fusion(model, on_gpu, megatron_optimizer(cfg, on_gpu)),
         masked_softmax_fusion=False,
         bias_dropout_fusion=on_gpu,
         apply_rope_fusion=False,
@@ -133,7 +135,16 @@ def build_transformer_config(cfg: Any, on_gpu: bool):
     )
 
     cls = MLATransformerConfig if ATTENTION_KIND[cfg["model"]["family"]] == "mla" else TransformerConfig
-    return cls(**transformer_config_kwargs(cfg, on_gpu))
+    kwargs = transformer_config_kwargs(cfg, on_gpu)
+    if kwargs["gradient_accumulation_fusion"]:
+        enable_wgrad_fusion()  # before megatron's linear layers check for Apex's kernel
+    return cls(**kwargs)
+
+
+def megatron_optimizer(cfg: Any, on_gpu: bool) -> bool:
+    """Whether the run trains under megatron's DistributedOptimizer (fp32 ``main_grad`` buffers) rather
+    than torch's AdamW (``train.optimizer``)."""
+    return on_gpu and cfg["train"]["optimizer"] == "auto"
 
 
 def build_layer_spec(cfg: Any, config, vp_stage: int | None = None):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from recipes.build import compat
-from recipes.build.model import build_model, build_transformer_config
+from recipes.build.model import build_model, build_transformer_config, megatron_optimizer
 from recipes.build.offload import emulate_copy_streams_on_cpu, offload_paused, reset_offload_manager
 from recipes.build.parallel import from_last_stage, reduce_gradients_cpu
 from recipes.data.datasets import batches, build_datasets
@@ -72,7 +72,7 @@ class Trainer:
 
     def _build_optimizer(self) -> str:
         train = self.cfg["train"]
-        use_megatron = self.on_gpu and train["optimizer"] == "auto"
+        use_megatron = megatron_optimizer(self.cfg, self.on_gpu)
         if use_megatron:
             from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
             from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
