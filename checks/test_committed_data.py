@@ -197,6 +197,16 @@ def test_the_recompute_time_table_at_the_defaults_regenerates_identically():
     assert _offload_table(*map(str, sweeps)) == (OFFLOAD / "recompute_defaults.md").read_text()
 
 
+def test_the_module_time_table_regenerates_identically():
+    """docs/offload-h200/moduletimes.md: the label sweeps of 2026-12-03 whose points timed their modules,
+    priced from them (docs/offload.md)."""
+    sweeps = [OFFLOAD / f"moduletimes_{m}" for m in ("standard_attn", "mla", "moe")]
+    sweeps += [OFFLOAD / f"moduletimes_{m}_h200_long" for m in ("standard_attn", "moe")]
+    table = _offload_table(*map(str, sweeps))
+    assert table == (OFFLOAD / "moduletimes.md").read_text()
+    assert "| +199.4 | +197.5 |" in table and "| +453.3 | +483.4 |" in table  # the h200_long decisions
+
+
 def test_the_offload_overhead_rates_are_the_fit_of_the_dense_points():
     """estimate.offload_ms_per_group and offload_ms_per_gib are what --fit finds in the dense h200 sweep,
     and that fit is within 20% of each dense offload-only point (docs/offload.md)."""

@@ -65,7 +65,8 @@ _PHASES = [("main_start", "start+imports"), ("logger_ready", "W&B init"), ("mega
            ("device_ready", "device init"), ("process_group_ready", "process group"),
            ("distributed_ready", "parallel state"), ("built", "build"),
            ("warmed_up", "first step"), ("steady_done", "to the window end"), ("profile_done", "profile"),
-           ("ledgers_done", "control ledgers"), ("trained", "training"), ("end", "findings+exit")]
+           ("ledgers_done", "control ledgers"), ("modules_timed", "module times"), ("trained", "training"),
+           ("end", "findings+exit")]
 
 
 def time_breakdown(result: dict) -> dict[str, float]:

@@ -419,6 +419,7 @@ def _measure(trainer: Trainer, cfg: dict, result: dict, window: Window, labels: 
             result["module_times"] = time_modules(trainer)
         except Exception as err:  # an OOM in the extra pass: the run's own measurements stand
             result["module_times"] = failed_measurement(err)
+        marks["modules_timed"] = time.time()
 
 
 def times_modules(cfg: dict, on_gpu: bool) -> bool:
