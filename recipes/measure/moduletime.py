@@ -33,10 +33,11 @@ _SKIP = ("IdentityOp", "IdentityFuncOp")
 
 
 def transformer_layers(chunks: list[torch.nn.Module]) -> list[torch.nn.Module]:
-    """Every chunk's decoder layers, in order (modules with megatron's ``layer_number`` directly under
-    a ``layers`` list)."""
-    return [m for chunk in chunks for name, m in chunk.named_modules()
-            if name.rsplit(".", 2)[-2:-1] == ["layers"] and hasattr(m, "layer_number")]
+    """Every chunk's ``TransformerLayer``s, in order (as the memory trace finds them)."""
+    # lazy: megatron takes seconds to import; tools that never build a model skip it
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    return [m for chunk in chunks for m in chunk.modules() if isinstance(m, TransformerLayer)]
 
 
 class _Clock:
