@@ -356,7 +356,8 @@ def _defaults() -> dict:
 
 #: Fields whose schema default changed: a stored config without them ran with the value here, not
 #: today's default (``bias_activation_fusion`` was false before null meant "auto: fused on a GPU";
-#: ``mlp_replays_fc2``: megatron's whole-MLP replay, before recipes.build.mlp).
+#: ``mlp_replays_fc2``: megatron's whole-MLP replay, before recipes.build.mlp; ``gradient_accumulation_fusion``:
+#: unfused, before recipes.build.wgrad).
 PREVIOUS_DEFAULTS = {("model", "bias_activation_fusion"): False, ("recompute", "mlp_replays_fc2"): True,
                      ("model", "gradient_accumulation_fusion"): False}
 #: Top-level fields a stored config may lack that changed nothing measured: filled as they ran.
