@@ -548,3 +548,28 @@ def test_with_the_fused_swiglu_moe_act_frees_what_layernorm_does():
     saved = by_option["none"]["predicted_peak_gib"] - by_option["selective/moe_act"]["predicted_peak_gib"]
     assert abs(saved - 0.5) < 0.01
     assert advice["choice"]["recompute"] == "selective/layernorm"
+
+
+def test_a_sweep_whose_base_point_timed_its_modules_prices_the_replays_from_them(tmp_path):
+    """``measure.module_times`` on the base point (no recompute): the plan for what the sweep did not
+    run prices the mlp label's replay at the measured forward time of the MLP less FC2, 8 layers x 4
+    micro-batches, not at its FLOPs, and says so."""
+    from recipes.predict.offload import recompute_s
+
+    sweep = make_sweep(tmp_path / "sweep", attentions=("sdpa",))
+    point = sweep / "attention=sdpa__recompute=none"
+    rank = json.loads((point / "ranks" / "rank0.json").read_text())
+    rank["module_times"] = {"layers": list(range(1, 9)), "microbatches": 4, "replay_ms": {},
+                            "forward_ms": {"mlp": [1.3] * 8, "mlp.linear_fc2": [0.3] * 8}}
+    write_point(sweep, "sdpa", "none", [rank])
+    p = advise.sweep_plan(sweep, 20.0)
+    assert p["module_times"]
+    (row,) = [r for r in p["rows"] if (r["recompute"], r["offload"]) == ("selective/mlp", "none")]
+    cfg = _config("sdpa", "none")
+    assert row["recompute_s"] == pytest.approx(4 * 8 * 1.0e-3)
+    flops = recompute_s({**cfg, "recompute": _config("sdpa", "selective/mlp")["recompute"]}, p["tflops"], 8, 4)
+    assert row["recompute_s"] != pytest.approx(flops)
+    assert "(replays at the base point's measured module times)" in "\n".join(advise.explain_plan(p, p["base"]))
+    rank.pop("module_times")
+    write_point(sweep, "sdpa", "none", [rank])
+    assert not advise.sweep_plan(sweep, 20.0)["module_times"]  # without them: FLOPs, as before
