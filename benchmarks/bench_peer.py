@@ -257,6 +257,15 @@ def window_overrides(iters: int, start_step: int) -> list[str]:
             f"measure.steps={iters - start_step + 1}"]
 
 
+def project_overrides(overrides: list[str], iters: int, start_step: int) -> list[str]:
+    """train.py's overrides for the benchmark: the user's, then what pretrain_gpt.py cannot match here,
+    then the window. It accumulates weight gradients in fp32 inside the GEMM only with Apex's kernel,
+    which it does not have (--no-gradient-accumulation-fusion): train.py runs unfused too, unless told."""
+    told = any(o.startswith("model.gradient_accumulation_fusion=") for o in overrides)
+    match = [] if told else ["model.gradient_accumulation_fusion=false"]
+    return [*overrides, *match, *window_overrides(iters, start_step)]
+
+
 def parse_peer_log(text: str, start_step: int) -> dict:
     """pretrain_gpt.py's stdout -> median ms over iterations >= ``start_step``, the per-iteration times, the
     last reported max allocated GiB (None when not printed) and the megatron-core version it ran."""
@@ -426,11 +435,7 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 def main(argv: list[str] | None = None) -> None:
     opts, overrides = _parse(sys.argv[1:] if argv is None else argv)
-    # pretrain_gpt.py accumulates weight gradients in fp32 inside the GEMM only with Apex's kernel, which
-    # it does not have here (--no-gradient-accumulation-fusion): train.py runs unfused too, unless told
-    match = [] if any(o.startswith("model.gradient_accumulation_fusion=") for o in overrides) else [
-        "model.gradient_accumulation_fusion=false"]
-    ours_overrides = [*overrides, *match, *window_overrides(opts.iters, opts.start_step)]
+    ours_overrides = project_overrides(overrides, opts.iters, opts.start_step)
     try:
         cfg = compose_config(ours_overrides)
         cmd = peer_command(cfg, opts.megatron_lm, opts.iters)

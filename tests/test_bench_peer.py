@@ -83,6 +83,18 @@ def test_peer_command_is_one_process_torchrun_of_pretrain_gpt(tmp_path):
     assert cmd[5:] == bench.peer_args(cfg, 10)
 
 
+def test_train_py_runs_unfused_gradient_accumulation_as_the_peer_does_without_apex():
+    """pretrain_gpt.py without Apex cannot fuse the weight-gradient accumulation; train.py's side turns
+    its own off to match, unless the user chose (then check_args lists the difference)."""
+    ours = bench.project_overrides(["size=h200"], 10, 3)
+    assert ours[:2] == ["size=h200", "model.gradient_accumulation_fusion=false"]
+    assert ours[2:] == bench.window_overrides(10, 3)
+    assert bench.compose_config(ours)["model"]["gradient_accumulation_fusion"] is False
+    told = bench.project_overrides(["model.gradient_accumulation_fusion=true"], 10, 3)
+    assert told.count("model.gradient_accumulation_fusion=true") == 1 and "model.gradient_accumulation_fusion=false" not in told
+    assert "--no-gradient-accumulation-fusion" in peer("size=h200", "attention=unfused")
+
+
 def test_train_py_runs_the_same_window():
     assert bench.window_overrides(10, 3) == ["profile=none", "train.train_iters=10", "measure.start_step=3",
                                              "measure.steps=8"]
