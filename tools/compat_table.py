@@ -171,6 +171,8 @@ ROWS = (
     Row("offload whose predicted host copies exceed the node's host memory",
         ("offload=core_attn-attn_proj", "offload.host_memory_gib=1"), "offload=core_attn-attn_proj",
         planned_host_gib=2.0),
+    Row("gradient-accumulation fusion without megatron's fp32 `main_grad` (a CPU run, or `train.optimizer=adamw`)",
+        ("model.gradient_accumulation_fusion=true",), "model.gradient_accumulation_fusion", num_gpus=0),
     Row("a size or count below 1 (any of them: heads, layers, hidden, ffn, vocabulary, experts, top-k...)",
         ("model.num_attention_heads=0",), "model.num_attention_heads"),
     Row("a value outside its range (dropouts in [0, 1), lr > 0, weight decay and clipping >= 0...)",
