@@ -184,10 +184,17 @@ def result_rows(result: dict) -> list[RankRow]:
     return [rank_row(result, r) for r in result.get("ranks") or [{}]]
 
 
+def deciding_rank(result: dict) -> dict:
+    """The rank entry that decides whether a point fits (the merged ``worst_rank``; its only one when it
+    has one; an empty one when no rank wrote a result)."""
+    ranks = result.get("ranks") or [{}]
+    worst = result.get("worst_rank")
+    return next((r for r in ranks if r.get("rank") is not None and r.get("rank") == worst), ranks[0])
+
+
 def worst_row(result: dict) -> RankRow:
-    """The rank that decides whether a point fits (its only row when it has one)."""
-    rows = result_rows(result)
-    return next((r for r in rows if r.worst), rows[0])
+    """The rank that decides whether a point fits, as a row."""
+    return rank_row(result, deciding_rank(result))
 
 
 def first_sentence(error: str | None) -> str:

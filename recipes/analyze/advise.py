@@ -42,7 +42,7 @@ from recipes.predict.estimate import predict, predict_options, recorded_shares, 
 from recipes.predict.fit import FITS, TIGHT, slack_for, verdict, with_slack
 from recipes.recipe import GPU_BUDGET_GIB, at_full_depth, compose_recipe
 from recipes.recompute import NO_RECOMPUTE, is_full, recompute_config, recompute_order, selective_labels
-from recipes.results import first_sentence, recompute_of, worst_rank, worst_row
+from recipes.results import deciding_rank, first_sentence, recompute_of, worst_row
 
 MIB = 2**20
 #: Fragmentation is flagged when reserved - allocated is at least this fraction of reserved ...
@@ -204,9 +204,7 @@ def measured_rates(results: list[dict]) -> tuple[float | None, float | None, dic
     if not ok:
         return None, (min(links) if links else None), None
     base = _base_point(ok)
-    ranks = base.get("ranks") or []
-    deciding = ranks[worst_rank(ranks)] if ranks else {}
-    times = deciding.get("module_times")
+    times = deciding_rank(base).get("module_times")
     return (worst_row(base).model_tflops_per_gpu, min(links) if links else None,
             times if times and "forward_ms" in times else None)
 
