@@ -115,6 +115,7 @@ RANGES = (
     ("train", "clip_grad", 0.0, float("inf"), True, False, "1.0"),
     ("train", "seed", 0, 2**32 - 1, True, True, "1234"),
     ("data", "eval_interval", 0, float("inf"), True, False, "0 (off) or 10"),
+    ("train", "manual_gc_interval", 0, float("inf"), True, False, "100 (0: never during training)"),
     ("data", "num_workers", 0, float("inf"), True, False, "0"),
     ("measure", "peak_tflops", 0.0, float("inf"), False, False, "989"),
     ("launcher", "master_port", 0, 65535, True, True, "0 (a free port)"),

@@ -39,6 +39,7 @@ from recipes.build.parallel import pipeline_report
 from recipes.data.indexed import check_tokenizer
 from recipes.errors import ConfigError
 from recipes.files import GIB, write_json_atomic
+from recipes.measure.collections import window_record
 from recipes.measure.flops import step_flops
 from recipes.measure.labels import LabelError, check_resolved, label_findings, resolve_labels
 from recipes.measure.moduletime import time_modules
@@ -50,6 +51,7 @@ from recipes.offload import modules_of
 from recipes.recompute import labels_of
 from recipes.results import merge_result
 from recipes.run.checkpoint import checkpoint_root, find_resume, load_checkpoint, save_checkpoint
+from recipes.run.collector import ManualCollection
 from recipes.run.progress import Progress, say
 from recipes.run.schedule import current_lr
 from recipes.run.trainer import Trainer
@@ -214,6 +216,7 @@ class Window:
         self.times: list[float] = []
         self.static: dict = {}
         self.moved: list[dict] = []  # activation offload: what each measured step copied (OffloadMeter)
+        self.collections: list[tuple[list[int], float]] = []  # Python's collections in each timed step
 
     def __contains__(self, step: int) -> bool:
         return self.span is not None and self.span[0] <= step <= self.span[1]
@@ -265,61 +268,68 @@ def train_and_measure(cfg: dict, result: dict, run_dir: Path | None = None,
     lrs: list[float | None] = []  # the learning rate each step ran at
     evals: list[dict] = []
     eval_interval = cfg["data"]["eval_interval"]
-    for step in range(first, train["train_iters"] + 1):
-        if step in window and step == window.span[0]:
-            _sync()
-            window.static = memory_now()
-            if compat.cuda_available():
-                torch.cuda.reset_peak_memory_stats()
-            trainer.counter.reset()
-            result["phase"] = "window"
-        timed = step in window
-        if timed:
-            _sync()
-            moved = trainer.offload_meter.snapshot() if trainer.offloading else None
-            started = time.perf_counter()
-        lrs.append(current_lr(trainer.optimizer))
-        record = step == ledger_step and window.span is not None and cfg["measure"]["ledger"]
-        losses.append(trainer.train_step(record_ledger=record))
-        grad_norms.append(trainer.grad_norms[-1])
-        if timed:
-            _sync()
-            window.times.append(time.perf_counter() - started)
-            if moved is not None:
-                window.moved.append(trainer.offload_meter.since(moved))
-        if step == first and window.span is not None:
-            _after_first_step(trainer, cfg, result, t0)
-        if step == ledger_step and step != first and window.span is not None:
-            _record_ledger(trainer, cfg, result)
-        if window.span and step == window.span[1]:
-            _measure(trainer, cfg, result, window, labels, run_dir)
-            # the recorder counts this process's steps from 0 (the ledger's is its first, with offload its second)
-            record_routing(routing, result, ledger_step - first if cfg["measure"]["ledger"] else None,
-                           range(window.span[0] - first, window.span[1] - first + 1))
-            result["phase"] = "after_window"
-        if eval_interval and trainer.valid_data is not None and step % eval_interval == 0:
-            evals.append({"step": step, "loss": trainer.evaluate()})
-            logger.log({"val/loss": evals[-1]["loss"]}, step)  # evaluate() synchronized already
-        if progress is not None and (step % progress.interval == 0 or step == train["train_iters"]):
-            progress.log(step, losses[-1], lrs[-1], grad_norms[-1], evals[-1] if evals else None)
-        stop = None
-        if step < train["train_iters"]:
-            received = STOP.requested()
-            if received:
-                stop = "preempted"
-                result["signal"] = received
-                say(f"[signal] {received} at step {step}: " + (
-                    "saving a checkpoint, then stopping" if root is not None else "stopping (checkpoint.save=false)"))
-            elif exit_interval and step % exit_interval == 0:
-                stop = "stopped"
-        if root is not None and (stop or step == train["train_iters"] or (ck["interval"] and step % ck["interval"] == 0)):
-            measured = {k: result[k] for k in MEASURED_KEYS if k in result} if "timing" in result else {}
-            path = save_checkpoint(trainer, cfg, root, measured)
-            result["checkpoint"] = {"path": str(path), "step": step}
-            say(f"[checkpoint] saved step {step} to {path}")
-        if stop:
-            result["stopped_at"], result["stop_reason"] = step, stop
-            break
+    collector = ManualCollection(train).start()  # train.manual_gc: no collector pauses inside the steps
+    try:
+        for step in range(first, train["train_iters"] + 1):
+            if step in window and step == window.span[0]:
+                _sync()
+                window.static = memory_now()
+                if compat.cuda_available():
+                    torch.cuda.reset_peak_memory_stats()
+                trainer.counter.reset()
+                result["phase"] = "window"
+            timed = step in window
+            if timed:
+                _sync()
+                moved = trainer.offload_meter.snapshot() if trainer.offloading else None
+                collected = collector.meter.snapshot()
+                started = time.perf_counter()
+            lrs.append(current_lr(trainer.optimizer))
+            record = step == ledger_step and window.span is not None and cfg["measure"]["ledger"]
+            losses.append(trainer.train_step(record_ledger=record))
+            grad_norms.append(trainer.grad_norms[-1])
+            if timed:
+                _sync()
+                window.times.append(time.perf_counter() - started)
+                window.collections.append(collector.meter.since(collected))
+                if moved is not None:
+                    window.moved.append(trainer.offload_meter.since(moved))
+            if step == first and window.span is not None:
+                _after_first_step(trainer, cfg, result, t0)
+            if step == ledger_step and step != first and window.span is not None:
+                _record_ledger(trainer, cfg, result)
+            if window.span and step == window.span[1]:
+                _measure(trainer, cfg, result, window, labels, run_dir)
+                # the recorder counts this process's steps from 0 (the ledger's is its first, with offload its second)
+                record_routing(routing, result, ledger_step - first if cfg["measure"]["ledger"] else None,
+                               range(window.span[0] - first, window.span[1] - first + 1))
+                result["phase"] = "after_window"
+            collector.after_step(step)
+            if eval_interval and trainer.valid_data is not None and step % eval_interval == 0:
+                evals.append({"step": step, "loss": trainer.evaluate()})
+                logger.log({"val/loss": evals[-1]["loss"]}, step)  # evaluate() synchronized already
+            if progress is not None and (step % progress.interval == 0 or step == train["train_iters"]):
+                progress.log(step, losses[-1], lrs[-1], grad_norms[-1], evals[-1] if evals else None)
+            stop = None
+            if step < train["train_iters"]:
+                received = STOP.requested()
+                if received:
+                    stop = "preempted"
+                    result["signal"] = received
+                    say(f"[signal] {received} at step {step}: " + (
+                        "saving a checkpoint, then stopping" if root is not None else "stopping (checkpoint.save=false)"))
+                elif exit_interval and step % exit_interval == 0:
+                    stop = "stopped"
+            if root is not None and (stop or step == train["train_iters"] or (ck["interval"] and step % ck["interval"] == 0)):
+                measured = {k: result[k] for k in MEASURED_KEYS if k in result} if "timing" in result else {}
+                path = save_checkpoint(trainer, cfg, root, measured)
+                result["checkpoint"] = {"path": str(path), "step": step}
+                say(f"[checkpoint] saved step {step} to {path}")
+            if stop:
+                result["stopped_at"], result["stop_reason"] = step, stop
+                break
+    finally:
+        collector.stop()
     marks["trained"] = time.time()
     result["loss"] = [None if l is None else float(l) for l in losses]
     result["grad_norm"] = [None if g is None else float(g) for g in grad_norms]  # before clipping
@@ -386,6 +396,7 @@ def _measure(trainer: Trainer, cfg: dict, result: dict, window: Window, labels: 
         "hardware_tflops_per_gpu": flops["hardware"] / median / world / 1e12,
         "mfu": flops["model"] / median / world / 1e12 / peak if compat.cuda_available() else None,
         "recompute_flops_fraction": flops["hardware"] / flops["model"] - 1.0,
+        "gc": window_record(window.collections, bool(train["manual_gc"])),
     }
     if compat.cuda_available():
         mem, static = memory_now(), window.static

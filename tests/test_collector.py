@@ -1,0 +1,85 @@
+"""``train.manual_gc`` (Megatron-LM's --manual-gc): Python's collector stays out of the training steps,
+which is safe only because a step leaves no garbage that needs it."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+from conftest import build_trainer, compose, train_in_process
+
+from recipes.errors import ConfigError
+from recipes.measure.collections import CollectionMeter
+from recipes.validate import validate
+
+TINY = ("size=tiny", "attention=unfused", "profile=none", "train.train_iters=3", "measure.start_step=2")
+
+
+@pytest.mark.parametrize("model,recompute", [("standard_attn", "none"), ("standard_attn", "full"),
+                                             ("moe", "selective/moe_act"), ("mla", "selective/mla_up_proj")])
+def test_a_training_step_leaves_no_reference_cycles(megatron_world, model, recompute):
+    """What makes the collector safe to turn off: after two more steps with it off, a collection finds
+    nothing unreachable (no tensor held in a cycle that only it would free). Fails once a change to
+    the step (ours or megatron's) builds cycles: manual_gc would then hold their memory until the next
+    collection."""
+    trainer = build_trainer(compose(*TINY, f"model={model}", f"recompute={recompute}"))
+    try:
+        trainer.train_step()
+        gc.collect()
+        gc.disable()
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        try:
+            trainer.train_step()
+            trainer.train_step()
+            found = gc.collect()
+            garbage = [type(o).__name__ for o in gc.garbage]
+        finally:
+            gc.set_debug(0)
+            gc.garbage.clear()
+            gc.enable()
+        assert found == 0, sorted(set(garbage))
+    finally:
+        trainer.close()
+
+
+def test_manual_gc_keeps_the_collector_out_of_the_timed_steps_and_restores_it(megatron_world):
+    """With the collector at a hair trigger (a collection every allocation), the timed steps record
+    collections unless manual_gc is on; either way the process's collector is as before afterwards."""
+    threshold = gc.get_threshold()
+    gc.set_threshold(1, 1, 1)
+    try:
+        auto = train_in_process(compose(*TINY, "train.manual_gc=false"))["timing"]["gc"]
+        assert gc.isenabled()
+        manual = train_in_process(compose(*TINY))["timing"]["gc"]
+        assert gc.isenabled() and gc.get_freeze_count() == 0
+    finally:
+        gc.set_threshold(*threshold)
+    assert not auto["manual"] and auto["collections"][0] > 0 and auto["pause_ms"] > 0
+    assert manual == {"manual": True, "collections": [0, 0, 0], "pause_ms": 0.0, "max_step_pause_ms": 0.0}
+
+
+def test_the_meter_counts_collections_by_generation():
+    meter = CollectionMeter().install()
+    try:
+        before = meter.snapshot()
+        gc.collect(0)
+        gc.collect(2)
+        counts, pause = meter.since(before)
+    finally:
+        meter.uninstall()
+    assert counts == [1, 0, 1] and pause > 0
+    assert meter._callback not in gc.callbacks
+
+
+def test_a_negative_interval_is_refused_naming_the_option():
+    with pytest.raises(ConfigError) as err:
+        validate(compose("size=tiny", "train.manual_gc_interval=-1"))
+    assert "train.manual_gc_interval" in str(err.value) and "100" in str(err.value)
+
+
+def test_stored_configs_read_as_the_automatic_collector():
+    from recipes.config import upgrade
+
+    cfg = compose("size=tiny")
+    del cfg["train"]["manual_gc"]
+    assert upgrade(cfg)["train"]["manual_gc"] is False
