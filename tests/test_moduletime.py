@@ -118,3 +118,20 @@ def test_measured_module_times_replace_the_flop_price_of_the_labels_they_cover()
     up_by_flops = recompute_s(both, 400.0, 8, 4, 0, 3000.0) - recompute_s(only_core, 400.0, 8, 4, 0, 3000.0)
     core_timed = _times(list(range(1, 9)), self_attention__core_attention=1.0)
     assert recompute_s(both, 400.0, 8, 4, 0, 3000.0, core_timed) == pytest.approx(4 * 8 * 1e-3 + up_by_flops)
+
+
+def test_offload_hides_its_copies_behind_the_measured_layer_forward():
+    """Where a point timed its layers, offload's copies are priced against their measured forward (the
+    mean of the layers'), not against the FLOPs at the step's rate: a slower measured forward hides
+    more of the same copies."""
+    from recipes.analyze.plan import price
+    from recipes.predict.estimate import predict
+    from recipes.predict.offload import layer_forward_s
+
+    cfg = compose("size=h200", "offload=core_attn")
+    p = predict(cfg, "cuda")
+    assert layer_forward_s(cfg, 400.0, _times([1, 2], layer=6.0)) == pytest.approx(6e-3)
+    assert layer_forward_s(cfg, 400.0, _times([1, 2], mlp=6.0)) == pytest.approx(layer_forward_s(cfg, 400.0))
+    fast, slow = (price(cfg, p, 400.0, 2.0, 0, _times(list(range(1, 9)), layer=ms)) for ms in (0.5, 50.0))
+    assert fast["offload_stall_s"] > slow["offload_stall_s"] >= 0.0
+    assert fast["offload_copy_s"] == slow["offload_copy_s"] > 0

@@ -93,14 +93,14 @@ def price(cfg: dict, p: dict, tflops: float, link_gb_s: float, remat_bytes: int 
           module_times: dict | None = None) -> dict:
     """A predicted config's added step time: recompute's replay (``remat_bytes``: what its elementwise
     labels rematerialize, ``elementwise_bytes``; ``module_times``: a measured point's module forward
-    times, which price the labels they cover) and offload's (reloads waited for, the copies'
-    overhead), in seconds."""
+    times, which price the labels they cover and time the layer forwards offload's copies hide
+    behind) and offload's (reloads waited for, the copies' overhead), in seconds."""
     par = cfg["parallel"]
     layers = cfg["model"]["num_layers"] // par["pipeline_model_parallel_size"]
     m = num_microbatches(cfg)
     replay = recompute_s(cfg, tflops, layers, m, remat_bytes, (cfg.get("estimate") or {}).get("hbm_gb_s", 3000.0),
                          module_times)
-    copies = exposed_transfer_s(p["host_bytes_per_layer"], layer_forward_s(cfg, tflops), link_gb_s, m,
+    copies = exposed_transfer_s(p["host_bytes_per_layer"], layer_forward_s(cfg, tflops, module_times), link_gb_s, m,
                                 p.get("host_groups_per_layer"), *offload_overhead(cfg.get("estimate") or {}))
     return {"recompute_s": replay, "offload_s": copies["exposed_s"] + copies["overhead_s"],
             "offload_copy_s": copies["copy_s"], "offload_stall_s": copies["exposed_s"],

@@ -180,9 +180,13 @@ def chunk_offload(cfg: dict, d: Dims, layers: list[list[Term]], global_layers: l
 
 
 # --- time: recompute and offload in seconds per step ---------------------------------------------------
-def layer_forward_s(cfg: dict, tflops: float) -> float:
-    """One average layer's forward time for one micro-batch at ``tflops`` achieved TFLOP/s per GPU
-    (its matmul FLOPs, ``recipes.measure.flops``; TP splits them)."""
+def layer_forward_s(cfg: dict, tflops: float, module_times: dict | None = None) -> float:
+    """One average layer's forward time for one micro-batch: measured, where a point timed its layers
+    (``module_times``: the mean of its layers' whole forwards), else at ``tflops`` achieved TFLOP/s per
+    GPU (its matmul FLOPs, ``recipes.measure.flops``; TP splits them)."""
+    measured = ((module_times or {}).get("forward_ms") or {}).get("")
+    if measured:
+        return sum(measured) / len(measured) / 1e3
     layer = layer_forward_flops(cfg)
     flops = sum(layer.get(k, 0.0) for k in ("attn_proj", "core_attn", "mlp", "moe"))
     return flops / cfg["parallel"]["tensor_model_parallel_size"] / (tflops * 1e12)
