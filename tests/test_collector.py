@@ -58,6 +58,17 @@ def test_manual_gc_keeps_the_collector_out_of_the_timed_steps_and_restores_it(me
     assert manual == {"manual": True, "collections": [0, 0, 0], "pause_ms": 0.0, "max_step_pause_ms": 0.0}
 
 
+def test_a_collection_that_paused_the_timed_steps_is_a_warning_naming_the_fix():
+    from recipes.measure.collections import collection_findings
+
+    timing = {"steps": 4, "step_time_s": 0.3, "gc": {"manual": False, "collections": [40, 3, 1],
+                                                     "pause_ms": 120.0, "max_step_pause_ms": 110.0}}
+    (warning,) = collection_findings(timing)
+    assert "44 time(s)" in warning and "120.0 ms" in warning and "train.manual_gc=true" in warning
+    timing["gc"]["pause_ms"] = 5.0  # under 1% of 4 x 300 ms
+    assert collection_findings(timing) == [] and collection_findings({}) == []
+
+
 def test_the_meter_counts_collections_by_generation():
     meter = CollectionMeter().install()
     try:

@@ -52,3 +52,13 @@ def window_record(parts: list[tuple[list[int], float]], manual: bool) -> dict:
     pauses = [p[1] * 1e3 for p in parts]
     return {"manual": manual, "collections": counts, "pause_ms": sum(pauses),
             "max_step_pause_ms": max(pauses, default=0.0)}
+
+
+def collection_findings(timing: dict | None) -> list[str]:
+    """A warning when Python's collector paused the timed steps for more than 1% of their time."""
+    record, median = (timing or {}).get("gc"), (timing or {}).get("step_time_s")
+    if not record or not median or record["pause_ms"] <= 0.01 * median * 1e3 * (timing.get("steps") or 1):
+        return []
+    return [f"Python's garbage collector ran {sum(record['collections'])} time(s) inside the timed steps and "
+            f"paused them {record['pause_ms']:.1f} ms (the longest step's: {record['max_step_pause_ms']:.1f} ms): "
+            "set train.manual_gc=true to keep it between steps"]

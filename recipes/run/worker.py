@@ -39,7 +39,7 @@ from recipes.build.parallel import pipeline_report
 from recipes.data.indexed import check_tokenizer
 from recipes.errors import ConfigError
 from recipes.files import GIB, write_json_atomic
-from recipes.measure.collections import window_record
+from recipes.measure.collections import collection_findings, window_record
 from recipes.measure.flops import step_flops
 from recipes.measure.labels import LabelError, check_resolved, label_findings, resolve_labels
 from recipes.measure.moduletime import time_modules
@@ -336,7 +336,8 @@ def train_and_measure(cfg: dict, result: dict, run_dir: Path | None = None,
     result["lr"] = lrs
     if evals:
         result["eval_loss"] = evals
-    result["warnings"] = label_findings(result, labels) + result.pop("_ledger_warnings", [])
+    result["warnings"] = (label_findings(result, labels) + result.pop("_ledger_warnings", [])
+                          + collection_findings(result.get("timing")))
     if "timing" not in result:
         result["warnings"].append("nothing measured: this process started after the measured window and "
                                   "its checkpoint carried no measurements")
