@@ -222,6 +222,8 @@ def peer_args(cfg: dict, iters: int) -> list[str]:
                  "--end-weight-decay", str(train["end_weight_decay"]),
                  "--weight-decay-incr-style", train["weight_decay_incr_style"]]
     args += ["--clip-grad", str(train["clip_grad"]), "--seed", str(train["seed"])]
+    if train["manual_gc"]:  # the same flags, the same collector policy
+        args += ["--manual-gc", "--manual-gc-interval", str(train["manual_gc_interval"])]
     vocab = model["vocab_size"]
     args += ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", str(vocab)]
     if vocab % 128:  # Megatron-LM pads the vocabulary to a multiple of 128 by default; train.py does not

@@ -95,6 +95,13 @@ def test_train_py_runs_unfused_gradient_accumulation_as_the_peer_does_without_ap
     assert "--no-gradient-accumulation-fusion" in peer("size=h200", "attention=unfused")
 
 
+def test_the_peer_collects_garbage_as_train_py_does():
+    """train.manual_gc is Megatron-LM's --manual-gc: the peer gets the same policy, or none."""
+    args = peer("size=h200", "attention=unfused")
+    assert args[args.index("--manual-gc") + 1:][:2] == ["--manual-gc-interval", "100"]
+    assert "--manual-gc" not in peer("size=h200", "attention=unfused", "train.manual_gc=false")
+
+
 def test_train_py_runs_the_same_window():
     assert bench.window_overrides(10, 3) == ["profile=none", "train.train_iters=10", "measure.start_step=3",
                                              "measure.steps=8"]
