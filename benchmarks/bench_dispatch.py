@@ -5,11 +5,9 @@ host synchronisations of an MoE layer, and where every host sync of a training s
     python benchmarks/bench_dispatch.py --step size=h200     # a whole model=moe training step
     python benchmarks/bench_dispatch.py --step model=standard_attn size=h200   # any model's step
 
-Layer mode builds megatron's MoELayer (router, dispatcher, GroupedExperts) three times with the same
+Layer mode builds megatron's MoELayer (router, dispatcher, GroupedExperts) twice with the same
 weights, at the h200 size's MoE shape on CUDA (hidden 2048, expert ffn 2048, 8 experts, top-2,
-4096 x 2 tokens, bf16) and a tiny one on a CPU (a smoke run: the times mean nothing there): allgather,
-local, and local with megatron's scatters (``local/scatter``: ``index_select``'s backward and
-``unpermute``, where local sums each token's rows by a gather). It prints
+4096 x 2 tokens, bf16) and a tiny one on a CPU (a smoke run: the times mean nothing there). It prints
 the median wall time of a forward + backward (the host waits for the device at the end of each, so
 a sync in the middle shows as time the GPU idles while the host launches the rest), the host syncs
 per forward + backward (``recipes.measure.syncs.HostSyncCounter``; on CUDA also the count
@@ -69,9 +67,6 @@ def layer_mode(args) -> None:
     layers = {"allgather": MoELayer(config, submodules, layer_number=1).to(device)}
     layers["local"] = LocalDispatchMoELayer(config, submodules, layer_number=1).to(device)
     layers["local"].load_state_dict(layers["allgather"].state_dict())
-    layers["local/scatter"] = LocalDispatchMoELayer(config, submodules, layer_number=1).to(device)
-    layers["local/scatter"].load_state_dict(layers["allgather"].state_dict())
-    layers["local/scatter"].token_dispatcher.scatter_sums = True  # megatron's index_add_ and scatter_add_
     if not cuda:  # the grouped GEMM exists on a CPU too; the loop path would read counts on the host
         for layer in layers.values():
             layer.experts.gemm_impl = "grouped_mm"
@@ -92,10 +87,9 @@ def layer_mode(args) -> None:
           f"tokens {args.tokens} x top-{args.topk}, hidden {args.hidden}, expert ffn {args.ffn}, "
           f"{args.experts} experts, {str(dtype).removeprefix('torch.')}, torch {torch.__version__}")
     results = {name: fwd_bwd(layer) for name, layer in layers.items()}
-    for name in ("local", "local/scatter"):
-        same = all(torch.equal(a, b) for a, b in zip(results[name], results["allgather"]))
-        diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(results[name], results["allgather"]))
-        print(f"{name} vs allgather: outputs and gradients identical: {same} (largest difference {diff:.3e})")
+    same = all(torch.equal(a, b) for a, b in zip(results["local"], results["allgather"]))
+    diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(results["local"], results["allgather"]))
+    print(f"local vs allgather: outputs and gradients identical: {same} (largest difference {diff:.3e})")
     print(f"\n| dispatcher | fwd+bwd ms (median of {args.iters}) | host syncs (counted) | CUDA sync warnings |")
     print("|---|---|---|---|")
     for name, layer in layers.items():

@@ -16,14 +16,10 @@ token dropping every token goes to exactly top-k experts, so the number of route
   the data; the probabilities are gathered by the same index, not by ``masked_select``;
 - the counts per expert stay on the device (``routing_map.sum(0)``); ``GroupedExperts`` turns them
   into the grouped GEMM's offsets there;
-- the combine sums each token's top-k rows by a gather (``sum_rows_of_tokens``), where megatron's
-  ``unpermute`` scatter-adds them into zeros; the permutation's backward (megatron: ``index_select``'s,
-  an ``index_add_``) is the same gather-sum. A GPU does both scatters with atomic adds, 9 ms of an
-  h200 MoE step's kernels for the backward's alone (docs/speed.md); the gather adds a token's rows in
-  the order a CPU's scatter does (by expert), and with top-2 any order gives the same sum.
+- the combine is megatron's ``unpermute`` (a scatter-add into the token order).
 
 The arithmetic is the allgather dispatcher's: the same rows in the same order, the same
-probabilities, the same sums, so outputs and gradients are bit-identical
+probabilities, the same scatter-add, so outputs and gradients are bit-identical
 (``tests/test_dispatch.py``). What it saves for backward differs: the probabilities' gather keeps
 its int64 index (tokens x top-k) where ``masked_select`` kept the [experts, tokens] probabilities
 and boolean map (``recipes.predict.activations.moe_terms``).
@@ -45,54 +41,8 @@ from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 
-def sum_rows_of_tokens(rows: torch.Tensor, row_tokens: torch.Tensor, topk: int) -> torch.Tensor:
-    """[tokens x top-k, h] -> [tokens, h]: the top-k rows of each token (``row_tokens[r]`` is row r's
-    token) summed one after another in row order, which is what a scatter-add into zeros computes
-    on a CPU (on a GPU its atomics add in any order: the same sum for top-2)."""
-    by_token = row_tokens.argsort(stable=True).view(-1, topk)  # each token's rows, in row order
-    out = rows.index_select(0, by_token[:, 0])
-    for j in range(1, topk):  # in place: one row set alive beside the sum (the scatter's zeros: none)
-        out.add_(rows.index_select(0, by_token[:, j]))
-    return out
-
-
-class _PermuteTokens(torch.autograd.Function):
-    """``tokens.index_select(0, row_tokens)``, whose backward sums each token's row gradients by a
-    gather instead of ``index_add_``. Saves ``row_tokens`` alone, as ``index_select`` does."""
-
-    @staticmethod
-    def forward(ctx, tokens: torch.Tensor, row_tokens: torch.Tensor, topk: int) -> torch.Tensor:
-        ctx.save_for_backward(row_tokens)
-        ctx.topk = topk
-        return tokens.index_select(0, row_tokens)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        (row_tokens,) = ctx.saved_tensors
-        return sum_rows_of_tokens(grad, row_tokens, ctx.topk), None, None
-
-
-class _CombineRows(torch.autograd.Function):
-    """Each token's top-k rows summed (``sum_rows_of_tokens``); backward: each row gets its token's
-    gradient (the scatter-add's backward, a gather). Saves ``row_tokens`` alone, as the scatter does."""
-
-    @staticmethod
-    def forward(ctx, rows: torch.Tensor, row_tokens: torch.Tensor, topk: int) -> torch.Tensor:
-        ctx.save_for_backward(row_tokens)
-        return sum_rows_of_tokens(rows, row_tokens, topk)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        (row_tokens,) = ctx.saved_tensors
-        return grad.index_select(0, row_tokens), None, None
-
-
 class LocalTokenDispatcher(MoETokenDispatcher):
     """Tokens sorted by expert on this rank; counts per expert on the device; no communication."""
-
-    #: megatron's scatters instead of the gather-sums (``index_select``'s backward, ``unpermute``):
-    #: the same numbers, kept for ``benchmarks/bench_dispatch.py`` to time both in one process.
-    scatter_sums = False
 
     def __init__(self, num_local_experts: int, local_expert_indices: list[int], config, pg_collection=None):
         super().__init__(config=config, pg_collection=pg_collection)
@@ -141,21 +91,15 @@ class LocalTokenDispatcher(MoETokenDispatcher):
         # first, in order. The clone keeps num_rows indices for backward, not the whole sort.
         order = routing_map.T.contiguous().view(-1).argsort(descending=True, stable=True)[:num_rows].clone()
         self.sorted_indices = order % num_tokens
-        if self.scatter_sums:
-            permuted = hidden_states.index_select(0, self.sorted_indices)
-        else:
-            permuted = _PermuteTokens.apply(hidden_states, self.sorted_indices, self.topk)
+        permuted = hidden_states.index_select(0, self.sorted_indices)
         # masked_select(probs.T, map.T) picks the same entries in the same order, sized by the data.
         permuted_probs = probs.T.contiguous().view(-1).index_select(0, order)
         return permuted, tokens_per_expert, permuted_probs
 
     def combine_preprocess(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Expert outputs back to token order, the top-k rows of a token summed (megatron's
-        ``unpermute`` without probabilities: a scatter-add into zeros)."""
-        if self.scatter_sums:
-            out = unpermute(hidden_states, self.sorted_indices, restore_shape=self.hidden_shape_before_permute)
-        else:
-            out = _CombineRows.apply(hidden_states, self.sorted_indices, self.topk)
+        ``unpermute``: a scatter-add into zeros)."""
+        out = unpermute(hidden_states, self.sorted_indices, restore_shape=self.hidden_shape_before_permute)
         self.sorted_indices = None  # autograd keeps what backward needs; hold nothing between steps
         return out
 
