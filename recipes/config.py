@@ -209,9 +209,10 @@ class TrainConfig:
     fused_adam: bool = True  # torch's fused Adam kernel (what TE/apex FusedAdam would be); false: foreach
     log_interval: int = 100  # one progress line (rank 0) every N steps (0 = none); also RUN_DIR/progress.jsonl
     exit_interval: Optional[int] = None  # stop (after saving, when checkpoint.save) once step % N == 0
-    # Megatron-LM's --manual-gc: Python's collector off while training (its full collections paused
-    # whichever step they landed in), collecting between steps every manual_gc_interval steps (0: never)
-    manual_gc: bool = True
+    # Megatron-LM's --manual-gc: Python's collector off while training (a full collection pauses whichever
+    # step it lands in), collecting between steps every manual_gc_interval steps (0: never). Off, as in
+    # Megatron-LM: on one H200 it changed no step time (docs/training.md)
+    manual_gc: bool = False
     manual_gc_interval: int = 100
 
 
@@ -361,9 +362,9 @@ def _defaults() -> dict:
 #: Fields whose schema default changed: a stored config without them ran with the value here, not
 #: today's default (``bias_activation_fusion`` was false before null meant "auto: fused on a GPU";
 #: ``mlp_replays_fc2``: megatron's whole-MLP replay, before recipes.build.mlp; ``gradient_accumulation_fusion``:
-#: unfused, before recipes.build.wgrad; ``manual_gc``: Python's automatic collector, before recipes.run.collector).
+#: unfused, before recipes.build.wgrad).
 PREVIOUS_DEFAULTS = {("model", "bias_activation_fusion"): False, ("recompute", "mlp_replays_fc2"): True,
-                     ("model", "gradient_accumulation_fusion"): False, ("train", "manual_gc"): False}
+                     ("model", "gradient_accumulation_fusion"): False}
 #: Top-level fields a stored config may lack that changed nothing measured: filled as they ran.
 PREVIOUS_TOP_LEVEL = {"fork_server": False}
 

@@ -97,9 +97,9 @@ def test_train_py_runs_unfused_gradient_accumulation_as_the_peer_does_without_ap
 
 def test_the_peer_collects_garbage_as_train_py_does():
     """train.manual_gc is Megatron-LM's --manual-gc: the peer gets the same policy, or none."""
-    args = peer("size=h200", "attention=unfused")
+    args = peer("size=h200", "attention=unfused", "train.manual_gc=true")
     assert args[args.index("--manual-gc") + 1:][:2] == ["--manual-gc-interval", "100"]
-    assert "--manual-gc" not in peer("size=h200", "attention=unfused", "train.manual_gc=false")
+    assert "--manual-gc" not in peer("size=h200", "attention=unfused")
 
 
 def test_train_py_runs_the_same_window():

@@ -50,7 +50,7 @@ def test_manual_gc_keeps_the_collector_out_of_the_timed_steps_and_restores_it(me
     try:
         auto = train_in_process(compose(*TINY, "train.manual_gc=false"))["timing"]["gc"]
         assert gc.isenabled()
-        manual = train_in_process(compose(*TINY))["timing"]["gc"]
+        manual = train_in_process(compose(*TINY, "train.manual_gc=true"))["timing"]["gc"]
         assert gc.isenabled() and gc.get_freeze_count() == 0
     finally:
         gc.set_threshold(*threshold)
@@ -86,11 +86,3 @@ def test_a_negative_interval_is_refused_naming_the_option():
     with pytest.raises(ConfigError) as err:
         validate(compose("size=tiny", "train.manual_gc_interval=-1"))
     assert "train.manual_gc_interval" in str(err.value) and "100" in str(err.value)
-
-
-def test_stored_configs_read_as_the_automatic_collector():
-    from recipes.config import upgrade
-
-    cfg = compose("size=tiny")
-    del cfg["train"]["manual_gc"]
-    assert upgrade(cfg)["train"]["manual_gc"] is False

@@ -2,8 +2,8 @@
 
 Python's automatic collector runs whenever enough objects were allocated, so a full collection (every
 object the process holds: 0.27 s on a 2-core CPU after megatron-core's imports) lands inside
-whichever step crosses the threshold. A GPU that waits on the host for its next kernels idles that
-long, and which steps it hits differs between processes. A training step here leaves no garbage that
+whichever step crosses the threshold; on many ranks, one rank's pause stalls the others at the next
+collective. A training step here leaves no garbage that
 only the collector can free (no reference cycles: ``tests/test_collector.py`` checks the families and
 their recomputes), so with ``manual_gc`` the collector is off while training: the objects of the
 build are frozen out of its reach once (``gc.freeze``), and it collects between steps every
