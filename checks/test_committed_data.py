@@ -207,6 +207,14 @@ def test_the_module_time_table_regenerates_identically():
     assert "| +199.4 | +197.5 |" in table and "| +453.3 | +483.4 |" in table  # the h200_long decisions
 
 
+def test_the_module_timed_offload_table_regenerates_identically():
+    """docs/offload-h200/moduletimes_offload.md: the dense offload sweep and MoE's labels whose points timed
+    their modules, priced from them (docs/offload.md, the later section of 2026-12-03)."""
+    table = _offload_table(str(OFFLOAD / "moduletimes_offload_standard_attn"), str(OFFLOAD / "moduletimes_moe_again"))
+    assert table == (OFFLOAD / "moduletimes_offload.md").read_text()
+    assert "| +28.2 | +25.4 |" in table and "| +78.8 | +86.3 |" in table
+
+
 def test_the_offload_overhead_rates_are_the_fit_of_the_dense_points():
     """estimate.offload_ms_per_group and offload_ms_per_gib are what --fit finds in the dense h200 sweep,
     and that fit is within 20% of each dense offload-only point (docs/offload.md)."""
