@@ -208,11 +208,14 @@ def test_the_module_time_table_regenerates_identically():
 
 
 def test_the_module_timed_offload_table_regenerates_identically():
-    """docs/offload-h200/moduletimes_offload.md: the dense offload sweep and MoE's labels whose points timed
-    their modules, priced from them (docs/offload.md, the later section of 2026-12-03)."""
-    table = _offload_table(str(OFFLOAD / "moduletimes_offload_standard_attn"), str(OFFLOAD / "moduletimes_moe_again"))
+    """docs/offload-h200/moduletimes_offload.md (the dense and MoE offload sweeps) and moduletimes_moe_again.md
+    (MoE's labels), whose points timed their modules, priced from them (docs/offload.md, the later
+    section of 2026-12-03)."""
+    table = _offload_table(str(OFFLOAD / "moduletimes_offload_standard_attn"), str(OFFLOAD / "moduletimes_offload_moe"))
     assert table == (OFFLOAD / "moduletimes_offload.md").read_text()
-    assert "| +28.2 | +25.4 |" in table and "| +78.8 | +86.3 |" in table
+    assert "| +28.2 | +25.4 |" in table and "| +13.4 | +15.2 |" in table
+    labels = _offload_table(str(OFFLOAD / "moduletimes_moe_again"))
+    assert labels == (OFFLOAD / "moduletimes_moe_again.md").read_text() and "| +78.8 | +86.3 |" in labels
 
 
 def test_the_offload_overhead_rates_are_the_fit_of_the_dense_points():
