@@ -115,7 +115,7 @@ step_gc() {  # train.manual_gc (recipes/run/collector.py) off and on, recompute=
   for m in ${1//,/ }; do stamp "gc model=$m"; local r=0,1; [ "$m" = moe ] && r=0,1,2,3,4,5
     $PY train.py -m model=$m size=$SIZE $SWEEP_ARGS recompute=none measure.repeat=$r \
       train.manual_gc=false,true hydra.sweep.dir=results/gc_$m 2>&1 | quiet 6
-    [ "$m" = moe ] && $PY train.py -m sweep=moe size=$SIZE $SWEEP_ARGS measure.repeat=0,1,2 \
+    [ "$m" = moe ] && $PY train.py -m sweep=moe size=$SIZE $SWEEP_ARGS measure.repeat=0,1,2 train.manual_gc=true \
       hydra.sweep.dir=results/gc_labels_moe 2>&1 | quiet 8; done; return 0; }
 step_speed() {  # docs/speed.md at the defaults: every CUDA sync of a dense and an MoE step, by call site; dense
   # none/mlp/full; MoE none and moe_act in 3 processes each, none in 4 more free and 4 pinned to cores 0-3;
