@@ -261,11 +261,15 @@ def window_overrides(iters: int, start_step: int) -> list[str]:
 
 def project_overrides(overrides: list[str], iters: int, start_step: int) -> list[str]:
     """train.py's overrides for the benchmark: the user's, then what pretrain_gpt.py cannot match here,
-    then the window. It accumulates weight gradients in fp32 inside the GEMM only with Apex's kernel,
-    which it does not have (--no-gradient-accumulation-fusion): train.py runs unfused too, unless told."""
-    told = any(o.startswith("model.gradient_accumulation_fusion=") for o in overrides)
-    match = [] if told else ["model.gradient_accumulation_fusion=false"]
+    then the window. Without Apex and Transformer Engine it neither accumulates weight gradients in fp32
+    inside the GEMM (--no-gradient-accumulation-fusion) nor fuses RoPE (--no-rope-fusion): train.py runs
+    both unfused too, unless told."""
+    match = [f"{key}=false" for key in PEER_UNFUSED if not any(o.startswith(f"{key}=") for o in overrides)]
     return [*overrides, *match, *window_overrides(iters, start_step)]
+
+
+#: train.py's fusions that pretrain_gpt.py has only with Apex or Transformer Engine.
+PEER_UNFUSED = ("model.gradient_accumulation_fusion", "model.apply_rope_fusion")
 
 
 def parse_peer_log(text: str, start_step: int) -> dict:
@@ -365,7 +369,7 @@ def _row(side: str, repeat: int, r: dict) -> str:
 def check_args(cfg: dict, argv: list[str], megatron_lm: Path) -> list[str]:
     """Parse ``argv`` with ``megatron_lm``'s own parser and validate_args (CPU) and list what its model,
     shape and batch differ in from train.py's GPU model (``TransformerConfig`` field by field)."""
-    from recipes.build.model import build_transformer_config
+    from recipes.build.model import build_transformer_config, resolve_rope_fusion
 
     sys.path.insert(0, str(megatron_lm))
     os.environ.setdefault("RANK", "0")
@@ -405,6 +409,8 @@ def check_args(cfg: dict, argv: list[str], megatron_lm: Path) -> list[str]:
                 "create_attention_mask_in_dataloader": False, "save": None}
     diffs += [f"args.{k}: train.py {v!r}, pretrain_gpt.py {getattr(args, k, None)!r}"
               for k, v in expected.items() if getattr(args, k, None) != v]
+    if resolve_rope_fusion(model, on_gpu=True) and args.apply_rope_fusion is False:  # not a TransformerConfig field here
+        diffs.append("model.apply_rope_fusion: train.py's fused RoPE (recipes.build.rope), pretrain_gpt.py unfused")
     return diffs
 
 

@@ -117,6 +117,15 @@ step_gc() {  # train.manual_gc (recipes/run/collector.py) off and on, recompute=
       train.manual_gc=false,true hydra.sweep.dir=results/gc_$m 2>&1 | quiet 6
     [ "$m" = moe ] && $PY train.py -m sweep=moe size=$SIZE $SWEEP_ARGS measure.repeat=0,1,2 train.manual_gc=true \
       hydra.sweep.dir=results/gc_labels_moe 2>&1 | quiet 8; done; return 0; }
+step_rope() {  # the fused RoPE (recipes/build/rope.py): bits and time of q and k; then model.apply_rope_fusion=false
+  # and null (auto: fused) alternating in fresh processes, recompute=none: 3 each for MoE, 1 each otherwise; dense
+  # also selective/mlp and full fused (their ratios to none)
+  stamp bench_rope; $PY benchmarks/bench_rope.py 2>&1 | grep "^|\|^device"
+  for m in ${1//,/ }; do stamp "rope model=$m"; local r=0; [ "$m" = moe ] && r=0,1,2
+    $PY train.py -m model=$m size=$SIZE $SWEEP_ARGS recompute=none measure.repeat=$r \
+      model.apply_rope_fusion=false,null hydra.sweep.dir=results/rope_$m 2>&1 | quiet 6
+    [ "$m" = standard_attn ] && $PY train.py -m model=$m size=$SIZE $SWEEP_ARGS recompute=selective/mlp,full \
+      hydra.sweep.dir=results/rope_recompute_$m 2>&1 | quiet 6; done; return 0; }
 step_speed() {  # docs/speed.md at the defaults: every CUDA sync of a dense and an MoE step, by call site; dense
   # none/mlp/full; MoE none and moe_act in 3 processes each, none in 4 more free and 4 pinned to cores 0-3;
   # MLA none twice; the 6-point sweep's seconds per point, forked and not

@@ -55,6 +55,9 @@ class ModelConfig:
     # the weight gradient accumulated into the fp32 main_grad inside its GEMM (recipes.build.wgrad, what
     # Apex's kernel does); null = auto: on a GPU under megatron's DistributedOptimizer, off on a CPU
     gradient_accumulation_fusion: Optional[bool] = None
+    # fused RoPE without Transformer Engine (recipes.build.rope: one Triton kernel each way, bit-identical
+    # to megatron's unfused RoPE); null = auto: on a GPU for a RoPE model, off on a CPU
+    apply_rope_fusion: Optional[bool] = None
     # torch.compile of the layers (recipes.build.model.compile_layers): none | attention (each layer's
     # self_attention) | layer (each whole TransformerLayer; not MoE layers)
     compile: str = "none"  # one of COMPILE_SCOPES
@@ -362,9 +365,9 @@ def _defaults() -> dict:
 #: Fields whose schema default changed: a stored config without them ran with the value here, not
 #: today's default (``bias_activation_fusion`` was false before null meant "auto: fused on a GPU";
 #: ``mlp_replays_fc2``: megatron's whole-MLP replay, before recipes.build.mlp; ``gradient_accumulation_fusion``:
-#: unfused, before recipes.build.wgrad).
+#: unfused, before recipes.build.wgrad; ``apply_rope_fusion``: megatron's unfused RoPE, before recipes.build.rope).
 PREVIOUS_DEFAULTS = {("model", "bias_activation_fusion"): False, ("recompute", "mlp_replays_fc2"): True,
-                     ("model", "gradient_accumulation_fusion"): False}
+                     ("model", "gradient_accumulation_fusion"): False, ("model", "apply_rope_fusion"): False}
 #: Top-level fields a stored config may lack that changed nothing measured: filled as they ran.
 PREVIOUS_TOP_LEVEL = {"fork_server": False}
 

@@ -62,6 +62,15 @@ def validate(cfg: Any, num_gpus: int | None = None, te_available: bool | None = 
            "model.gradient_accumulation_fusion", "it accumulates weight gradients into the fp32 main_grad buffers "
            "of megatron's DistributedOptimizer, which a CPU run or train.optimizer=adamw does not have",
            "leave model.gradient_accumulation_fusion=null (auto: on where it applies) or set it false")
+    _check(not cfg["model"]["apply_rope_fusion"] or num_gpus, "model.apply_rope_fusion",
+           "the fused RoPE is a Triton kernel on the GPU; this machine has no GPU, so megatron's unfused RoPE "
+           "would run anyway", "leave model.apply_rope_fusion=null (auto: fused on a GPU) or set it false")
+    _check(not cfg["model"]["apply_rope_fusion"] or cfg["model"]["position_embedding_type"] == "rope",
+           "model.apply_rope_fusion", f"position_embedding_type={cfg['model']['position_embedding_type']} has "
+           "no rotary embedding to fuse", "leave model.apply_rope_fusion=null or set it false")
+    _check(not cfg["model"]["apply_rope_fusion"] or cfg["model"]["compile"] == "none", "model.apply_rope_fusion",
+           f"model.compile={cfg['model']['compile']} fuses RoPE itself; the Triton kernels inside its graphs were not "
+           "checked", "leave model.apply_rope_fusion=null (auto: off when compiled) or set model.compile=none")
     for cap in ("memory_fraction", "memory_budget_gib"):
         _check(num_gpus or cfg["measure"].get(cap) is None, f"measure.{cap}", "it caps a GPU's allocator; "
                "this machine has no GPU, so the cap would do nothing", f"run it on a GPU, or set measure.{cap}=null")

@@ -87,12 +87,15 @@ def test_train_py_runs_unfused_gradient_accumulation_as_the_peer_does_without_ap
     """pretrain_gpt.py without Apex cannot fuse the weight-gradient accumulation; train.py's side turns
     its own off to match, unless the user chose (then check_args lists the difference)."""
     ours = bench.project_overrides(["size=h200"], 10, 3)
-    assert ours[:2] == ["size=h200", "model.gradient_accumulation_fusion=false"]
-    assert ours[2:] == bench.window_overrides(10, 3)
-    assert bench.compose_config(ours)["model"]["gradient_accumulation_fusion"] is False
+    assert ours[:3] == ["size=h200", "model.gradient_accumulation_fusion=false", "model.apply_rope_fusion=false"]
+    assert ours[3:] == bench.window_overrides(10, 3)
+    composed = bench.compose_config(ours)["model"]
+    assert composed["gradient_accumulation_fusion"] is False and composed["apply_rope_fusion"] is False
     told = bench.project_overrides(["model.gradient_accumulation_fusion=true"], 10, 3)
     assert told.count("model.gradient_accumulation_fusion=true") == 1 and "model.gradient_accumulation_fusion=false" not in told
-    assert "--no-gradient-accumulation-fusion" in peer("size=h200", "attention=unfused")
+    assert "model.apply_rope_fusion=false" in told
+    args = peer("size=h200", "attention=unfused")
+    assert "--no-gradient-accumulation-fusion" in args and "--no-rope-fusion" in args
 
 
 def test_the_peer_collects_garbage_as_train_py_does():

@@ -23,6 +23,7 @@ from recipes.recompute import ATTENTION_KIND, MLP_KIND, layer_kinds, moe_pattern
 #: Model fields that are ours or GPTModel arguments, not TransformerConfig fields.
 NON_TRANSFORMER_FIELDS = {
     "family",
+    "apply_rope_fusion",  # ours (recipes.build.rope); megatron's needs Transformer Engine
     "vocab_size",
     "position_embedding_type",
     "rotary_base",
@@ -64,6 +65,27 @@ def resolve_swiglu_fusion(model: dict, on_gpu: bool) -> bool:
     if fusion is None:
         return on_gpu and model["gated_linear_unit"] and model["activation"] == "silu"
     return bool(fusion)
+
+
+def resolve_rope_fusion(model: dict, on_gpu: bool) -> bool:
+    """``model.apply_rope_fusion``: null (auto) is this project's fused RoPE (``recipes.build.rope``,
+    bit-identical to megatron's unfused one) on a GPU for a RoPE model when Triton imports; off on a
+    CPU, where the kernels do not run, and under ``model.compile`` (inductor fuses RoPE itself and was
+    not measured with the kernels inside its graphs). megatron's own fusion (TransformerConfig's
+    ``apply_rope_fusion``) needs Transformer Engine and stays off."""
+    fusion = model["apply_rope_fusion"]
+    if fusion is None:
+        return (on_gpu and model["position_embedding_type"] == "rope" and model["compile"] == "none"
+                and triton_available())
+    return bool(fusion)
+
+
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def transformer_config_kwargs(cfg: Any, on_gpu: bool) -> dict:
@@ -281,6 +303,12 @@ def build_model(cfg: Any, config) -> list[torch.nn.Module]:
         from recipes.build.mlp import replay_mlps
 
         replay_mlps(chunks)
+    from recipes.build import rope
+
+    if resolve_rope_fusion(model_cfg, config.use_cpu_initialization is False):
+        rope.install()
+    else:
+        rope.uninstall()
     compile_layers(chunks, model_cfg["compile"])
     return chunks
 
