@@ -3,6 +3,7 @@ forked from the fork server (``fork_server=true``, the default; launch/forkserve
 
     python benchmarks/bench_points.py                    # size=tiny on this machine (a CPU is enough)
     python benchmarks/bench_points.py size=h200 --repeats 2
+    python benchmarks/bench_points.py size=h200 --only forked   # the default's cost alone
 
 Each variant is a fresh ``python train.py -m`` (controller, Hydra, the points, the report) in a fresh
 sweep directory, run one after the other, alternating when repeated. Prints one row per sweep: its wall
@@ -46,12 +47,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for every point (default size=tiny)")
     parser.add_argument("--repeats", type=int, default=1, help="sweeps per variant, alternating")
+    parser.add_argument("--only", choices=[name.split()[0] for name in VARIANTS],
+                        help="run one variant: own (each point its own process) or forked")
     args = parser.parse_args()
     overrides = args.overrides or ["size=tiny"]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for repeat in range(args.repeats):
             for name, flag in VARIANTS.items():
+                if args.only and not name.startswith(args.only):
+                    continue
                 wall, phases = run_sweep(overrides, flag, Path(tmp) / f"{repeat}_{flag.split('=')[1]}")
                 mean = {k: statistics.mean(p.get(k, 0.0) for p in phases) for k in
                         ("wall", "start+imports", "megatron imports")}
