@@ -126,6 +126,9 @@ step_rope() {  # the fused RoPE (recipes/build/rope.py): bits and time of q and 
       model.apply_rope_fusion=false,null hydra.sweep.dir=results/rope_$m 2>&1 | quiet 6
     [ "$m" = standard_attn ] && $PY train.py -m model=$m size=$SIZE $SWEEP_ARGS recompute=selective/mlp,full \
       hydra.sweep.dir=results/rope_recompute_$m 2>&1 | quiet 6; done; return 0; }
+step_hostbound() {  # host- or GPU-bound, per fresh process: MoE 6 processes, dense 2 (recompute=none, the defaults)
+  stamp hostbound; $PY benchmarks/bench_hostbound.py --processes 6 model=moe size=$SIZE 2>&1 | grep "^|\|processes"
+  $PY benchmarks/bench_hostbound.py --processes 2 model=standard_attn size=$SIZE 2>&1 | grep "^|\|processes"; }
 step_speed() {  # docs/speed.md at the defaults: every CUDA sync of a dense and an MoE step, by call site; dense
   # none/mlp/full; MoE none and moe_act in 3 processes each, none in 4 more free and 4 pinned to cores 0-3;
   # MLA none twice; the 6-point sweep's seconds per point, forked and not
