@@ -370,7 +370,36 @@ def test_predicted_full_block_takes_the_fewest_layers_that_fit():
 UNFUSED = "model.bias_activation_fusion=false"
 
 
-def test_the_planner_prices_recompute_and_offload_in_one_unit():
+@pytest.fixture
+def offload_fragments_as_allocation_does(monkeypatch):
+    """The planner's pricing tests below predate the measured offload fragmentation (fit.OFFLOAD_SLACK),
+    which makes core attention's offload fit nowhere no offload would not: they price with the allocator's
+    ordinary slack, to test the pricing."""
+    from recipes.predict import fit
+
+    monkeypatch.setattr(fit, "OFFLOAD_SLACK", dict.fromkeys(fit.OFFLOAD_SLACK, fit.ALLOCATOR_SLACK))
+
+
+def test_offloading_core_attention_is_judged_with_the_fragmentation_it_measured():
+    """On the H200 none + core_attn offload, --predict's old 19 GiB dense choice, held 19.62 GiB reserved
+    for 17.32 allocated and ran out of memory under a 19 GiB cap. With OFFLOAD_SLACK its row does not
+    fit there; the choice is the plan that measured fitting under that cap (layernorm recompute with the
+    norms offloaded: 17.48 GiB allocated, 18.96 reserved)."""
+    from recipes.analyze.plan import plan
+    from recipes.config import compose_config
+    from recipes.predict.fit import ALLOCATOR_SLACK, OFFLOAD_SLACK, slack_for
+
+    cfg = compose_config(["model=standard_attn", "size=h200"])
+    assert slack_for(compose_config(["model=standard_attn", "offload=core_attn"])) == OFFLOAD_SLACK["core_attn"]
+    assert slack_for(compose_config(["model=standard_attn", "offload=qkv_linear"])) == ALLOCATOR_SLACK
+    assert slack_for(compose_config(["model=moe", "offload=moe_act"])) == OFFLOAD_SLACK["moe"]
+    p = plan(cfg, 19.0)
+    by = {(r["recompute"], r["offload"]): r for r in p["rows"]}
+    assert not by[("none", "core_attn")]["fits"] and by[("none", "core_attn")]["predicted_peak_gib"] < 19.0 / 1.085
+    assert (p["choice"]["recompute"], p["choice"]["offload"]) == ("selective/layernorm", "attn_norm-mlp_norm")
+
+
+def test_the_planner_prices_recompute_and_offload_in_one_unit(offload_fragments_as_allocation_does):
     """Dense at the h200 size, 21.5 GiB: no recompute does not fit; offloading core attention's tensors
     (which core_attn recompute cannot drop under SDPA) fits with its reloads hidden under compute, but
     each group and GiB moved costs the step (as the H200 measured); layernorm recompute's two replayed
@@ -411,7 +440,7 @@ def test_the_planner_prices_recompute_and_offload_in_one_unit():
     assert slow_by[("selective/mlp", "none")]["cost_s"] == pytest.approx(by[("selective/mlp", "none")]["cost_s"])
 
 
-def test_price_config_prices_a_point_as_it_ran():
+def test_price_config_prices_a_point_as_it_ran(offload_fragments_as_allocation_does):
     """benchmarks/offload_table.py prices a measured point the plan priced at another offload fraction
     with ``price_config``: the same numbers as the plan's row at the row's fraction, other ones at 1.0."""
     from recipes.analyze.plan import plan, price_config
@@ -454,7 +483,7 @@ def test_an_elementwise_replay_costs_its_bytes_regions_and_host_bound_launches()
     assert elementwise_replays(compose_config(auto)) == (1.0, 1.0)
 
 
-def test_predicted_advice_prints_the_plan_runner_up_and_one_sweep_to_confirm_both():
+def test_predicted_advice_prints_the_plan_runner_up_and_one_sweep_to_confirm_both(offload_fragments_as_allocation_does):
     advice = advise.advise_before_running(["model=standard_attn", "size=h200", UNFUSED], 21.5)
     text = advise.explain_prediction(advice)
     assert "choice:    recompute=none offload=core_attn" in text and "runner-up: " in text
@@ -503,12 +532,12 @@ def test_an_offload_point_is_compared_with_the_no_offload_control(tmp_path):
 
 
 def test_a_plan_the_sweep_ran_out_of_memory_on_is_not_chosen_again(tmp_path):
-    """--predict's 19 GiB dense choice (none + core_attn offload) ran out of memory under the budget's
-    cap on the H200; advise on that confirm sweep must then choose among the others, not suggest it
-    again, and name what did fit."""
+    """--predict's 19 GiB dense choice before OFFLOAD_SLACK (none + core_attn offload) ran out of memory
+    under the budget's cap on the H200; advise on that confirm sweep must then choose among the others,
+    not suggest it again, and name what did fit. (--predict now chooses what fitted: the test above.)"""
     sweep = tmp_path / "confirm"
     predicted = advise.advise_before_running(["model=standard_attn", "size=h200"], 19.0)["plan"]["choice"]
-    assert (predicted["recompute"], predicted["offload"]) == ("none", "core_attn")
+    assert (predicted["recompute"], predicted["offload"]) != ("none", "core_attn")
     for recompute, offload, measured in (("none", "core_attn", None),
                                          ("selective/layernorm", "attn_norm-mlp_norm", (17.48, 18.96, 0.3086))):
         run_dir = sweep / f"recompute={recompute.replace('/', '.')}__offload={offload}"

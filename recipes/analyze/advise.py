@@ -659,9 +659,10 @@ def explain_plan(p: dict | None, base: str, measured: frozenset = frozenset()) -
             lines.append("Confirm " + ("both" if len(todo) == 2 else "it") + " in one sweep directory:")
             lines += ["  " + cmd for cmd in confirm_commands(base, todo, p["budget_gib"])]
             if any(r.get("offload", "none") != "none" for r in todo):
-                lines.append("  (offload leaves more of the allocator's memory unusable than recompute does, "
-                             "which the prediction does not price: each runs capped at the budget, and one "
-                             "that does not fit stops as oom; docs/offload.md)")
+                lines.append("  (offload leaves more of the allocator's memory unusable than recompute does: its "
+                             "plans were judged with the slack measured for them, up to 21% over the predicted "
+                             "peak, and each runs capped at the budget, where one that does not fit stops as oom; "
+                             "docs/offload.md)")
     return lines
 
 

@@ -12,27 +12,49 @@ MoE under expert parallel fragments more: each step's routed-token buffers diffe
 On two H200s (docs/h200x2, 2026-11-30) reserved over allocated reached 1.166 (``ep2`` none, rank 0)
 and 1.159 (``size=h200_long`` moe_act); ``slack_for(cfg)`` gives such configs ``EP_MOE_SLACK``.
 
+Activation offload fragments too: its host copies free device blocks one layer at a time while
+others are allocated around them. Over the offload points on one H200 (docs/offload-h200, 2026-12-01
+to 2026-12-03) reserved over allocated reached 1.207 for dense options that offload core attention's
+tensors (``qkv_linear-core_attn-attn_proj``; 1.19 ``core_attn``), 1.0851 for the other dense options
+(``attn_norm-mlp_norm`` under ``selective/layernorm``, whose predicted peak with ``ALLOCATOR_SLACK``
+still covers its reserved one) and 1.109 for MoE (``expert_fc1-moe_act``); points run under a memory
+cap are left out (the allocator frees its cache to stay under the cap, so their reserved peak measures
+the cap).
+At the h200 size ``offload=core_attn`` held 19.62 GiB reserved for 17.32 allocated, more than no
+offload's 18.90: offloading core attention freed allocated bytes but not reserved ones.
+``slack_for`` gives offloading configs ``OFFLOAD_SLACK`` (the dense values for families without MoE
+layers, which were not measured).
+
 The budget is what PyTorch's allocator may hold: the GPU's capacity less what CUDA and its libraries
 keep outside it (2.4 GiB on the H200, so 137 GiB there).
 """
 
 from __future__ import annotations
 
+from recipes.offload import modules_of
 from recipes.recompute import MLP_KIND
 
 #: What the allocator reserves above a predicted (allocated) peak, as a fraction of it.
 ALLOCATOR_SLACK = 0.085
 #: The same for MoE with expert parallel > 1 (measured up to 16.6% on two H200s).
 EP_MOE_SLACK = 0.17
+#: With fine-grained activation offload: dense offloading core attention's tensors (measured up to 20.7%
+#: on one H200), MoE (10.9%); other dense options take ALLOCATOR_SLACK.
+OFFLOAD_SLACK = {"core_attn": 0.21, "moe": 0.11}
 FITS, TIGHT, OVER = "fits", "tight", "over"
 
 
 def slack_for(cfg: dict | None) -> float:
     """The allocator slack a config's predicted peak needs: ``EP_MOE_SLACK`` for MoE with expert
-    parallel > 1, else ``ALLOCATOR_SLACK`` (also without a config)."""
-    if cfg and MLP_KIND.get(cfg["model"]["family"]) == "moe" and cfg["parallel"]["expert_model_parallel_size"] > 1:
-        return EP_MOE_SLACK
-    return ALLOCATOR_SLACK
+    parallel > 1, ``OFFLOAD_SLACK`` with activation offload (the larger where both apply), else
+    ``ALLOCATOR_SLACK`` (also without a config)."""
+    if not cfg:
+        return ALLOCATOR_SLACK
+    kind = MLP_KIND.get(cfg["model"]["family"])
+    slack = EP_MOE_SLACK if kind == "moe" and cfg["parallel"]["expert_model_parallel_size"] > 1 else ALLOCATOR_SLACK
+    modules = modules_of(cfg)
+    which = "moe" if modules and kind == "moe" else "core_attn" if "core_attn" in modules else None
+    return max(slack, OFFLOAD_SLACK[which]) if which else slack
 
 
 def with_slack(predicted_peak_gib: float, slack: float = ALLOCATOR_SLACK) -> float:
