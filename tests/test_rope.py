@@ -110,3 +110,24 @@ def test_auto_fuses_on_a_gpu_for_rope_models_and_is_refused_where_it_means_nothi
     stored = compose("size=tiny")
     del stored["model"]["apply_rope_fusion"]
     assert upgrade(stored)["model"]["apply_rope_fusion"] is False  # results measured before it ran unfused
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: the compiled Triton kernels")
+@pytest.mark.parametrize("mla", [False, True])
+def test_the_compiled_kernels_match_megatron_bit_for_bit_on_a_gpu(mla):
+    """The same check as above through Triton's compiled kernels, at a layer's shape (the interpreter
+    and the GPU must round alike: the kernels spell bf16 rounding out)."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    seq, batch, heads, dim = 512, 2, 8, 64 if mla else 128
+    base = torch.randn(seq, batch, heads, 3 * dim, generator=gen, device="cuda").to(torch.bfloat16)
+    freqs = torch.randn(seq, 1, 1, dim, generator=gen, device="cuda") * 3
+    grad = torch.randn(seq, batch, heads, dim, generator=gen, device="cuda").to(torch.bfloat16)
+    results = []
+    for fused in (False, True):
+        leaf = base.clone().requires_grad_()
+        t = leaf[..., :dim]
+        out = rope.fused_rotary_pos_emb(t, freqs, mla) if fused else _eager(t, freqs, mla)
+        out.backward(grad)
+        results.append((out.detach(), leaf.grad))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
