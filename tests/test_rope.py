@@ -79,6 +79,29 @@ def test_installed_it_replaces_megatrons_rope_in_a_whole_model_step_with_the_sam
     assert grads_f.keys() == grads_e.keys() and all(torch.equal(grads_f[n], grads_e[n]) for n in grads_e)
 
 
+def test_what_it_does_not_cover_takes_megatrons_code():
+    """Installed (interpreter on), rotate-half on bf16 goes through the kernels; ``rotary_interleaved``
+    and fp32 tensors go to megatron's function unchanged."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    calls = []
+    original = rope.FusedRotaryPosEmb.apply
+    rope.FusedRotaryPosEmb.apply = lambda *a: calls.append(1) or original(*a)
+    try:
+        assert rope.install(interpret=True)
+        freqs = torch.randn(4, 1, 1, 8)
+        t = torch.randn(4, 2, 2, 8)
+        for x, kwargs in ((t.bfloat16(), {}), (t.bfloat16(), {"rotary_interleaved": True}), (t, {})):
+            before = len(calls)
+            out = rope_utils._apply_rotary_pos_emb_bshd(x, freqs, **kwargs)
+            expected = rope._ORIGINAL["bshd"](x, freqs, **kwargs)
+            assert torch.equal(out, expected)
+            assert len(calls) - before == (0 if kwargs or x.dtype == torch.float32 else 1)
+    finally:
+        rope.FusedRotaryPosEmb.apply = original
+        rope.uninstall()
+
+
 def test_uninstall_puts_megatrons_function_back():
     from megatron.core.models.common.embeddings import rope_utils
 

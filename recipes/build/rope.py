@@ -91,7 +91,8 @@ class FusedRotaryPosEmb(torch.autograd.Function):
 def fusable(t: torch.Tensor, freqs: torch.Tensor, rotary_interleaved: bool, interpret: bool = False) -> bool:
     """Whether ``fused_rotary_pos_emb`` covers this call (else megatron's unfused code runs)."""
     return (not rotary_interleaved and (t.is_cuda or interpret) and t.dim() == 4 and freqs.dim() == 4
-            and t.stride(-1) == 1 and freqs.shape[1] == freqs.shape[2] == 1 and freqs.shape[0] == t.shape[0]
+            and t.stride(-1) == 1 and freqs.stride(-1) == 1
+            and freqs.shape[1] == freqs.shape[2] == 1 and freqs.shape[0] == t.shape[0]
             and freqs.shape[-1] % 2 == 0 and freqs.shape[-1] <= t.shape[-1]
             and t.dtype == torch.bfloat16)  # the kernels round as bf16 does
 
@@ -118,8 +119,7 @@ def install(interpret: bool = False) -> bool:
         return False
     from megatron.core.models.common.embeddings import rope_utils
 
-    if "bshd" in _ORIGINAL:
-        return True
+    uninstall()  # installing again (another ``interpret``) wraps megatron's function, not the last wrapper
     original = _ORIGINAL["bshd"] = rope_utils._apply_rotary_pos_emb_bshd
 
     @functools.wraps(original)
