@@ -12,6 +12,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -148,6 +149,17 @@ os._exit(9)  # as the kernel's OOM killer ends a worker: no finish, W&B's buffer
 """
 
 
+def _finished_runs(run_dir, wait_s: float = 20.0) -> list:
+    """The offline runs with an exit record. W&B's service process writes the file: on a loaded machine
+    (CI's two cores under pytest-xdist) the record can land a moment after ``finish`` returned."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        finished = [r for r in offline_runs(run_dir) if r.exit_code is not None]
+        if finished or time.monotonic() > deadline:
+            return finished
+        time.sleep(0.25)
+
+
 def test_a_killed_worker_s_run_is_closed_by_the_controller(tmp_path):
     """A worker killed mid-run never finishes its W&B run: the controller closes that same run (same id)
     with the merged result's status."""
@@ -162,7 +174,7 @@ def test_a_killed_worker_s_run_is_closed_by_the_controller(tmp_path):
     # One W&B run in two directories; W&B appends -1 to the second when both start in the same second.
     dirs = sorted(path.name for path in tmp_path.glob("wandb/offline-run-*"))  # the killed one may be empty
     assert len(dirs) == 2 and all(re.fullmatch(rf"offline-run-\d{{8}}_\d{{6}}-{run_id}(-\d+)?", d) for d in dirs), dirs
-    (wb,) = [r for r in offline_runs(tmp_path) if r.exit_code is not None]
+    (wb,) = _finished_runs(tmp_path)
     assert wb.id == run_id and wb.exit_code == 1 and wb.summary["status"] == "failed"
     # the killed process's rows, re-logged from progress.jsonl (not the earlier process's step 1)
     assert wb.history == {2: {"train/loss": 6.0, "train/lr": 1e-3}, 3: {"train/loss": 5.5, "train/lr": 1e-3}}
