@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from recipes.build import rope
 from recipes.build.compat import device
 from recipes.build.gdn import gdn_layer_spec
 from recipes.build.wgrad import enable as enable_wgrad_fusion
@@ -76,16 +77,8 @@ def resolve_rope_fusion(model: dict, on_gpu: bool) -> bool:
     fusion = model["apply_rope_fusion"]
     if fusion is None:
         return (on_gpu and model["position_embedding_type"] == "rope" and model["compile"] == "none"
-                and triton_available())
+                and rope.triton_available())
     return bool(fusion)
-
-
-def triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def transformer_config_kwargs(cfg: Any, on_gpu: bool) -> dict:
@@ -303,8 +296,6 @@ def build_model(cfg: Any, config) -> list[torch.nn.Module]:
         from recipes.build.mlp import replay_mlps
 
         replay_mlps(chunks)
-    from recipes.build import rope
-
     if resolve_rope_fusion(model_cfg, config.use_cpu_initialization is False):
         rope.install()
     else:

@@ -109,13 +109,20 @@ def fused_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, mla_rotary_interl
 _ORIGINAL: dict[str, object] = {}
 
 
+def triton_available() -> bool:
+    """Whether Triton imports (the kernels' compiler; torch's CUDA wheels bring it on Linux)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def install(interpret: bool = False) -> bool:
     """Route megatron's unfused bshd RoPE through ``fused_rotary_pos_emb`` where it applies, for the
     rest of the process (``uninstall`` restores it). False when Triton is missing. ``interpret``: on
     CPU tensors too, under Triton's interpreter (the tests' whole-model check)."""
-    try:
-        import triton  # noqa: F401
-    except ImportError:
+    if not triton_available():
         return False
     from megatron.core.models.common.embeddings import rope_utils
 
