@@ -239,6 +239,12 @@ class MeasureConfig:
     # GPU: one more step under torch's profiler after the timed ones: where the step's time went (kernels,
     # idle GPU, copies, blocking CUDA calls) in result.json ranks[*].trace, the trace in RUN_DIR/step_trace*.json.gz
     trace_step: bool = False
+    # GPU: one more step after the timed ones (an optimizer update not counted in train.train_iters, as the
+    # profiled step) under a CUDA-only profile: the time the GPU was busy in it (kernels, copies, memsets),
+    # which the host's speed does not move (an MoE step's wall time moves 5-16% between processes with it:
+    # docs/speed.md). result.json ranks[*].trace; the report's `GPU busy` columns. null: on when there is a GPU
+    # (sweep=moe sets it); true: refused without one
+    gpu_time: Optional[bool] = False
     # one more forward and backward after the timed steps, each layer's modules timed: what each recompute
     # label's replay costs here (result.json ranks[*].module_times; advise prices the labels from it).
     # null: on a GPU, eager layers (model.compile=none); true also on a CPU

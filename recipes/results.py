@@ -131,6 +131,8 @@ class RankRow:
     model_tflops_per_gpu: float | None = None
     hardware_tflops_per_gpu: float | None = None
     recompute_flops_fraction: float | None = None  # forward work replayed by recompute, over the model's
+    gpu_busy_s: float | None = None  # one profiled step's GPU busy time (measure.gpu_time; median when repeated)
+    gpu_busy_spread: float | None = None  # slowest / fastest process's GPU busy time - 1 (measure.repeat)
     pipeline: dict = field(default_factory=dict)
     last_loss: float | None = None
 
@@ -141,6 +143,10 @@ class RankRow:
     @property
     def step_ms(self) -> float | None:
         return self.step_time_s * 1e3 if self.step_time_s is not None else None
+
+    @property
+    def gpu_ms(self) -> float | None:
+        return self.gpu_busy_s * 1e3 if self.gpu_busy_s is not None else None
 
     @property
     def step_noise(self) -> float | None:
@@ -175,8 +181,21 @@ def rank_row(result: dict, rank: dict) -> RankRow:
         tokens_per_s=timing.get("tokens_per_s"), mfu=timing.get("mfu"),
         model_tflops_per_gpu=timing.get("model_tflops_per_gpu"), hardware_tflops_per_gpu=timing.get("hardware_tflops_per_gpu"),
         recompute_flops_fraction=timing.get("recompute_flops_fraction"), pipeline=rank.get("pipeline") or {},
+        gpu_busy_s=gpu_busy_s(rank), gpu_busy_spread=(rank.get("trace") or {}).get("gpu_busy_spread"),
         last_loss=losses[-1] if losses else None,
     )
+
+
+def gpu_busy_s(rank: dict) -> float | None:
+    """The GPU's busy time in the rank's profiled step (``measure.gpu_time``, ``trace_step``, offload):
+    kernels, copies and memsets, idle gaps left out. Traces recorded before ``gpu_busy_s`` was stored
+    give it as their span less their idle time."""
+    trace = rank.get("trace") or {}
+    if trace.get("gpu_busy_s") is not None:
+        return trace["gpu_busy_s"]
+    if trace.get("span_s") is not None and trace.get("gpu_idle_s") is not None:
+        return trace["span_s"] - trace["gpu_idle_s"]
+    return None
 
 
 def result_rows(result: dict) -> list[RankRow]:

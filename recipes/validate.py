@@ -54,6 +54,9 @@ def validate(cfg: Any, num_gpus: int | None = None, te_available: bool | None = 
     _validate_offload(cfg, num_gpus, te_available, planned_host_bytes)
     _check(num_gpus or not cfg["measure"]["trace_step"], "measure.trace_step", "it traces GPU kernels, copies and "
            "idle time; this machine has no GPU", "run it on a GPU, or leave measure.trace_step=false")
+    _check(num_gpus or cfg["measure"]["gpu_time"] is not True, "measure.gpu_time", "it times the GPU's busy time "
+           "in a profiled step; this machine has no GPU", "run it on a GPU, or set measure.gpu_time=null (on where "
+           "there is a GPU) or false")
     _check(not cfg["measure"]["module_times"] or cfg["model"]["compile"] == "none", "measure.module_times",
            f"forward hooks inside a layer compiled with model.compile={cfg['model']['compile']} would break "
            "its graph and time other code than the compiled run's", "leave measure.module_times=null (off when "

@@ -602,3 +602,37 @@ def test_a_sweep_whose_base_point_timed_its_modules_prices_the_replays_from_them
     rank.pop("module_times")
     write_point(sweep, "sdpa", "none", [rank])
     assert not advise.sweep_plan(sweep, 20.0)["module_times"]  # without them: FLOPs, as before
+
+
+def test_the_gpu_s_busy_time_merges_over_processes_and_resolves_what_the_wall_time_cannot():
+    """measure.gpu_time: each process's profiled step's GPU busy time; repeats merge to its median and
+    spread, the report shows it against the control, and the advisor quotes it where the step-time
+    cost is within the noise floor. Without it the report's columns and CSV stay as they were."""
+    def point(recompute: str, repeat: int, step_s: float, busy_s: float | None) -> dict:
+        config = compose(f"recompute={recompute}", "model=moe", "size=h200", f"measure.repeat={repeat}")
+        rank = {"rank": 0, "status": "ok", "device": "NVIDIA H200",
+                "memory": {"peak_allocated_gib": 20.0, "peak_reserved_gib": 20.5},
+                "timing": {"step_time_s": step_s, "step_time_min_s": step_s}, "ledger": {"total_bytes": 100}}
+        if busy_s is not None:  # an old trace: span and idle only
+            rank["trace"] = {"span_s": busy_s + 0.05, "gpu_idle_s": 0.05}
+        return {"name": f"moe sdpa {recompute}", "status": "ok", "config": config, "choices": {"model": "moe"},
+                "run_dir": f"{recompute}{repeat}", "ranks": [rank]}
+
+    results = [point("none", 0, 0.260, 0.240), point("none", 1, 0.300, 0.242),
+               point("selective/moe_act", 0, 0.290, 0.252), point("selective/moe_act", 1, 0.262, 0.253)]
+    rows = report.rank_rows(results)
+    none, act = (next(r for r in rows if r["recompute"] == k) for k in ("none", "selective/moe_act"))
+    assert none["gpu_ms"] == pytest.approx(241.0) and none["gpu_spread"] == pytest.approx(0.242 / 0.240 - 1)
+    assert act["d_gpu_pct"] == pytest.approx((252.5 / 241.0 - 1) * 100)
+    md = report.format_markdown(rows)
+    assert "GPU busy ms" in md and "GPU busy vs control" in md
+    assert "GPU busy" not in report.format_markdown(report.rank_rows([
+        {**r, "ranks": [{k: v for k, v in r["ranks"][0].items() if k != "trace"}]} for r in results]))
+    candidates = [{"source": "measured", "key": "k", "family_key": "f", "ranks": [], "point": r["point"],
+                   "model": "moe", "attention": "sdpa", "offload": "none", "status": "ok",
+                   "peak_allocated_gib": 20.0, "peak_reserved_gib": 20.5, "ledger_bytes": 100,
+                   **{k: r.get(k) for k in ("recompute", "step_ms", "step_spread", "control", "d_time_pct",
+                                            "gpu_ms", "gpu_spread", "d_gpu_pct") if r.get(k) is not None}}
+                  for r in rows]
+    text = advise.explain(advise.advise([c for c in candidates if c["recompute"] != "none"], 100.0), "s")
+    assert "the GPU's busy time" in text and f"{act['d_gpu_pct']:+.1f}%" in text, text

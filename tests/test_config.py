@@ -152,6 +152,7 @@ REFUSED = [
     (["model=moe", "model.bias_activation_fusion=true", "model.activation=gelu"], "model.bias_activation_fusion",
      "fused SwiGLU only"),
     (["measure.trace_step=true"], "measure.trace_step", "leave measure.trace_step=false"),
+    (["measure.gpu_time=true"], "measure.gpu_time", "measure.gpu_time=null"),
     (["estimate.replay_region_ms=-0.1"], "estimate.replay_region_ms", "set estimate.replay_region_ms=0.142"),
     (["estimate.launch_us=-1"], "estimate.launch_us", "set estimate.launch_us=10"),
     (["model.compile=graph"], "model.compile", "model.compile=<one of none, attention, layer>"),
@@ -168,6 +169,13 @@ def test_bad_combinations_are_refused_with_the_fix(overrides, option, fix):
         _check(compose(*overrides))
     assert option in str(err.value)
     assert fix in str(err.value)
+
+
+def test_gpu_time_null_is_on_where_there_is_a_gpu_and_quiet_on_a_cpu():
+    """sweep=moe sets measure.gpu_time=null, so the same sweep runs on a CPU (no extra step there)."""
+    cfg = compose("measure.gpu_time=null")
+    _check(cfg)
+    assert cfg["measure"]["gpu_time"] is None
 
 
 @pytest.mark.parametrize("family", FAMILIES)

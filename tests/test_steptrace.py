@@ -30,6 +30,7 @@ def test_a_step_summary_splits_kernels_idle_copies_and_host_calls():
     assert s["kernel_busy_s"] == pytest.approx(90 * us)  # [0, 50) and [100, 140)
     assert s["kernel_total_s"] == pytest.approx(100 * us)  # overlapping kernels counted each
     assert s["gpu_idle_s"] == pytest.approx(200 * us - 50 * us - 40 * us - 20 * us - 10 * us)
+    assert s["gpu_busy_s"] == pytest.approx(120 * us)  # kernels, copies and the memset: what the host did not idle
     assert s["copies"]["d2h_exposed_s"] == pytest.approx(20 * us) and s["copies"]["h2d_exposed_s"] == 0
     assert s["copies"]["exposed_s"] == pytest.approx(20 * us) and s["copies"]["copies"] == 2
     assert [k["name"] for k in s["kernels"]] == ["gemm", "softmax"] and s["kernels"][0]["calls"] == 2
@@ -60,3 +61,20 @@ def test_a_traced_step_on_a_gpu_sees_its_kernels_and_copies(tmp_path):
     s = trace_step(step, keep=tmp_path / "t.json.gz")
     assert s["kernel_busy_s"] > 0 and s["kernels"] and s["copies"]["d2h_busy_s"] > 0
     assert (tmp_path / "t.json.gz").stat().st_size > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: CUDA kernels to time")
+def test_the_gpu_s_busy_time_alone_leaves_the_host_out_and_the_idle_gaps_out():
+    a = torch.randn(2048, 2048, device="cuda")
+
+    def step():
+        a @ a
+        torch.cuda._sleep(1)  # keep the device's clock running
+        import time
+        time.sleep(0.05)  # the host idles the GPU for 50 ms between two GEMMs
+        a @ a
+
+    s = trace_step(step, host=False)
+    assert s["runtime"] == [] or all(r["name"].startswith("cu") for r in s["runtime"])
+    assert s["gpu_idle_s"] > 0.04 and 0 < s["gpu_busy_s"] < 0.01

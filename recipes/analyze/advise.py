@@ -68,7 +68,8 @@ def measured_candidates(sweep_dir: Path) -> list[dict]:
                                                   "peak_reserved_gib", "fragmentation_gib", "ledger_bytes")})
         if r["worst"] or r["rank"] is None:  # the worst rank's time and deltas speak for the point
             c.update({k: r.get(k) for k in ("step_ms", "step_noise", "step_spread", "control", "d_peak_gib", "d_peak_pct",
-                                            "d_ledger_pct", "d_time_pct", "worst_rank") if r.get(k) is not None})
+                                            "d_ledger_pct", "d_time_pct", "worst_rank", "gpu_ms", "gpu_spread",
+                                            "d_gpu_pct") if r.get(k) is not None})
             c["worst_rank"] = r["rank"]
     for c in points.values():
         for key in ("peak_allocated_gib", "peak_reserved_gib", "ledger_bytes"):  # the worst over ranks
@@ -396,7 +397,8 @@ def _public(c: dict | None) -> dict | None:
     keys = ("point", "model", "attention", "recompute", "offload", "status", "source", "memory_gib", "peak_allocated_gib",
             "peak_reserved_gib", "ledger_bytes", "step_ms", "step_noise", "step_spread", "control", "d_peak_gib",
             "d_peak_pct",
-            "d_ledger_pct", "d_time_pct", "worst_rank", "fits", "error", "recompute_num_layers", "parallel")
+            "d_ledger_pct", "d_time_pct", "worst_rank", "fits", "error", "recompute_num_layers", "parallel", "gpu_ms",
+            "gpu_spread", "d_gpu_pct")
     return None if c is None else {k: c.get(k) for k in keys if c.get(k) is not None}
 
 
@@ -497,7 +499,9 @@ def explain(advice: dict, sweep_dir: str = "") -> str:
         if floor is not None and c["recompute"] not in NO_RECOMPUTE and c.get("d_time_pct") is not None \
                 and abs(c["d_time_pct"]) <= floor:
             text += (f" Its step-time cost ({c['d_time_pct']:+.1f}%) is within this sweep's noise floor "
-                     f"({floor:.1f}%): repeat the points to resolve it (measure.repeat=0,1,2).")
+                     f"({floor:.1f}%)" + (f"; the GPU's busy time, which the host's speed does not move, puts it at "
+                                           f"{c['d_gpu_pct']:+.1f}% (measure.gpu_time)." if c.get("d_gpu_pct") is not None
+                                           else ": repeat the points to resolve it (measure.repeat=0,1,2)."))
         if (c.get("step_noise") or 0) > NOISY_STEPS:
             text += (f" Caution: its median step is {c['step_noise']:.0%} slower than its fastest, so the time "
                      "comparison is contention, not recompute; re-run on an idle machine (rerun=true) "

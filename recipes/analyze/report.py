@@ -32,6 +32,7 @@ from recipes.results import (
     NOT_MEASURED,  # config sections that do not change a measurement
     RankRow,
     first_sentence,
+    gpu_busy_s,
     load_result,
     result_rows,
 )
@@ -55,6 +56,9 @@ COLUMNS = [
     ("step_noise", "step noise", "{:+.0%}"),
     ("step_spread", "spread over processes", "{:+.0%}"),
     ("d_time_pct", "time vs control", "{:+.1f}%"),
+    ("gpu_ms", "GPU busy ms", "{:.1f}"),
+    ("gpu_spread", "GPU busy spread", "{:+.1%}"),
+    ("d_gpu_pct", "GPU busy vs control", "{:+.1f}%"),
     ("tokens_per_s", "tokens/s", "{:.0f}"),
     ("mfu", "MFU", "{:.1%}"),
 ]
@@ -62,6 +66,8 @@ CSV_KEYS = ["point", "rank", "worst", "status", "model", "attention", "recompute
             "peak_allocated_gib", "peak_reserved_gib", "fragmentation_gib", "activation_gib",
             "d_peak_gib", "d_peak_pct", "ledger_bytes", "ledger_mib", "d_ledger_pct", "profile_peak_mib",
             "step_ms", "step_noise", "repeats", "step_spread", "d_time_ms", "d_time_pct", "tokens_per_s", "mfu", "error", "run_dir"]
+#: In report.csv only when some row has them (the GPU's busy time: measure.gpu_time, traced steps).
+GPU_CSV_KEYS = ["gpu_ms", "gpu_spread", "d_gpu_pct"]
 #: Step noise = median / fastest timed step - 1; above this, step-time deltas are contention, not recompute.
 NOISY_STEPS = 0.25
 
@@ -160,6 +166,10 @@ def merge_repeats(results: list[dict]) -> list[dict]:
                 for key in ("tokens_per_s", "model_tflops_per_gpu", "hardware_tflops_per_gpu", "mfu"):
                     if timing.get(key) is not None:
                         timing[key] = timing[key] / scale
+            busy = [b for b in (gpu_busy_s(x) for x in peers) if b is not None]
+            trace = dict(rank.get("trace") or {})
+            if len(busy) > 1:
+                trace.update(gpu_busy_s=statistics.median(busy), gpu_busy_spread=max(busy) / min(busy) - 1)
             memory = dict(rank.get("memory") or {})
             for key in ("peak_allocated_gib", "peak_reserved_gib"):
                 values = [(x.get("memory") or {}).get(key) for x in peers]
@@ -167,7 +177,8 @@ def merge_repeats(results: list[dict]) -> list[dict]:
                     memory[key] = max(values)
             if memory.get("peak_allocated_gib") is not None and memory.get("peak_reserved_gib") is not None:
                 memory["fragmentation_gib"] = memory["peak_reserved_gib"] - memory["peak_allocated_gib"]
-            merged["ranks"].append({**rank, "timing": timing, "memory": memory or rank.get("memory")})
+            merged["ranks"].append({**rank, "timing": timing, "memory": memory or rank.get("memory"),
+                                    **({"trace": trace} if trace else {})})
         out.append(merged)
     return out
 
@@ -183,7 +194,7 @@ def _row(r: RankRow, name: str) -> dict:
         "ledger_bytes": r.ledger_bytes, "ledger_mib": r.ledger_mib,
         "profile_peak_mib": r.profile_peak_bytes / MIB if r.profile_peak_bytes is not None else None,
         "step_ms": r.step_ms, "step_noise": r.step_noise, "repeats": r.repeats, "step_spread": r.step_time_spread,
-        "tokens_per_s": r.tokens_per_s, "mfu": r.mfu,
+        "tokens_per_s": r.tokens_per_s, "mfu": r.mfu, "gpu_ms": r.gpu_ms, "gpu_spread": r.gpu_busy_spread,
     }
 
 
@@ -206,6 +217,7 @@ def _add_deltas(row: dict, control: dict) -> None:
     if row.get("step_ms") is not None and control.get("step_ms") is not None:
         row["d_time_ms"] = row["step_ms"] - control["step_ms"]
         row["d_time_pct"] = _pct(row["step_ms"], control["step_ms"])
+    row["d_gpu_pct"] = _pct(row.get("gpu_ms"), control.get("gpu_ms"))
 
 
 def _flat(config: dict, prefix: str = "") -> dict:
@@ -382,6 +394,13 @@ def _notes(rows: list[dict], results: list[dict]) -> list[str]:
         notes.append(f"Repeated points ran in {runs} processes each (measure.repeat); their step ms is the median "
                      "of the processes' medians and 'spread over "
                      f"processes' is slowest / fastest - 1, up to {max(r['step_spread'] for r in spreads):.1%}.")
+    busy = [r for r in point_rows(rows) if r.get("gpu_ms") is not None]
+    if busy:
+        spread = [r["gpu_spread"] for r in busy if r.get("gpu_spread") is not None]
+        notes.append("GPU busy ms = the time a kernel, copy or memset ran in one more step profiled after the timed "
+                     "ones (measure.gpu_time): the step's time when the host keeps up, which the host's speed "
+                     "does not move" + (f"; over the repeated processes it spread up to {max(spread):.1%}" if spread
+                                        else "") + ".")
     floor = control_gap_pct(point_rows(rows))
     if floor is not None:
         notes.append(f"Noise floor: `control` and `none` run the same computation in separate processes and "
@@ -416,7 +435,8 @@ def write_report(sweep_dir: Path, wandb_logger: dict | None = None) -> str:
     (sweep_dir / "report.md").write_text(
         f"# Sweep report: {sweep_dir}\n\n{md}\n\n{notes}\n\n![memory vs step time]({png.name}){side_by_side}\n")
     with open(sweep_dir / "report.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=CSV_KEYS, extrasaction="ignore")
+        gpu = [k for k in GPU_CSV_KEYS if any(r.get(k) is not None for r in rows)]
+        writer = csv.DictWriter(f, fieldnames=CSV_KEYS + gpu, extrasaction="ignore")
         writer.writeheader()
         writer.writerows(rows)
     if wandb_logger and wandb_logger.get("name") == "wandb":

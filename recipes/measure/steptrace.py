@@ -4,7 +4,8 @@
 ``torch.profiler`` and ``summarize`` turns its chrome trace into a small summary for ``result.json``:
 
 - ``span_s``: first to last GPU activity of the step; ``kernel_busy_s``: the time some kernel ran;
-  ``gpu_idle_s``: the span with no kernel, copy or memset running (host work the GPU waited for).
+  ``gpu_idle_s``: the span with no kernel, copy or memset running (host work the GPU waited for);
+  ``gpu_busy_s``: the rest of the span, what the step takes when the host keeps up (``measure.gpu_time``).
 - ``copies``: device-to-host and host-to-device copies, busy and *exposed* (no kernel running beside
   them: what copies can add to a step), per direction and together (``exposed_time``).
 - ``kernels``: the kernels with the most device time (name, ms, calls), and ``kernel_total_s``.
@@ -113,10 +114,12 @@ def summarize(trace: dict) -> dict:
         elif cat in ("cuda_runtime", "cuda_driver"):
             runtime[name].append(span[1] - span[0])
     span_s = (max(b for _, b in gpu_spans) - min(a for a, _ in gpu_spans)) if gpu_spans else 0.0
+    busy = _length(gpu_spans)
     return {
         "span_s": span_s,
         "kernel_busy_s": _length(kernel_spans),
-        "gpu_idle_s": span_s - _length(gpu_spans),
+        "gpu_idle_s": span_s - busy,
+        "gpu_busy_s": busy,
         "kernel_total_s": sum(sum(d) for d in kernels.values()),
         "copies": copy_summary(copies, kernel_spans),
         "kernels": _top(kernels, TOP_KERNELS),
@@ -124,15 +127,17 @@ def summarize(trace: dict) -> dict:
     }
 
 
-def trace_step(step, keep: Path | None = None) -> dict | None:
+def trace_step(step, keep: Path | None = None, host: bool = True) -> dict | None:
     """Run ``step()`` (one training step) under torch's profiler; its ``summarize``d trace, and the
-    trace itself gzipped at ``keep`` when given. None on a CPU."""
+    trace itself gzipped at ``keep`` when given. ``host=False`` records CUDA activity only (the GPU's
+    busy time, ``measure.gpu_time``: a fraction of the events to export and read). None on a CPU."""
     if not torch.cuda.is_available():
         return None
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if host else [ProfilerActivity.CUDA]
+    with profile(activities=activities) as prof:
         step()
         torch.cuda.synchronize()
     with tempfile.TemporaryDirectory() as tmp:

@@ -413,9 +413,9 @@ def _measure(trainer: Trainer, cfg: dict, result: dict, window: Window, labels: 
     if trainer.offloading:
         result.setdefault("offload", {"modules": modules_of(cfg), **plan_summary()})
         result["offload"].update(offload_measurements(trainer, window, median, result, keep))
-    elif cfg["measure"]["trace_step"] and trainer.on_gpu:
-        try:
-            result["trace"] = trace_step(trainer.step, keep)  # one more step, off the step count
+    elif (cfg["measure"]["trace_step"] or cfg["measure"]["gpu_time"] is not False) and trainer.on_gpu:
+        try:  # one more step, off the step count; for the GPU's time alone, without the host's events
+            result["trace"] = trace_step(trainer.step, keep, host=bool(cfg["measure"]["trace_step"]))
         except Exception as err:  # the profiler (CUPTI) unavailable, or an OOM in the extra step
             result["trace"] = failed_measurement(err)
         finally:
