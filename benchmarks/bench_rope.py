@@ -4,8 +4,10 @@
 
 For each shape it applies RoPE to a strided view (q or k as the layer's fused projection output holds
 them), runs backward with a fixed gradient, checks that the outputs and input gradients are
-bit-identical, and prints the median time of a forward + backward over 50 (CUDA events). On a CPU it
-runs one small shape under Triton's interpreter (a smoke run: the times mean nothing there).
+bit-identical, and prints the median time of a forward + backward over 50 (CUDA events: the host's
+launch time included, which the GPU waits for at these sizes) and their kernels' time alone (``kernel
+ms``: 20 more under a CUDA-only profile, the host left out). On a CPU it runs one small shape under
+Triton's interpreter (a smoke run: the times mean nothing there).
 """
 
 from __future__ import annotations
@@ -19,6 +21,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from recipes.build import rope  # noqa: E402
+from recipes.measure.steptrace import trace_step  # noqa: E402
+
+KERNEL_CALLS = 20
 
 # (name, s, b, heads, head dim, rotary dims, MLA interleaved, the row width the view is cut from)
 H200 = [("standard q (h200)", 4096, 2, 16, 128, 128, False, 3 * 128),
@@ -41,14 +46,15 @@ def main() -> None:
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
     print(f"device: {torch.cuda.get_device_name() if cuda else 'cpu (Triton interpreter; times mean nothing)'}")
-    print("| tensor | shape | unfused ms | fused ms | speed-up | outputs equal | gradients equal |")
-    print("|---|---|---|---|---|---|---|")
+    print("| tensor | shape | unfused ms | fused ms | speed-up | unfused kernel ms | fused kernel ms | kernel speed-up "
+          "| outputs equal | gradients equal |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for name, s, b, h, d, rot, mla, width in (H200 if cuda else SMOKE):
         gen = torch.Generator(device=device).manual_seed(0)
         base = torch.randn(s, b, h, width, generator=gen, device=device).to(torch.bfloat16)
         freqs = torch.randn(s, 1, 1, rot, generator=gen, device=device) * 3
         grad = torch.randn(s, b, h, d, generator=gen, device=device).to(torch.bfloat16)
-        results, times = {}, {}
+        results, times, kernels = {}, {}, {}
         for fused in (False, True):
             leaf = base.clone().requires_grad_()
             out = run(leaf[..., :d], freqs, grad, mla, fused, not cuda)
@@ -65,10 +71,19 @@ def main() -> None:
                     torch.cuda.synchronize()
                     samples.append(start.elapsed_time(end))
             times[fused] = statistics.median(samples) if samples else float("nan")
+
+            def calls(leaf=leaf, fused=fused):
+                for _ in range(KERNEL_CALLS):
+                    leaf.grad = None
+                    run(leaf[..., :d], freqs, grad, mla, fused, not cuda)
+
+            trace = trace_step(calls, host=False) if cuda else None
+            kernels[fused] = trace["kernel_total_s"] * 1e3 / KERNEL_CALLS if trace else float("nan")
         same_out = torch.equal(results[True][0], results[False][0])
         same_grad = torch.equal(results[True][1], results[False][1])
         print(f"| {name} | {s}x{b}x{h}x{d} | {times[False]:.3f} | {times[True]:.3f} | "
-              f"{times[False] / times[True]:.2f}x | {same_out} | {same_grad} |")
+              f"{times[False] / times[True]:.2f}x | {kernels[False]:.3f} | {kernels[True]:.3f} | "
+              f"{kernels[False] / kernels[True]:.2f}x | {same_out} | {same_grad} |")
 
 
 if __name__ == "__main__":
