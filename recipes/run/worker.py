@@ -408,6 +408,9 @@ def _measure(trainer: Trainer, cfg: dict, result: dict, window: Window, labels: 
             "activation_gib": mem["peak_allocated_gib"] - static["allocated_gib"],
             "fragmentation_gib": mem["peak_reserved_gib"] - mem["peak_allocated_gib"],
             "total_gib": torch.cuda.get_device_properties(0).total_memory / GIB,
+            # times the allocator found the device (or its cap) full, freed its cache and retried: then
+            # the reserved peak measures the memory there was, not what the run needed
+            "alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries", 0),
         }
     keep = trace_path(run_dir, torch.distributed.get_rank()) if cfg["measure"]["trace_step"] and run_dir else None
     if trainer.offloading:
