@@ -169,7 +169,9 @@ def test_the_offload_slack_covers_every_measured_offload_point():
     """recipes.predict.fit.slack_for, on the estimator's predicted peak as the planner applies it, covers
     the reserved peak of every activation-offload point measured on one H200 (docs/offload-h200) without
     a memory cap (under a cap the allocator frees its cache to stay below it, so reserved measures the
-    cap); ALLOCATOR_SLACK alone does not."""
+    cap) and without allocator retries (``memory.alloc_retries``: the device itself was full, as at the
+    h200_long size's MoE offload, 137.3 of 139.8 GiB reserved; the same plan fits under a 137 GiB cap,
+    docs/offload-h200/fused_rope_h200_long/moe_capped); ALLOCATOR_SLACK alone does not."""
     from recipes.config import upgrade
     from recipes.predict.estimate import predict
 
@@ -180,7 +182,8 @@ def test_the_offload_slack_covers_every_measured_offload_point():
         if cfg["measure"]["memory_budget_gib"] is not None or cfg["measure"]["memory_fraction"] is not None:
             continue
         for rank in data["ranks"]:
-            if rank.get("status") == "ok" and rank.get("memory") and modules_of(cfg):
+            if rank.get("status") == "ok" and rank.get("memory") and modules_of(cfg) \
+                    and not rank["memory"].get("alloc_retries"):
                 predicted = predict(cfg, "cuda")["peak_bytes"] / 2**30
                 needed.append(rank["memory"]["peak_reserved_gib"] / predicted - 1)
                 assert needed[-1] <= slack_for(cfg), path.parent.name
