@@ -626,6 +626,7 @@ def test_the_gpu_s_busy_time_merges_over_processes_and_resolves_what_the_wall_ti
     assert act["d_gpu_pct"] == pytest.approx((252.5 / 241.0 - 1) * 100)
     md = report.format_markdown(rows)
     assert "GPU busy ms" in md and "GPU busy vs control" in md
+    assert report.csv_keys(rows)[-3:] == ["gpu_ms", "gpu_spread", "d_gpu_pct"]
     assert "GPU busy" not in report.format_markdown(report.rank_rows([
         {**r, "ranks": [{k: v for k, v in r["ranks"][0].items() if k != "trace"}]} for r in results]))
     candidates = [{"source": "measured", "key": "k", "family_key": "f", "ranks": [], "point": r["point"],

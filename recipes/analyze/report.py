@@ -417,6 +417,11 @@ def _notes(rows: list[dict], results: list[dict]) -> list[str]:
     return notes
 
 
+def csv_keys(rows: list[dict]) -> list[str]:
+    """report.csv's and the W&B table's columns: every CSV_KEYS, then the GPU busy ones some row has."""
+    return CSV_KEYS + [k for k in GPU_CSV_KEYS if any(r.get(k) is not None for r in rows)]
+
+
 def write_report(sweep_dir: Path, wandb_logger: dict | None = None) -> str:
     """Write report.md, report.csv and report.png for a sweep directory; return the markdown.
 
@@ -435,8 +440,7 @@ def write_report(sweep_dir: Path, wandb_logger: dict | None = None) -> str:
     (sweep_dir / "report.md").write_text(
         f"# Sweep report: {sweep_dir}\n\n{md}\n\n{notes}\n\n![memory vs step time]({png.name}){side_by_side}\n")
     with open(sweep_dir / "report.csv", "w", newline="") as f:
-        gpu = [k for k in GPU_CSV_KEYS if any(r.get(k) is not None for r in rows)]
-        writer = csv.DictWriter(f, fieldnames=CSV_KEYS + gpu, extrasaction="ignore")
+        writer = csv.DictWriter(f, fieldnames=csv_keys(rows), extrasaction="ignore")
         writer.writeheader()
         writer.writerows(rows)
     if wandb_logger and wandb_logger.get("name") == "wandb":
@@ -470,9 +474,10 @@ def log_report_to_wandb(sweep_dir: Path, rows: list[dict], png: Path, log: dict)
                      job_type="report", dir=str(sweep_dir), id=report_run_id(sweep_dir), resume="allow",
                      reinit="finish_previous")
     try:
+        keys = csv_keys(rows)
         data = [[None if r.get(k) is None else (r[k] if isinstance(r[k], (int, float)) else str(r[k]))
-                 for k in CSV_KEYS] for r in rows]
-        run.log({"report/table": wandb.Table(columns=CSV_KEYS, data=data),
+                 for k in keys] for r in rows]
+        run.log({"report/table": wandb.Table(columns=keys, data=data),
                  "report/memory_vs_time": wandb.Image(str(png))})
     finally:
         run.finish()
