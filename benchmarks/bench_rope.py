@@ -72,10 +72,10 @@ def main() -> None:
                     samples.append(start.elapsed_time(end))
             times[fused] = statistics.median(samples) if samples else float("nan")
 
-            def calls(leaf=leaf, fused=fused):
+            def calls(leaf=leaf, fused=fused, d=d, freqs=freqs, grad=grad, mla=mla):
                 for _ in range(KERNEL_CALLS):
                     leaf.grad = None
-                    run(leaf[..., :d], freqs, grad, mla, fused, not cuda)
+                    run(leaf[..., :d], freqs, grad, mla, fused, False)
 
             trace = trace_step(calls, host=False) if cuda else None
             kernels[fused] = trace["kernel_total_s"] * 1e3 / KERNEL_CALLS if trace else float("nan")
