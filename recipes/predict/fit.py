@@ -18,7 +18,8 @@ to 2026-12-03) reserved over allocated reached 1.207 for dense options that offl
 tensors (``qkv_linear-core_attn-attn_proj``; 1.19 ``core_attn``), 1.0851 for the other dense options
 (``attn_norm-mlp_norm`` under ``selective/layernorm``, whose predicted peak with ``ALLOCATOR_SLACK``
 still covers its reserved one) and 1.109 for MoE (``expert_fc1-moe_act``) at the h200 size, 1.152 at
-h200_long (a plan that filled the device: its allocator freed and retried every step, so 16%); points run under a memory
+h200_long 1.152 and 1.196 (plans that filled the device: their allocators freed and retried every step, so
+at least that: 21%); points run under a memory
 cap are left out (the allocator frees its cache to stay under the cap, so their reserved peak measures
 the cap).
 At the h200 size ``offload=core_attn`` held 19.62 GiB reserved for 17.32 allocated, more than no
@@ -40,10 +41,10 @@ ALLOCATOR_SLACK = 0.085
 #: The same for MoE with expert parallel > 1 (measured up to 16.6% on two H200s).
 EP_MOE_SLACK = 0.17
 #: With fine-grained activation offload: dense offloading core attention's tensors (measured up to 20.7%
-#: on one H200), MoE (10.9% at the h200 size; at h200_long a plan reserved 15.2% over its predicted peak
-#: with the device full and its allocator retrying, so at least that); other dense options take
-#: ALLOCATOR_SLACK.
-OFFLOAD_SLACK = {"core_attn": 0.21, "moe": 0.16}
+#: on one H200), MoE (10.9% at the h200 size; at h200_long two plans reserved 15.2% and 19.6% over their
+#: predicted peaks with the device full and their allocator retrying, so at least that); other dense
+#: options take ALLOCATOR_SLACK.
+OFFLOAD_SLACK = {"core_attn": 0.21, "moe": 0.21}
 FITS, TIGHT, OVER = "fits", "tight", "over"
 
 
