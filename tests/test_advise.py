@@ -657,3 +657,11 @@ def test_the_gpu_s_busy_time_merges_over_processes_and_resolves_what_the_wall_ti
                   for r in rows]
     text = advise.explain(advise.advise([c for c in candidates if c["recompute"] != "none"], 100.0), "s")
     assert "the GPU's busy time" in text and f"{act['d_gpu_pct']:+.1f}%" in text, text
+
+
+def test_a_point_s_console_line_shows_its_gpu_busy_time(capsys):
+    from recipes.run.console import print_run
+
+    rank = {"rank": 0, "status": "ok", "timing": {"step_time_s": 0.29}, "trace": {"gpu_busy_s": 0.2379}}
+    print_run({"name": "moe sdpa selective/moe_act", "status": "ok", "config": {}, "choices": {}, "ranks": [rank]})
+    assert "step 290.0 ms | GPU busy 237.9 ms" in capsys.readouterr().out

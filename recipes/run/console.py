@@ -25,6 +25,8 @@ def print_run(result: dict) -> None:
     parts = [f"[{status}] {row.point}", *_numbers(row)]
     if row.step_ms is not None:
         parts.append(f"step {row.step_ms:.1f} ms")
+    if row.gpu_ms is not None:  # measure.gpu_time: the step's GPU work, which the host's speed does not move
+        parts.append(f"GPU busy {row.gpu_ms:.1f} ms")
     if row.tokens_per_s is not None:
         parts.append(f"{row.tokens_per_s:.0f} tok/s")
     if row.mfu is not None:
