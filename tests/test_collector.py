@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import build_trainer, compose, train_in_process
+from conftest import compose, train_in_process
 
 from recipes.errors import ConfigError
 from recipes.measure.collections import CollectionMeter
