@@ -498,10 +498,12 @@ def explain(advice: dict, sweep_dir: str = "") -> str:
                      + ".")
         if floor is not None and c["recompute"] not in NO_RECOMPUTE and c.get("d_time_pct") is not None \
                 and abs(c["d_time_pct"]) <= floor:
-            text += (f" Its step-time cost ({c['d_time_pct']:+.1f}%) is within this sweep's noise floor "
-                     f"({floor:.1f}%)" + (f"; the GPU's busy time, which the host's speed does not move, puts it at "
-                                           f"{c['d_gpu_pct']:+.1f}% (measure.gpu_time)." if c.get("d_gpu_pct") is not None
-                                           else ": repeat the points to resolve it (measure.repeat=0,1,2)."))
+            text += f" Its step-time cost ({c['d_time_pct']:+.1f}%) is within this sweep's noise floor ({floor:.1f}%)"
+            if c.get("d_gpu_pct") is not None:  # measure.gpu_time resolves what the wall time cannot
+                text += (f"; the GPU's busy time, which the host's speed does not move, puts it at "
+                         f"{c['d_gpu_pct']:+.1f}% (measure.gpu_time).")
+            else:
+                text += ": repeat the points to resolve it (measure.repeat=0,1,2)."
         if (c.get("step_noise") or 0) > NOISY_STEPS:
             text += (f" Caution: its median step is {c['step_noise']:.0%} slower than its fastest, so the time "
                      "comparison is contention, not recompute; re-run on an idle machine (rerun=true) "
