@@ -385,3 +385,79 @@ def test_grad_norm_without_host_syncs_matches_megatrons():
     reference = torch.norm(torch.tensor([torch.norm(g).item() for g in grads]))
     torch.testing.assert_close(norm[0], reference, rtol=1e-6, atol=0)
     assert upstream._grad_l2_norm(0, None, [grads[:1], grads[1:]], False)[0].allclose(norm, rtol=1e-6)
+
+
+
+def _requires_grad_seen(monkeypatch, fbs, compiled_of) -> list[bool]:
+    """The ``requires_grad`` of the tensors megatron's SwiGLU autograd functions hand the compiled
+    ``swiglu`` and ``weighted_swiglu``, for an input without grad (the checkpointed forward) and with
+    it (the replay). ``compiled_of(name)``: the object whose ``_recipes_compiled`` the call reaches,
+    or None for the module attribute itself (pristine)."""
+    seen: list[bool] = []
+    for name in ("swiglu", "weighted_swiglu"):
+        holder = compiled_of(name)
+        compiled = holder._recipes_compiled if holder is not None else getattr(fbs, name)
+
+        def spy(*args, eager=compiled._torchdynamo_orig_callable):
+            seen.append(args[0].requires_grad)
+            return eager(*args)
+
+        if holder is None:
+            monkeypatch.setattr(fbs, name, spy)
+        else:
+            monkeypatch.setattr(holder, "_recipes_compiled", spy)
+    for grad in (False, True):
+        fbs.SwiGLUFunction.apply(torch.randn(4, 8, requires_grad=grad), False, False)
+    for grad in (False, True):
+        fbs.WeightedSwiGLUFunction.apply(torch.randn(4, 8, requires_grad=grad), torch.rand(4, 1), False)
+    return seen
+
+
+def test_fused_swiglu_still_passes_the_callers_requires_grad(monkeypatch):
+    """recipes.build.upstream.compile_fused_swiglu_once: pristine, the compiled function sees the
+    caller's ``requires_grad``, which dynamo guards on, so a recompute's replay compiles it again."""
+    from megatron.core.fusions import fused_bias_swiglu as fbs
+
+    from recipes.build import upstream
+
+    upstream.compile_fused_swiglu_once()
+    for name in upstream.SWIGLU_FUSED:  # pristine: the functions megatron's jit_fuser compiled
+        monkeypatch.setattr(fbs, name, getattr(fbs, name)._recipes_compiled)
+    eager = fbs.swiglu._torchdynamo_orig_callable
+    # weighted_swiglu's own call of swiglu records its input too
+    assert _requires_grad_seen(monkeypatch, fbs, lambda name: None) == [False, True, False, False, True, True], \
+        "upstream detaches the fused SwiGLU's inputs: delete compile_fused_swiglu_once"
+    counted = torch.compile(eager, backend="eager")  # dynamo's guard
+    before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    for grad in (False, True):
+        counted(torch.randn(4, 8, requires_grad=grad))
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - before == 2, "dynamo no longer guards on it"
+
+
+def test_fused_swiglu_compiles_once_with_equal_values(monkeypatch):
+    """With the workaround, the checkpointed forward and the replay hand the compiled functions the
+    same kind of tensor, so each compiles once, and outputs and gradients equal eager arithmetic."""
+    from megatron.core.fusions import fused_bias_swiglu as fbs
+
+    from recipes.build import upstream
+
+    upstream.compile_fused_swiglu_once()
+    assert _requires_grad_seen(monkeypatch, fbs, lambda name: getattr(fbs, name)) == [False] * 6
+    monkeypatch.undo()
+    for name in upstream.SWIGLU_FUSED:  # dynamo alone (no inductor), so the count costs no compile
+        wrapper = getattr(fbs, name)
+        monkeypatch.setattr(wrapper, "_recipes_compiled", torch.compile(
+            wrapper._recipes_compiled._torchdynamo_orig_callable, backend="eager"))
+    before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    y = torch.randn(4, 8)
+    for grad in (False, True):
+        x = y.clone().requires_grad_(grad)
+        out = fbs.SwiGLUFunction.apply(x, False, False)
+        ref = y.clone().requires_grad_(grad)
+        expected = torch.nn.functional.silu(ref[:, :4]) * ref[:, 4:]
+        torch.testing.assert_close(out, expected, rtol=0, atol=0)
+        if grad:
+            out.sum().backward()
+            expected.sum().backward()
+            torch.testing.assert_close(x.grad, ref.grad)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - before == 2, "swiglu and swiglu_back once each"

@@ -355,6 +355,39 @@ def grad_norm_without_host_syncs() -> bool | None:
     clip_grads._recipes_original_l2_norm_impl = mcore_utils.local_multi_tensor_l2_norm
 
 
+#: megatron's ``jit_fuser`` functions in fusions/fused_bias_swiglu.py (``torch.compile`` since torch 2.2)
+SWIGLU_FUSED = ("swiglu", "bias_swiglu", "weighted_swiglu", "swiglu_back", "bias_swiglu_back",
+                "weighted_swiglu_back")
+
+
+@_workaround("swiglu_one_compile", without_te=False)
+def compile_fused_swiglu_once() -> bool | None:
+    """megatron's fused SwiGLU (``SwiGLUFunction``, ``WeightedSwiGLUFunction``,
+    fusions/fused_bias_swiglu.py) calls its ``torch.compile``-d functions on the autograd function's
+    own inputs, and dynamo guards on their ``requires_grad``. A recompute replays the MLP with inputs
+    that require grad where the checkpointed forward's did not, so every recompute run compiled each
+    function twice, and its first graph was not the one a plain run's compile left in inductor's
+    cache. Inside an autograd function's forward and backward grad mode is off, so ``requires_grad``
+    changes nothing they compute: the fix hands the compiled functions detached tensors (same
+    storage, same values; one graph, shared with the plain run's). On two CPU cores (size=tiny,
+    fusion forced on, after the ``none`` point) the first ``selective/mlp`` point's first step took
+    22.8 s, and 1.1 s with this fix; on the H200's host a compile of one of these graphs took 0.3-0.5 s
+    (what costs a fresh machine's first ``selective/mlp`` point 13-24 s is megatron's
+    ``share_storage`` build: docs/speed.md). Returns True when applied."""
+    from megatron.core.fusions import fused_bias_swiglu as fbs
+
+    def detaching(compiled):
+        @functools.wraps(compiled)
+        def call(*args):
+            return call._recipes_compiled(*(a.detach() if isinstance(a, torch.Tensor) else a for a in args))
+
+        call._recipes_compiled = compiled
+        return call
+
+    for name in SWIGLU_FUSED:
+        setattr(fbs, name, detaching(getattr(fbs, name)))
+
+
 def apply_all() -> None:
     """Apply every workaround that applies to this environment (idempotent)."""
     allow_fine_grained_offload_without_te()
@@ -367,3 +400,4 @@ def apply_all() -> None:
     release_allgather_dispatcher_probs()
     mask_cross_entropy_targets_without_host_sync()
     grad_norm_without_host_syncs()
+    compile_fused_swiglu_once()
