@@ -11,9 +11,10 @@ With expert parallel 1 and expert-tensor parallel 1 the dispatcher gathers nothi
 token dropping every token goes to exactly top-k experts, so the number of routed rows is
 ``tokens x top-k``: known on the host. ``LocalTokenDispatcher`` uses that:
 
-- the permutation is the argsort of megatron's ``moe_utils.permute`` (a stable sort of the
-  [experts, tokens] routing map), cut at ``tokens x top-k`` rows, a number from the shapes, not from
-  the data; the probabilities are gathered by the same index, not by ``masked_select``;
+- the permutation is the prefix of megatron's ``moe_utils.permute`` argsort (a stable sort of the
+  [experts, tokens] routing map) that holds the routed pairs: the map's ``tokens x top-k`` nonzero
+  entries (``torch.nonzero_static``, sized from the shapes, not from the data); the probabilities
+  are gathered by the same index, not by ``masked_select``;
 - the counts per expert stay on the device (``routing_map.sum(0)``); ``GroupedExperts`` turns them
   into the grouped GEMM's offsets there;
 - the combine is megatron's ``unpermute`` (a scatter-add into the token order).
@@ -87,9 +88,10 @@ class LocalTokenDispatcher(MoETokenDispatcher):
         # Every token has exactly top-k experts (no token dropping, refused above). A map that broke
         # it would permute the wrong rows: the device checks it without stopping the host.
         torch._assert_async(tokens_per_expert.sum() == num_rows)
-        # moe_utils.permute's argsort: the routed (expert, token) pairs of the [experts, tokens] map
-        # first, in order. The clone keeps num_rows indices for backward, not the whole sort.
-        order = routing_map.T.contiguous().view(-1).argsort(descending=True, stable=True)[:num_rows].clone()
+        # moe_utils.permute's argsort (descending, stable) puts the routed (expert, token) pairs of
+        # the [experts, tokens] map first, in order: the map's nonzero entries, which nonzero_static
+        # finds sized from the shapes (one pass, no sort, no host wait; equal to the argsort's prefix).
+        order = torch.nonzero_static(routing_map.T.contiguous().view(-1), size=num_rows).view(-1)
         self.sorted_indices = order % num_tokens
         permuted = hidden_states.index_select(0, self.sorted_indices)
         # masked_select(probs.T, map.T) picks the same entries in the same order, sized by the data.
