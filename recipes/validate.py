@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import importlib.util
+import os
 from typing import Any
 
 from recipes.config import COMPILE_SCOPES, RecipeConfig
@@ -51,6 +52,7 @@ def validate(cfg: Any, num_gpus: int | None = None, te_available: bool | None = 
     _validate_model(cfg)
     _validate_attention(cfg, te_available)
     _validate_recompute(cfg)
+    _validate_without_output_build(cfg)
     _validate_offload(cfg, num_gpus, te_available, planned_host_bytes)
     _check(num_gpus or not cfg["measure"]["trace_step"], "measure.trace_step", "it traces GPU kernels, copies and "
            "idle time; this machine has no GPU", "run it on a GPU, or leave measure.trace_step=false")
@@ -306,6 +308,50 @@ def _validate_recompute(cfg) -> None:
         raise ConfigError("parallel.overlap_moe_expert_parallel_comm",
                           "whole-moe and full recompute are incompatible with expert-parallel "
                           "communication overlap", "set parallel.overlap_moe_expert_parallel_comm=false")
+
+
+#: Labels replayed through megatron's ``CheckpointWithoutOutput`` (transformer_layer.py's norms,
+#: multi_latent_attention.py's up-projections, gdn.py's output norm; recipes.build.experts' moe_act and
+#: recipes.build.mlp's mlp unless ``recompute.mlp_replays_fc2``).
+WITHOUT_OUTPUT_LABELS = ("layernorm", "mla_up_proj", "moe_act", "gdn_norm_out", "mlp")
+
+
+def share_storage_build_problem() -> str | None:
+    """Why megatron-core 0.19.2's ``share_storage`` extension can neither be loaded nor built on this
+    machine, or None. ``CheckpointWithoutOutput._recompute`` (tensor_parallel/random.py,
+    ``_get_share_storage``) compiles it with ``torch.utils.cpp_extension.load_inline`` at the first
+    recompute: ninja always (it checks the build), a C++ compiler when the library is not yet built
+    in ``TORCH_EXTENSIONS_DIR`` (a fresh H200 machine spent 13-24 s on it, docs/speed.md)."""
+    import shutil
+
+    from torch.utils import cpp_extension
+
+    if not cpp_extension.is_ninja_available():
+        return "ninja is not on PATH (torch runs it to build and to load the extension)"
+    try:  # torch's own choice of directory (TORCH_EXTENSIONS_DIR, else ~/.cache/torch_extensions/<py>_<cuda>)
+        built = os.path.exists(os.path.join(cpp_extension._get_build_directory("share_storage_ext", False),
+                                            "share_storage_ext.so"))
+    except Exception:  # a torch without the helper: leave it to the run
+        return None
+    compiler = os.environ.get("CXX", "c++")
+    if not built and shutil.which(compiler) is None:
+        return f"there is no C++ compiler ({compiler}) and the extension is not built yet"
+    return None
+
+
+def _validate_without_output_build(cfg) -> None:
+    """The labels that need megatron's ``share_storage`` extension, checked before any GPU time."""
+    if cfg["recompute"]["recompute_granularity"] != "selective":
+        return
+    needs = [label for label in labels_of(cfg) if label in WITHOUT_OUTPUT_LABELS
+             and (label != "mlp" or not cfg["recompute"]["mlp_replays_fc2"])]
+    problem = share_storage_build_problem() if needs else None
+    _check(problem is None, f"recompute=selective/{needs[0] if needs else ''}",
+           f"megatron-core replays {', '.join(needs)} through CheckpointWithoutOutput, which compiles a C++ "
+           f"extension (share_storage, with torch.utils.cpp_extension and ninja) at a machine's first recompute: "
+           f"{problem}", "install a C++ compiler (e.g. apt install g++) and ninja (pip install ninja), or build it "
+           "once where they are into a TORCH_EXTENSIONS_DIR this machine reads, or use a label without it "
+           "(core_attn, mlp with recompute.mlp_replays_fc2=true, moe, full)")
 
 
 def host_memory_available() -> int | None:
