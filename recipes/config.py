@@ -262,9 +262,13 @@ class EstimateConfig:
     # recorded rows instead. Dropless routing caps it at every token (ep x balanced for top-k <= local experts).
     moe_imbalance: float = 1.5
     # The planner's time unit (recipes.analyze.plan): recompute's replayed FLOPs and a layer's forward
-    # run at this share of measure.peak_tflops (a dense step at the h200 size reached 38.4% MFU on
-    # one H200, docs/h200-results.md); activation offload copies at this pinned host-link bandwidth,
-    # GB/s each way (PCIe 5.0 x16's order; a GPU offload run records the real one: offload.link).
+    # run at this share of measure.peak_tflops. Not the step's MFU (49.7% dense at the h200 size on one
+    # H200 on 2026-12-03): it prices what replays cost. At 0.38 `--predict` put the h200_long picks'
+    # margins over their runners-up at +222 ms (dense: full/block x 8 against selective/mlp, measured
+    # +229 on 2026-12-03) and +446 ms (MoE: moe_act against moe, measured +453 on 2026-12-03, before
+    # the fused RoPE); at 0.49 they would be +172 and +320. Activation offload copies at this pinned
+    # host-link bandwidth, GB/s each way (PCIe 5.0 x16's order; a GPU offload run records the real one:
+    # offload.link).
     mfu: float = 0.38
     host_link_gb_s: float = 50.0
     # What activation offload's copies cost a step beyond the link (recipes.predict.offload): per group
