@@ -52,7 +52,7 @@ def validate(cfg: Any, num_gpus: int | None = None, te_available: bool | None = 
     _validate_model(cfg)
     _validate_attention(cfg, te_available)
     _validate_recompute(cfg)
-    _validate_without_output_build(cfg)
+    _validate_without_output_build(cfg, num_gpus)
     _validate_offload(cfg, num_gpus, te_available, planned_host_bytes)
     _check(num_gpus or not cfg["measure"]["trace_step"], "measure.trace_step", "it traces GPU kernels, copies and "
            "idle time; this machine has no GPU", "run it on a GPU, or leave measure.trace_step=false")
@@ -321,7 +321,9 @@ def share_storage_build_problem() -> str | None:
     machine, or None. ``CheckpointWithoutOutput._recompute`` (tensor_parallel/random.py,
     ``_get_share_storage``) compiles it with ``torch.utils.cpp_extension.load_inline`` at the first
     recompute: ninja always (it checks the build), a C++ compiler when the library is not yet built
-    in ``TORCH_EXTENSIONS_DIR`` (a fresh H200 machine spent 13-24 s on it, docs/speed.md)."""
+    in ``TORCH_EXTENSIONS_DIR`` (a fresh H200 machine spent 13-24 s on it, docs/speed.md). When megatron
+    stops building it, tests/test_upstream.py's ``test_checkpoint_without_output_still_builds_a_cpp_extension``
+    fails: delete this check with the workaround."""
     import shutil
 
     from torch.utils import cpp_extension
@@ -339,9 +341,15 @@ def share_storage_build_problem() -> str | None:
     return None
 
 
-def _validate_without_output_build(cfg) -> None:
-    """The labels that need megatron's ``share_storage`` extension, checked before any GPU time."""
+def _validate_without_output_build(cfg, num_gpus: int) -> None:
+    """The labels that need megatron's ``share_storage`` extension, checked before any GPU time. A run
+    without a GPU hands the memory over in Python where torch can
+    (``recipes.build.upstream.share_recomputed_cpu_outputs_without_a_cpp_build``)."""
+    import torch
+
     if cfg["recompute"]["recompute_granularity"] != "selective":
+        return
+    if not num_gpus and hasattr(torch.UntypedStorage, "_swap_data_ptr_"):
         return
     needs = [label for label in labels_of(cfg) if label in WITHOUT_OUTPUT_LABELS
              and (label != "mlp" or not cfg["recompute"]["mlp_replays_fc2"])]

@@ -265,10 +265,15 @@ def test_stored_results_keep_the_settings_they_ran_with():
 
 def test_labels_that_need_megatrons_cpp_build_are_refused_without_a_compiler(tmp_path, monkeypatch):
     """megatron's CheckpointWithoutOutput compiles its share_storage extension at a machine's first
-    recompute: without a C++ compiler and without the built library, those labels would fail at the
-    first backward. Refused before launch, naming the label and the fix; other labels, megatron's
-    own mlp replay and a built library pass."""
+    recompute: on a GPU run without a C++ compiler and without the built library, those labels would
+    fail at the first backward. Refused before launch, naming the label and the fix; other labels,
+    megatron's own mlp replay, a built library and a CPU run (which shares in Python) pass."""
     import shutil
+
+    import torch
+
+    def _check(cfg):
+        validate(cfg, num_gpus=1, te_available=False)
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))  # nothing built here
     monkeypatch.delenv("CXX", raising=False)
@@ -287,13 +292,7 @@ def test_labels_that_need_megatrons_cpp_build_are_refused_without_a_compiler(tmp
     built.mkdir(exist_ok=True)
     (built / "share_storage_ext.so").write_bytes(b"")
     _check(compose("recompute=selective/layernorm"))  # built once where a compiler was: loads
+    (built / "share_storage_ext.so").unlink()
+    if hasattr(torch.UntypedStorage, "_swap_data_ptr_"):
+        validate(compose("recompute=selective/layernorm"), num_gpus=0, te_available=False)  # a CPU run
 
-
-def test_megatron_still_builds_share_storage_at_run_time():
-    """recipes.validate.share_storage_build_problem exists because megatron compiles the extension with
-    load_inline at the first recompute; once it ships prebuilt (or in Python), delete the check."""
-    import inspect
-
-    from megatron.core.tensor_parallel import random as mcore_random
-
-    assert "load_inline" in inspect.getsource(mcore_random._get_share_storage)

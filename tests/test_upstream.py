@@ -461,3 +461,65 @@ def test_fused_swiglu_compiles_once_with_equal_values(monkeypatch):
             expected.sum().backward()
             torch.testing.assert_close(x.grad, ref.grad)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - before == 2, "swiglu and swiglu_back once each"
+
+
+def test_checkpoint_without_output_still_builds_a_cpp_extension():
+    """recipes.build.upstream.share_recomputed_cpu_outputs_without_a_cpp_build: megatron compiles its
+    ``share_storage`` with ``load_inline`` (ninja, a C++ compiler) at a machine's first recompute."""
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    from recipes.build import upstream
+
+    upstream.share_recomputed_cpu_outputs_without_a_cpp_build()
+    assert "load_inline" in inspect.getsource(mcore_random._recipes_original_get_share_storage), \
+        "megatron no longer builds share_storage at run time: delete the workaround"
+
+
+def _discarded_output(n: int = 6) -> tuple[torch.Tensor, torch.Tensor]:
+    """A checkpointed output after ``discard_output``: its storage freed, a view of it kept."""
+    dst = torch.zeros(n)
+    view = dst.view(2, n // 2)
+    dst.untyped_storage().resize_(0)
+    return dst, view
+
+
+def _share_with_megatrons_recorded(monkeypatch) -> list:
+    """megatron's ``share_storage`` as the workaround reaches it, replaced by a recorder (no build)."""
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    from recipes.build import upstream
+
+    upstream.share_recomputed_cpu_outputs_without_a_cpp_build()
+    calls: list = []
+    monkeypatch.setattr(mcore_random, "_recipes_original_get_share_storage",
+                        lambda: lambda d, s: calls.append((d, s)))
+    return calls
+
+
+@pytest.mark.skipif(not hasattr(torch.UntypedStorage, "_swap_data_ptr_"), reason="this torch has no storage swap")
+def test_recomputed_cpu_outputs_are_shared_without_a_build_or_a_copy(monkeypatch):
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    calls = _share_with_megatrons_recorded(monkeypatch)
+    dst, view = _discarded_output()
+    x = torch.randn(6, requires_grad=True)
+    src = x * 2
+    address = src.data_ptr()
+    mcore_random._get_share_storage()(dst, src)
+    assert calls == []  # megatron's extension not asked for
+    assert dst.data_ptr() == src.data_ptr() == address  # no copy: the recomputed memory itself
+    assert torch.equal(dst, src) and torch.equal(view.reshape(-1), src)  # views of the output see it
+    src.sum().backward()  # the recomputed graph still runs backward from src
+    assert torch.equal(x.grad, torch.full((6,), 2.0))
+
+
+def test_a_recomputed_output_held_elsewhere_goes_to_megatrons_share(monkeypatch):
+    """An output an autograd node saved (sigmoid keeps its result) must keep its memory: megatron's
+    extension shares it instead of a swap."""
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    calls = _share_with_megatrons_recorded(monkeypatch)
+    dst, _ = _discarded_output()
+    src = torch.sigmoid(torch.randn(6, requires_grad=True))
+    mcore_random._get_share_storage()(dst, src)
+    assert len(calls) == 1 and calls[0][1] is src

@@ -388,6 +388,46 @@ def compile_fused_swiglu_once() -> bool | None:
         setattr(fbs, name, detaching(getattr(fbs, name)))
 
 
+def _share_storage_in_python(dst: torch.Tensor, src: torch.Tensor) -> bool:
+    """megatron's ``share_storage`` for CPU tensors, without its C++ extension: ``dst``'s storage (and
+    so every view of it) takes the recomputed ``src``'s memory, no copy. The two storages swap their
+    memory (dst's was freed when the output was discarded) and ``src`` is pointed at dst's storage, so
+    both read the same bytes, as megatron's refcounted share leaves them. False, doing nothing, where
+    that is not known to be right: CUDA tensors (not checked on a GPU: torch 2.11 there has no
+    ``_swap_data_ptr_``, and a fused ``selective/mlp`` output is held elsewhere), a torch without the
+    swap, or a ``src`` whose storage something else holds (a view, an autograd node that saved it),
+    which a swap would empty under it."""
+    if src.is_cuda or not hasattr(torch.UntypedStorage, "_swap_data_ptr_"):
+        return False
+    src_storage = src.untyped_storage()
+    if torch._C._storage_Use_Count(src_storage._cdata) > 2:  # src and this handle; more: not ours to move
+        return False
+    dst_storage = dst.untyped_storage()
+    dst_storage._swap_data_ptr_(src_storage)
+    with torch.no_grad():
+        src.set_(dst_storage, src.storage_offset(), src.size(), src.stride())
+    return True
+
+
+@_workaround("share_storage_on_cpu", without_te=False)
+def share_recomputed_cpu_outputs_without_a_cpp_build() -> bool | None:
+    """megatron-core 0.19.2's ``CheckpointWithoutOutput._recompute`` (tensor_parallel/random.py,
+    ``_get_share_storage``) hands the recomputed outputs' memory to the discarded ones through a C++
+    extension it compiles with ``torch.utils.cpp_extension.load_inline`` (ninja, a C++ compiler) at a
+    machine's first recompute: 42 s on two CPU cores, paid by the first ``selective/mlp`` point of
+    ``make run`` on a fresh machine (13-24 s on an H200's host). For CPU tensors
+    ``_share_storage_in_python`` does it without the build; everything else takes megatron's
+    extension, built on first use as before. Returns True when applied."""
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    def share_storage(dst: torch.Tensor, src: torch.Tensor) -> None:
+        if not _share_storage_in_python(dst, src):
+            mcore_random._recipes_original_get_share_storage()(dst, src)
+
+    mcore_random._recipes_original_get_share_storage = mcore_random._get_share_storage
+    mcore_random._get_share_storage = lambda: share_storage
+
+
 def apply_all() -> None:
     """Apply every workaround that applies to this environment (idempotent)."""
     allow_fine_grained_offload_without_te()
@@ -401,3 +441,4 @@ def apply_all() -> None:
     mask_cross_entropy_targets_without_host_sync()
     grad_norm_without_host_syncs()
     compile_fused_swiglu_once()
+    share_recomputed_cpu_outputs_without_a_cpp_build()
