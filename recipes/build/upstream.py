@@ -388,16 +388,44 @@ def compile_fused_swiglu_once() -> bool | None:
         setattr(fbs, name, detaching(getattr(fbs, name)))
 
 
+#: Whether this torch can swap two storages' memory (``UntypedStorage._swap_data_ptr_``; torch 2.11 cannot),
+#: which ``_share_storage_in_python`` needs.
+PYTHON_SHARE = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
+
+
+def share_storage_build_problem() -> str | None:
+    """Why megatron's ``share_storage`` extension (``share_recomputed_cpu_outputs_without_a_cpp_build``)
+    can neither be loaded nor built on this machine, or None: ``load_inline`` runs ninja always (it
+    checks the build), and a C++ compiler when the library is not yet built in ``TORCH_EXTENSIONS_DIR``.
+    ``recipes.validate`` refuses the labels that need it before launch."""
+    import os
+    import shutil
+
+    from torch.utils import cpp_extension
+
+    if not cpp_extension.is_ninja_available():
+        return "ninja is not on PATH (torch runs it to build and to load the extension)"
+    try:  # torch's own choice of directory (TORCH_EXTENSIONS_DIR, else ~/.cache/torch_extensions/<py>_<cuda>)
+        built = os.path.exists(os.path.join(cpp_extension._get_build_directory("share_storage_ext", False),
+                                            "share_storage_ext.so"))
+    except Exception:  # a torch without the helper: leave it to the run
+        return None
+    compiler = os.environ.get("CXX", "c++")
+    if not built and shutil.which(compiler) is None:
+        return f"there is no C++ compiler ({compiler}) and the extension is not built yet"
+    return None
+
+
 def _share_storage_in_python(dst: torch.Tensor, src: torch.Tensor) -> bool:
     """megatron's ``share_storage`` for CPU tensors, without its C++ extension: ``dst``'s storage (and
     so every view of it) takes the recomputed ``src``'s memory, no copy. The two storages swap their
     memory (dst's was freed when the output was discarded) and ``src`` is pointed at dst's storage, so
     both read the same bytes, as megatron's refcounted share leaves them. False, doing nothing, where
     that is not known to be right: CUDA tensors (not checked on a GPU: torch 2.11 there has no
-    ``_swap_data_ptr_``, and a fused ``selective/mlp`` output is held elsewhere), a torch without the
-    swap, or a ``src`` whose storage something else holds (a view, an autograd node that saved it),
-    which a swap would empty under it."""
-    if src.is_cuda or not hasattr(torch.UntypedStorage, "_swap_data_ptr_"):
+    ``_swap_data_ptr_``, and a fused ``selective/mlp`` output is held elsewhere), or a ``src`` whose
+    storage something else holds (a view, an autograd node that saved it), which a swap would empty
+    under it."""
+    if src.is_cuda:
         return False
     src_storage = src.untyped_storage()
     if torch._C._storage_Use_Count(src_storage._cdata) > 2:  # src and this handle; more: not ours to move
@@ -417,7 +445,10 @@ def share_recomputed_cpu_outputs_without_a_cpp_build() -> bool | None:
     machine's first recompute: 42 s on two CPU cores, paid by the first ``selective/mlp`` point of
     ``make run`` on a fresh machine (13-24 s on an H200's host). For CPU tensors
     ``_share_storage_in_python`` does it without the build; everything else takes megatron's
-    extension, built on first use as before. Returns True when applied."""
+    extension, built on first use as before. Returns True when applied, False on a torch without the
+    storage swap (``PYTHON_SHARE``)."""
+    if not PYTHON_SHARE:
+        return False
     from megatron.core.tensor_parallel import random as mcore_random
 
     def share_storage(dst: torch.Tensor, src: torch.Tensor) -> None:

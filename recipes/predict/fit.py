@@ -17,8 +17,8 @@ others are allocated around them. Over the offload points on one H200 (docs/offl
 to 2026-12-03) reserved over allocated reached 1.207 for dense options that offload core attention's
 tensors (``qkv_linear-core_attn-attn_proj``; 1.19 ``core_attn``), 1.0851 for the other dense options
 (``attn_norm-mlp_norm`` under ``selective/layernorm``, whose predicted peak with ``ALLOCATOR_SLACK``
-still covers its reserved one) and 1.109 for MoE (``expert_fc1-moe_act``) at the h200 size, 1.152 at
-h200_long 1.152 and 1.196 (plans that filled the device: their allocators freed and retried every step, so
+still covers its reserved one) and 1.109 for MoE (``expert_fc1-moe_act``) at the h200 size, 1.152 and
+1.196 at h200_long (plans that filled the device: their allocators freed and retried every step, so
 at least that: 21%); points run under a memory
 cap are left out (the allocator frees its cache to stay under the cap, so their reserved peak measures
 the cap).
