@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import importlib.util
+import os
 from typing import Any
 
 from recipes.config import COMPILE_SCOPES, RecipeConfig
@@ -315,17 +317,50 @@ def _validate_recompute(cfg) -> None:
 WITHOUT_OUTPUT_LABELS = ("layernorm", "mla_up_proj", "moe_act", "gdn_norm_out", "mlp")
 
 
-def _validate_without_output_build(cfg, num_gpus: int) -> None:
-    """The labels that need megatron's ``share_storage`` extension, checked before any GPU time
-    (``recipes.build.upstream.share_storage_build_problem``). A run without a GPU hands the memory over
-    in Python where torch can (``upstream.PYTHON_SHARE``)."""
-    from recipes.build import upstream  # lazy: torch
+@functools.cache
+def torch_swaps_storages() -> bool:
+    """Whether this torch can swap two storages' memory (``UntypedStorage._swap_data_ptr_``; torch 2.11
+    cannot), which ``recipes.build.upstream`` needs to hand recomputed CPU outputs over without
+    megatron's C++ extension."""
+    import torch
 
-    if cfg["recompute"]["recompute_granularity"] != "selective" or (not num_gpus and upstream.PYTHON_SHARE):
+    return hasattr(torch.UntypedStorage, "_swap_data_ptr_")
+
+
+def share_storage_build_problem() -> str | None:
+    """Why megatron-core 0.19.2's ``share_storage`` extension can neither be loaded nor built on this
+    machine, or None. ``CheckpointWithoutOutput._recompute`` (tensor_parallel/random.py,
+    ``_get_share_storage``) compiles it with ``torch.utils.cpp_extension.load_inline`` at the first
+    recompute: ninja always (it checks the build), a C++ compiler when the library is not yet built
+    in ``TORCH_EXTENSIONS_DIR`` (a fresh H200 machine spent 13-24 s on it, docs/speed.md). When megatron
+    stops building it, tests/test_upstream.py's ``test_checkpoint_without_output_still_builds_a_cpp_extension``
+    fails: delete this check with the workaround."""
+    import shutil
+
+    from torch.utils import cpp_extension
+
+    if not cpp_extension.is_ninja_available():
+        return "ninja is not on PATH (torch runs it to build and to load the extension)"
+    try:  # torch's own choice of directory (TORCH_EXTENSIONS_DIR, else ~/.cache/torch_extensions/<py>_<cuda>)
+        built = os.path.exists(os.path.join(cpp_extension._get_build_directory("share_storage_ext", False),
+                                            "share_storage_ext.so"))
+    except Exception:  # a torch without the helper: leave it to the run
+        return None
+    compiler = os.environ.get("CXX", "c++")
+    if not built and shutil.which(compiler) is None:
+        return f"there is no C++ compiler ({compiler}) and the extension is not built yet"
+    return None
+
+
+def _validate_without_output_build(cfg, num_gpus: int) -> None:
+    """The labels that need megatron's ``share_storage`` extension, checked before any GPU time. A run
+    without a GPU hands the memory over in Python where torch can
+    (``recipes.build.upstream.share_recomputed_cpu_outputs_without_a_cpp_build``)."""
+    if cfg["recompute"]["recompute_granularity"] != "selective" or (not num_gpus and torch_swaps_storages()):
         return
     needs = [label for label in labels_of(cfg) if label in WITHOUT_OUTPUT_LABELS
              and (label != "mlp" or not cfg["recompute"]["mlp_replays_fc2"])]
-    problem = upstream.share_storage_build_problem() if needs else None
+    problem = share_storage_build_problem() if needs else None
     if problem is None:
         return
     raise ConfigError(f"recompute=selective/{needs[0]}",

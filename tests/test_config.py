@@ -270,7 +270,7 @@ def test_labels_that_need_megatrons_cpp_build_are_refused_without_a_compiler(tmp
     megatron's own mlp replay, a built library and a CPU run (which shares in Python) pass."""
     import shutil
 
-    from recipes.build.upstream import PYTHON_SHARE
+    from recipes.validate import torch_swaps_storages
 
     def _check(cfg):
         validate(cfg, num_gpus=1, te_available=False)
@@ -293,6 +293,6 @@ def test_labels_that_need_megatrons_cpp_build_are_refused_without_a_compiler(tmp
     (built / "share_storage_ext.so").write_bytes(b"")
     _check(compose("recompute=selective/layernorm"))  # built once where a compiler was: loads
     (built / "share_storage_ext.so").unlink()
-    if PYTHON_SHARE:
+    if torch_swaps_storages():
         validate(compose("recompute=selective/layernorm"), num_gpus=0, te_available=False)  # a CPU run
 

@@ -388,34 +388,6 @@ def compile_fused_swiglu_once() -> bool | None:
         setattr(fbs, name, detaching(getattr(fbs, name)))
 
 
-#: Whether this torch can swap two storages' memory (``UntypedStorage._swap_data_ptr_``; torch 2.11 cannot),
-#: which ``_share_storage_in_python`` needs.
-PYTHON_SHARE = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
-
-
-def share_storage_build_problem() -> str | None:
-    """Why megatron's ``share_storage`` extension (``share_recomputed_cpu_outputs_without_a_cpp_build``)
-    can neither be loaded nor built on this machine, or None: ``load_inline`` runs ninja always (it
-    checks the build), and a C++ compiler when the library is not yet built in ``TORCH_EXTENSIONS_DIR``.
-    ``recipes.validate`` refuses the labels that need it before launch."""
-    import os
-    import shutil
-
-    from torch.utils import cpp_extension
-
-    if not cpp_extension.is_ninja_available():
-        return "ninja is not on PATH (torch runs it to build and to load the extension)"
-    try:  # torch's own choice of directory (TORCH_EXTENSIONS_DIR, else ~/.cache/torch_extensions/<py>_<cuda>)
-        built = os.path.exists(os.path.join(cpp_extension._get_build_directory("share_storage_ext", False),
-                                            "share_storage_ext.so"))
-    except Exception:  # a torch without the helper: leave it to the run
-        return None
-    compiler = os.environ.get("CXX", "c++")
-    if not built and shutil.which(compiler) is None:
-        return f"there is no C++ compiler ({compiler}) and the extension is not built yet"
-    return None
-
-
 def _share_storage_in_python(dst: torch.Tensor, src: torch.Tensor) -> bool:
     """megatron's ``share_storage`` for CPU tensors, without its C++ extension: ``dst``'s storage (and
     so every view of it) takes the recomputed ``src``'s memory, no copy. The two storages swap their
@@ -446,8 +418,10 @@ def share_recomputed_cpu_outputs_without_a_cpp_build() -> bool | None:
     ``make run`` on a fresh machine (13-24 s on an H200's host). For CPU tensors
     ``_share_storage_in_python`` does it without the build; everything else takes megatron's
     extension, built on first use as before. Returns True when applied, False on a torch without the
-    storage swap (``PYTHON_SHARE``)."""
-    if not PYTHON_SHARE:
+    storage swap (``recipes.validate.torch_swaps_storages``)."""
+    from recipes.validate import torch_swaps_storages
+
+    if not torch_swaps_storages():
         return False
     from megatron.core.tensor_parallel import random as mcore_random
 
