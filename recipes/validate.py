@@ -36,6 +36,13 @@ def _check(cond: bool, option: str, problem: str, fix: str) -> None:
         raise ConfigError(option, problem, fix)
 
 
+def gpu_count() -> int:
+    """The GPUs this process sees (0 without CUDA)."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 def validate(cfg: Any, num_gpus: int | None = None, te_available: bool | None = None,
              planned_host_bytes: int | None = None) -> None:
     """Refuse configurations that would crash, silently do nothing, or measure the wrong thing.
@@ -43,9 +50,7 @@ def validate(cfg: Any, num_gpus: int | None = None, te_available: bool | None = 
     ``planned_host_bytes``: the host memory one rank's activation offload is predicted to hold (the
     controller passes the estimator's), checked against the node's host memory."""
     if num_gpus is None:
-        import torch
-
-        num_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        num_gpus = gpu_count()
     if te_available is None:
         te_available = transformer_engine_importable()
     _validate_keys(cfg)
@@ -327,6 +332,30 @@ def torch_swaps_storages() -> bool:
     return hasattr(torch.UntypedStorage, "_swap_data_ptr_")
 
 
+def share_storage_built() -> bool | None:
+    """Whether megatron's ``share_storage`` extension is built in this machine's extensions directory
+    (torch's own choice: ``TORCH_EXTENSIONS_DIR``, else ``~/.cache/torch_extensions/<py>_<cuda>``), or
+    None where this torch does not say."""
+    from torch.utils import cpp_extension
+
+    try:
+        return os.path.exists(os.path.join(cpp_extension._get_build_directory("share_storage_ext", False),
+                                           "share_storage_ext.so"))
+    except Exception:
+        return None
+
+
+def share_storage_labels(cfg, num_gpus: int) -> list[str]:
+    """The labels of ``cfg`` that replay through megatron's ``CheckpointWithoutOutput`` and so need its
+    ``share_storage`` extension on this machine ([] on a CPU, where ``recipes.build.upstream`` hands
+    the memory over in Python wherever torch can swap storages)."""
+    rc = cfg["recompute"]
+    if rc["recompute_granularity"] != "selective" or (not num_gpus and torch_swaps_storages()):
+        return []
+    return [label for label in labels_of(cfg) if label in WITHOUT_OUTPUT_LABELS
+            and (label != "mlp" or not rc.get("mlp_replays_fc2"))]
+
+
 def share_storage_build_problem() -> str | None:
     """Why megatron-core 0.19.2's ``share_storage`` extension can neither be loaded nor built on this
     machine, or None. ``CheckpointWithoutOutput._recompute`` (tensor_parallel/random.py,
@@ -341,10 +370,8 @@ def share_storage_build_problem() -> str | None:
 
     if not cpp_extension.is_ninja_available():
         return "ninja is not on PATH (torch runs it to build and to load the extension)"
-    try:  # torch's own choice of directory (TORCH_EXTENSIONS_DIR, else ~/.cache/torch_extensions/<py>_<cuda>)
-        built = os.path.exists(os.path.join(cpp_extension._get_build_directory("share_storage_ext", False),
-                                            "share_storage_ext.so"))
-    except Exception:  # a torch without the helper: leave it to the run
+    built = share_storage_built()
+    if built is None:  # a torch without the helper: leave it to the run
         return None
     compiler = os.environ.get("CXX", "c++")
     if not built and shutil.which(compiler) is None:
@@ -356,10 +383,7 @@ def _validate_without_output_build(cfg, num_gpus: int) -> None:
     """The labels that need megatron's ``share_storage`` extension, checked before any GPU time. A run
     without a GPU hands the memory over in Python where torch can
     (``recipes.build.upstream.share_recomputed_cpu_outputs_without_a_cpp_build``)."""
-    if cfg["recompute"]["recompute_granularity"] != "selective" or (not num_gpus and torch_swaps_storages()):
-        return
-    needs = [label for label in labels_of(cfg) if label in WITHOUT_OUTPUT_LABELS
-             and (label != "mlp" or not cfg["recompute"]["mlp_replays_fc2"])]
+    needs = share_storage_labels(cfg, num_gpus)
     problem = share_storage_build_problem() if needs else None
     if problem is None:
         return

@@ -221,3 +221,39 @@ def test_bench_entrypoint_refuses_bad_arguments_by_name(args, says):
     proc = subprocess.run([sys.executable, "benchmarks/bench_entrypoint.py", *args],
                           cwd=REPO, env=_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "--" in proc.stderr and says in proc.stderr, proc.stderr[-500:]
+
+
+def test_a_sweep_knows_every_points_recompute_before_its_first():
+    """The controller reads the whole sweep's recompute options from multirun.yaml (the sweep file's
+    params and the command line), so the first point can start what a later one needs."""
+    from omegaconf import OmegaConf
+
+    from recipes.run.controller import swept_recompute
+    from recipes.validate import share_storage_labels
+
+    plain = compose("recompute=none")
+    master = OmegaConf.create({"hydra": {"sweeper": {"params": {"recompute": "none,control,selective/mlp,full"}},
+                                         "overrides": {"task": ["size=tiny", "recompute.mlp_replays_fc2=false"]}}})
+    sections = swept_recompute(plain, master)
+    assert [s["recompute_granularity"] for s in sections] == [None, "selective", "selective", "full"]
+    assert [share_storage_labels({**plain, "recompute": s}, 1) for s in sections] == [[], [], ["mlp"], []]
+    replays_fc2 = OmegaConf.create({"hydra": {"sweeper": {"params": {"recompute": "selective/mlp"}},
+                                              "overrides": {"task": ["recompute.mlp_replays_fc2=true"]}}})
+    assert [share_storage_labels({**plain, "recompute": s}, 1) for s in swept_recompute(plain, replays_fc2)] == [[]]
+
+
+@pytest.mark.parametrize("recompute,gpus,started", [("selective/mlp", 1, True), ("selective/moe_act-layernorm", 1, True),
+                                                    ("none", 1, False), ("full", 1, False),
+                                                    ("selective/mlp", 0, False)])
+def test_a_gpu_run_that_recomputes_without_output_builds_megatrons_extension_ahead(monkeypatch, recompute, gpus,
+                                                                                     started):
+    from recipes.run import controller
+
+    calls = []
+    monkeypatch.setattr(controller, "SHARE_STORAGE_BUILD", {})
+    monkeypatch.setattr(controller, "gpu_count", lambda: gpus)
+    monkeypatch.setattr(controller, "start_share_storage_build", lambda env: calls.append(env) or "proc")
+    plain = compose(f"recompute={recompute}")
+    controller.build_share_storage_ahead(plain, {"X": "1"})
+    controller.build_share_storage_ahead(plain, {"X": "1"})  # once a controller
+    assert calls == ([{"X": "1"}] if started else [])

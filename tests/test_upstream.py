@@ -4,6 +4,7 @@ pristine megatron-core code. When upstream fixes the bug, the test fails: delete
 from __future__ import annotations
 
 import inspect
+import os
 
 import pytest
 import torch
@@ -523,3 +524,32 @@ def test_a_recomputed_output_held_elsewhere_goes_to_megatrons_share(monkeypatch)
     src = torch.sigmoid(torch.randn(6, requires_grad=True))
     mcore_random._get_share_storage()(dst, src)
     assert len(calls) == 1 and calls[0][1] is src
+
+
+@pytest.mark.slow
+def test_the_background_build_is_the_one_megatrons_recompute_loads(tmp_path, monkeypatch):
+    """recipes.build.upstream.start_share_storage_build: a worker that reaches megatron's
+    ``_get_share_storage`` while the background build runs (or after it) loads that build; the
+    extension is compiled once (ninja's log), and a later start builds nothing."""
+    import subprocess
+    import sys
+
+    from recipes.build import upstream
+    from recipes.validate import share_storage_build_problem, share_storage_built
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    if share_storage_build_problem() is not None:
+        pytest.skip(f"megatron's extension cannot be built here: {share_storage_build_problem()}")
+    assert share_storage_built() is False
+    env = {**os.environ}
+    builder = upstream.start_share_storage_build(env)
+    assert builder is not None
+    loader = subprocess.run([sys.executable, "-c", "from megatron.core.tensor_parallel.random import "
+                             "_get_share_storage; _get_share_storage()"], env=env, capture_output=True, text=True,
+                            timeout=600)
+    assert builder.wait(timeout=600) == 0 and loader.returncode == 0, loader.stderr[-2000:]
+    assert share_storage_built() is True
+    log = next(tmp_path.rglob(".ninja_log")).read_text().splitlines()
+    outputs = [line.split("\t")[3] for line in log if not line.startswith("#")]  # start, end, mtime, output, hash
+    assert [o for o in outputs if o.endswith(".o")] == ["main.o"], log
+    assert upstream.start_share_storage_build(env) is None

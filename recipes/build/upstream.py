@@ -20,6 +20,7 @@ Bugs handled elsewhere (by design, not by patching):
 from __future__ import annotations
 
 import functools
+import subprocess
 from collections.abc import Callable
 
 import torch
@@ -431,6 +432,35 @@ def share_recomputed_cpu_outputs_without_a_cpp_build() -> bool | None:
 
     mcore_random._recipes_original_get_share_storage = mcore_random._get_share_storage
     mcore_random._get_share_storage = lambda: share_storage
+
+
+#: What ``start_share_storage_build`` runs: megatron's own ``_get_share_storage`` (so the build is the
+#: one its recompute loads), with SIGTERM turned into an exit, so torch's build lock is released.
+SHARE_STORAGE_BUILD = ("import signal, sys; signal.signal(signal.SIGTERM, lambda *_: sys.exit(143)); "
+                       "from megatron.core.tensor_parallel.random import _get_share_storage; _get_share_storage()")
+
+
+def start_share_storage_build(env: dict[str, str]) -> subprocess.Popen | None:
+    """Build megatron-core 0.19.2's ``share_storage`` extension (``_get_share_storage``, above) in a
+    background process, so that a fresh machine's first recompute through ``CheckpointWithoutOutput``
+    finds it built, or waits only for the rest of the build, instead of building it (13-24 s on an
+    H200's host) inside a measured point. torch's ``load_inline`` takes a file lock in the build
+    directory: the worker that gets there first waits for this build and loads its library. The
+    process runs at a lower priority in its own session (a Ctrl-C of the sweep lets it finish and
+    release the lock); its output is dropped: a build that fails here fails again in the worker,
+    which reports it. None, starting nothing, when the library is built already, or where the build
+    cannot run (``recipes.validate.share_storage_build_problem``, which refuses those runs)."""
+    import shutil
+    import sys
+
+    from recipes.validate import share_storage_build_problem, share_storage_built
+
+    if share_storage_built() is not False or share_storage_build_problem() is not None:
+        return None
+    nice = ["nice", "-n", "10"] if shutil.which("nice") else []
+    return subprocess.Popen([*nice, sys.executable, "-c", SHARE_STORAGE_BUILD], env=env,
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
 
 
 def apply_all() -> None:

@@ -22,6 +22,7 @@ from launch.process import end_group, start_group
 from launch.slurm import node_rank, slurm_rendezvous, wait_for_rank_files
 from launch.torchrun import torchrun_command
 from recipes.analyze.logger import close_unfinished, usable_logger, write_identity
+from recipes.build.upstream import start_share_storage_build
 from recipes.data.indexed import validate_data
 from recipes.errors import ConfigError
 from recipes.files import REPO_ROOT, UnreadableFile, write_json_atomic
@@ -32,7 +33,7 @@ from recipes.recipe import apply_recipe
 from recipes.recompute import option_of
 from recipes.results import NOT_MEASURED, load_result, merge_result
 from recipes.run.console import print_run
-from recipes.validate import validate, validate_cores
+from recipes.validate import gpu_count, share_storage_labels, validate, validate_cores
 
 #: Statuses that count as a complete result (a sweep re-run skips them unless rerun=true).
 COMPLETE = ("ok", "oom")
@@ -288,14 +289,60 @@ def changed_keys(stored: dict | None, current: dict) -> list[str]:
     return sorted(k for k in keys if stored.get(k) != current.get(k))
 
 
-def num_sweep_points(master: DictConfig) -> int:
-    """How many jobs Hydra's basic sweeper makes of a multirun.yaml (sweep file params + command line)."""
+def sweep_jobs(master: DictConfig) -> list[list[str]]:
+    """The override lists of every job Hydra's basic sweeper makes of a multirun.yaml (sweep file
+    params + command line), in order."""
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     params = [f"{k}={v}" for k, v in (master.hydra.sweeper.get("params") or {}).items()]
     overrides = OverridesParser.create().parse_overrides(params + list(master.hydra.overrides.task))
-    return sum(len(batch) for batch in BasicSweeper.split_arguments(overrides, None))
+    return [job for batch in BasicSweeper.split_arguments(overrides, None) for job in batch]
+
+
+def num_sweep_points(master: DictConfig) -> int:
+    """How many jobs Hydra's basic sweeper makes of a multirun.yaml."""
+    return len(sweep_jobs(master))
+
+
+def swept_recompute(plain: dict, master: DictConfig) -> list[dict]:
+    """The recompute section of every point of a multirun (its multirun.yaml, ``master``), read from
+    the sweep's ``recompute=`` and ``recompute.*`` overrides over this point's section."""
+    sections = []
+    for job in sweep_jobs(master):
+        section = OmegaConf.create(plain["recompute"])
+        for override in job:
+            key, _, value = override.partition("=")
+            if key == "recompute" and (REPO_ROOT / "conf" / "recompute" / f"{value}.yaml").exists():
+                section = OmegaConf.merge(section, OmegaConf.load(REPO_ROOT / "conf" / "recompute" / f"{value}.yaml"))
+            elif key.startswith("recompute."):
+                section = OmegaConf.merge(section, OmegaConf.from_dotlist([override[len("recompute."):]]))
+        sections.append(OmegaConf.to_container(section))
+    return sections
+
+
+#: The background build of megatron's share_storage extension (one per controller process).
+SHARE_STORAGE_BUILD: dict = {}
+
+
+def build_share_storage_ahead(plain: dict, env: dict[str, str]) -> None:
+    """On a GPU machine whose sweep (or run) has a point that recomputes through megatron's
+    ``CheckpointWithoutOutput``, start building its ``share_storage`` extension now, beside the first
+    points (``recipes.build.upstream.start_share_storage_build``; nothing when it is built)."""
+    if SHARE_STORAGE_BUILD or not gpu_count():
+        return
+    sections = []
+    if in_multirun():
+        from hydra.core.hydra_config import HydraConfig
+
+        try:
+            sections = swept_recompute(plain, OmegaConf.load(Path(HydraConfig.get().sweep.dir) / "multirun.yaml"))
+        except Exception:  # another sweeper plugin: this point still counts
+            pass
+    num_gpus = gpu_count()
+    points = [plain, *({**plain, "recompute": section} for section in sections)]
+    if any(share_storage_labels(point, num_gpus) for point in points):
+        SHARE_STORAGE_BUILD["process"] = start_share_storage_build(env)
 
 
 def sweep_progress(name: str) -> str:
@@ -425,6 +472,7 @@ def _launch(cfg: DictConfig, plain: dict, name: str, choices: dict, run_dir: Pat
     log_path = run_dir / ("worker.log" if node == 0 else f"worker.node{node}.log")
     command = worker_command(plain, run_dir)
     env = worker_environment(plain)
+    build_share_storage_ahead(plain, env)
     server = fork_server(env) if uses_fork_server(plain) else None
     with open(log_path, "a" if plain["checkpoint"]["resume"] else "w") as log:
         returncode = run_workers(command, env, log, server, run_dir if node == 0 else None).returncode
