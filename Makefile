@@ -14,7 +14,7 @@ TEST_WORKERS ?= auto
 PYTHON ?= $(shell for p in python3.12 python3 $$(for v in $$(pyenv versions --bare 2>/dev/null | grep -E '^3\.(1[2-9]|[2-9][0-9])(\.|$$)' | sort -V); do echo "$$(pyenv prefix $$v)/bin/python3"; done); do \
 	$$p -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null && { command -v $$p; exit; }; done)
 
-.PHONY: help install run test lint check-data docs sweep report advise estimate bench data clean
+.PHONY: help install run test test-gpu lint check-data docs sweep report advise estimate bench data clean
 
 help: ## Show this menu
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  \033[36m%-11s\033[0m %s\n", $$1, $$2}'
@@ -32,8 +32,11 @@ install: $(VENV)/.installed ## Build .venv with Python >= 3.12 and the pinned de
 run: install ## Main job: a small recompute comparison (CPU without a GPU); prints a table, writes multirun/
 	$(PY) train.py -m size=$(SIZE) attention=unfused recompute=none,control,selective/core_attn,selective/mlp,full $(ARGS)
 
-test: install ## Run the test suite on every core (GPU tests skip on a CPU); TEST_WORKERS=1 for one process
+test: install ## Run the test suite on the CPU (a GPU is hidden) on every core; TEST_WORKERS=1 for one process
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup $(ARGS)
+
+test-gpu: install ## Run the GPU-marked tests on this machine's GPU (make test runs the suite on the CPU)
+	RECIPES_TEST_GPU=1 $(PY) -m pytest -q -m gpu -n 0 $(ARGS)
 
 lint: install ## ruff check (settings in pyproject.toml)
 	$(PY) -m ruff check .
