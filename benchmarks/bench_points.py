@@ -14,7 +14,10 @@ starts, imports, builds, first steps with their compiles, exits and the report),
 ``time:`` line's phases, recipes.run.console.time_breakdown) the mean wall, the
 start and imports before the worker's ``main``, megatron's imports, and the rest. ``--points`` adds
 one row per point: its recompute label and where its time went (first step: build to the end of the
-first step, where compiles happen; steps: the rest of the measured window).
+first step, where compiles happen; steps: the rest of the measured window; then the measurements after
+the steps, and the exit: results, process group, the process's end). The sweep row also splits the
+controller's own time: before the first point (Hydra, validation, the fork server's start is the first
+point's), between points, after the last (the report).
 """
 
 from __future__ import annotations
@@ -35,24 +38,33 @@ sys.path.insert(0, str(REPO))
 from recipes.run.console import time_breakdown  # noqa: E402
 
 POINTS = "recompute=none,control,selective/core_attn,selective/mlp,selective/layernorm,full"
+#: A point's measurements after its timed steps (the GPU-time or profiled step, the control ledgers'
+#: passes, the module-time pass): what the rest of a point's wall after the steps is not, is its exit.
+AFTER_THE_STEPS = ("profile", "control ledgers", "module times")
 VARIANTS = {"own process": "fork_server=false", "forked": "fork_server=true"}
 
 
-def run_sweep(overrides: list[str], flag: str, sweep_dir: Path, empty_caches: bool) -> tuple[float, list[dict]]:
+def run_sweep(overrides: list[str], flag: str, sweep_dir: Path, empty_caches: bool) -> tuple[float, list[dict], dict]:
     cmd = [sys.executable, str(REPO / "train.py"), "-m", POINTS, "measure.profile=none", *overrides, flag,
            f"hydra.sweep.dir={sweep_dir}"]
     env = dict(os.environ)
     if empty_caches:  # what a machine's first sweep compiles (inductor's graphs, Triton's kernels)
         env.update(TORCHINDUCTOR_CACHE_DIR=str(sweep_dir.parent / f"{sweep_dir.name}_inductor"),
                    TRITON_CACHE_DIR=str(sweep_dir.parent / f"{sweep_dir.name}_triton"))
-    start = time.perf_counter()
+    started, start = time.time(), time.perf_counter()
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env)
     wall = time.perf_counter() - start
     if done.returncode:
         sys.exit(f"{' '.join(cmd)} exited {done.returncode}:\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
     results = sorted((json.loads(p.read_text()) for p in sweep_dir.glob("*/result.json")),
                      key=lambda r: r.get("launched") or 0.0)  # launch order
-    return wall, [dict(time_breakdown(r), label=r["choices"].get("recompute", "?")) for r in results]
+    spans = [(r["launched"], r["launched"] + r.get("wall_s", 0.0)) for r in results if r.get("launched")]
+    outside = {  # the controller's own time: Hydra's start and composition, validation, the report
+        "before the first point": spans[0][0] - started if spans else wall,
+        "between points": sum(b[0] - a[1] for a, b in zip(spans, spans[1:])),
+        "after the last point": started + wall - spans[-1][1] if spans else 0.0,
+    }
+    return wall, [dict(time_breakdown(r), label=r["choices"].get("recompute", "?")) for r in results], outside
 
 
 def main() -> None:
@@ -72,35 +84,37 @@ def main() -> None:
             for name, flag in VARIANTS.items():
                 if args.only and not name.startswith(args.only):
                     continue
-                wall, phases = run_sweep(overrides, flag, Path(tmp) / f"{repeat}_{flag.split('=')[1]}",
+                wall, phases, outside = run_sweep(overrides, flag, Path(tmp) / f"{repeat}_{flag.split('=')[1]}",
                                          args.empty_caches)
                 mean = {k: statistics.mean(p.get(k, 0.0) for p in phases) for k in
                         ("wall", "start+imports", "megatron imports")}
                 mean["fixed"] = wall - sum(p.get("to the window end", 0.0) for p in phases)
-                rows.append((name, wall, len(phases), mean))
+                rows.append((name, wall, len(phases), mean, outside))
                 points.extend((name, p) for p in phases)
                 print(f"{name}: {wall:.1f} s for {len(phases)} points", file=sys.stderr, flush=True)
     caches = ", empty compile caches" if args.empty_caches else ""
     print(f"6-point sweep ({POINTS}), {' '.join(overrides)}, profiling off{caches}\n")
     print("| points start | sweep wall s | fixed cost s | points | point wall s (mean) | start+imports s "
-          "| megatron imports s | rest of the point s |")
-    print("|---|---|---|---|---|---|---|---|")
-    for name, wall, n, mean in rows:
+          "| megatron imports s | rest of the point s | before the first point s | between points s "
+          "| after the last point s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for name, wall, n, mean, outside in rows:
         rest = mean["wall"] - mean["start+imports"] - mean["megatron imports"]
         print(f"| {name} | {wall:.1f} | {mean['fixed']:.1f} | {n} | {mean['wall']:.2f} | {mean['start+imports']:.2f} | "
-              f"{mean['megatron imports']:.2f} | {rest:.2f} |")
+              f"{mean['megatron imports']:.2f} | {rest:.2f} | {outside['before the first point']:.1f} | "
+              f"{outside['between points']:.1f} | {outside['after the last point']:.1f} |")
     if args.points:
         print("\n| points start | recompute | wall s | start+imports s | build s | first step s | steps s | "
-              "after the steps s |")
-        print("|---|---|---|---|---|---|---|---|")
+              "measured after the steps s | exit s |")
+        print("|---|---|---|---|---|---|---|---|---|")
         for name, p in points:
             head = sum(p.get(k, 0.0) for k in ("start+imports", "W&B init", "megatron imports", "device init",
                                                "process group", "parallel state"))
+            after = sum(p.get(k, 0.0) for k in AFTER_THE_STEPS)
             before = head + p.get("build", 0.0) + p.get("first step", 0.0) + p.get("to the window end", 0.0)
             print(f"| {name} | {p['label']} | {p['wall']:.1f} | {head:.1f} | {p.get('build', 0.0):.1f} | "
-                  f"{p.get('first step', 0.0):.1f} | {p.get('to the window end', 0.0):.1f} | "
-                  f"{p['wall'] - before:.1f} |")
-
+                  f"{p.get('first step', 0.0):.1f} | {p.get('to the window end', 0.0):.1f} | {after:.1f} | "
+                  f"{p['wall'] - before - after:.1f} |")
 
 if __name__ == "__main__":
     main()

@@ -39,3 +39,11 @@ def use_cuda() -> None:
     import torch
 
     print(f"cuda {float(torch.ones(4, device='cuda').sum())}", flush=True)
+
+
+def mark_teardown() -> None:
+    """A preload whose interpreter teardown would leave a file (``TEARDOWN_MARK``): the server skips it."""
+    import atexit
+
+    path = os.environ["TEARDOWN_MARK"]
+    atexit.register(lambda: open(path, "w").close())

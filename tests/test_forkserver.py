@@ -47,6 +47,15 @@ def test_ending_a_childs_group_ends_what_it_started(server, tmp_path):
     assert gone_within(grandchild, 10)
 
 
+def test_the_server_ends_without_the_interpreters_teardown(tmp_path):
+    """Closing the server ends it with os._exit: the controller waits for that exit at the end of every
+    sweep, and a teardown of torch and megatron would add its seconds there."""
+    mark = tmp_path / "torn_down"
+    server = ForkServer(["forkserver_targets:mark_teardown"], dict(ENV, TEARDOWN_MARK=str(mark)), str(REPO))
+    server.close()
+    assert server.proc.returncode == 0 and not mark.exists()
+
+
 def test_a_child_dies_with_the_server(tmp_path):
     server = ForkServer(["forkserver_targets"], ENV, str(REPO))
     proc = server.spawn("forkserver_targets:sleep_with_a_child", ["60"], ENV, str(tmp_path))

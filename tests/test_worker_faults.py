@@ -134,3 +134,24 @@ def test_the_time_breakdown_splits_the_distributed_init():
     phases = time_breakdown({"launched": 10.0, "wall_s": 13.0, "ranks": [{"timeline": marks}]})
     assert list(phases)[:5] == ["start+imports", "megatron imports", "device init", "process group", "parallel state"]
     assert phases["process group"] == 3.0 and phases["findings+exit"] == 1.0 and phases["wall"] == 13.0
+
+
+def test_a_one_process_worker_that_exits_next_leaves_its_group_to_the_exit(tmp_path, monkeypatch):
+    """serve() ends the process right after main: a one-rank group is not torn down (NCCL's teardown
+    took 1.5 s of each sweep point's exit on the H200); with other ranks, or when the caller goes on,
+    it is destroyed after the last barrier, as before."""
+    OmegaConf.save(OmegaConf.create(compose()), tmp_path / "config.yaml")
+    monkeypatch.setattr(worker, "init_distributed", lambda cfg, marks=None: None)
+    monkeypatch.setattr(worker, "rank_coordinates", lambda: {"rank": 0})
+    monkeypatch.setattr(worker, "train_and_measure", lambda cfg, result, run_dir=None, logger=None: None)
+    calls, world = [], {"size": 1}
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda: world["size"])
+    monkeypatch.setattr(torch.distributed, "barrier", lambda: calls.append("barrier"))
+    monkeypatch.setattr(torch.distributed, "destroy_process_group", lambda: calls.append("destroy"))
+    assert worker.main(str(tmp_path), exiting=True) == 0 and calls == ["barrier"]
+    calls.clear()
+    assert worker.main(str(tmp_path)) == 0 and calls == ["barrier", "destroy"]
+    calls.clear()
+    world["size"] = 2
+    assert worker.main(str(tmp_path), exiting=True) == 0 and calls == ["barrier", "destroy"]

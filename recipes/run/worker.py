@@ -574,7 +574,9 @@ def is_oom(err: BaseException) -> bool:
         s in text for s in ("Failed to CUDA calloc", "Failed to CUDA malloc", "out of memory"))
 
 
-def main(run_dir: str) -> int:
+def main(run_dir: str, exiting: bool = False) -> int:
+    """One rank's run: train, measure, write ``RUN_DIR/ranks/rank<N>.json``; returns the exit code.
+    ``exiting``: the process ends right after (``serve``), so a one-process group is not torn down."""
     from omegaconf import OmegaConf
 
     run = Path(run_dir)
@@ -620,7 +622,10 @@ def main(run_dir: str) -> int:
         print(f"[rank {rank}] {result['status']}: {result.get('error')}", file=sys.stderr)
     if torch.distributed.is_initialized() and exit_code == 0:
         torch.distributed.barrier()  # every rank's file is written: rank 0's W&B summary has them all
-        torch.distributed.destroy_process_group()
+        # NCCL's teardown of even a one-rank group took 1.5 s on the H200 (a sweep point's exit); with no
+        # other rank to leave in step with, the process's end frees it
+        if not (exiting and torch.distributed.get_world_size() == 1):
+            torch.distributed.destroy_process_group()
     if logger:
         ok = result["status"] in ("ok", "stopped", "preempted")
         logger.finish(run_summary(run, cfg), 0 if ok else exit_code)
@@ -648,12 +653,12 @@ def serve(run_dir: str) -> None:
     """A worker process's whole life: ``main``, then exit. Run as ``python -m recipes.run.worker RUN_DIR``
     (torchrun, or the controller for one process) or in a child of ``launch.forkserver`` (sweep points of
     one process, megatron already imported). Never returns."""
-    code = main(run_dir)
+    code = main(run_dir, exiting=True)
     import multiprocessing
 
     for child in multiprocessing.active_children():  # dist_checkpointing's result-queue manager
         child.terminate()
-    # The results are written (atomically) and the process group destroyed: skip the interpreter's
+    # The results are written (atomically) and the ranks past their last barrier: skip the interpreter's
     # teardown of torch/megatron (about a second per sweep point, and sweeps run many points).
     sys.stdout.flush()
     sys.stderr.flush()
