@@ -8,6 +8,7 @@ by ``recipes.results.merge_result`` into ``result.json``. The numbers are measur
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -622,6 +623,32 @@ def test_a_sweep_whose_base_point_timed_its_modules_prices_the_replays_from_them
     rank.pop("module_times")
     write_point(sweep, "sdpa", "none", [rank])
     assert not advise.sweep_plan(sweep, 20.0)["module_times"]  # without them: FLOPs, as before
+
+
+def test_a_base_point_run_in_several_processes_prices_replays_from_their_median_module_times(tmp_path):
+    """``measure.repeat=0,1,2`` of the base point: one process's module-time pass is one forward and
+    backward (an MoE layer's took 2.9-4.9 ms in three processes of one H200 point), so the plan prices
+    the replays from the median of the processes' times, module by module and layer by layer, not from
+    whichever process comes first."""
+    sweep = make_sweep(tmp_path / "sweep", attentions=("sdpa",))
+    base = json.loads((sweep / "attention=sdpa__recompute=none" / "ranks" / "rank0.json").read_text())
+    for repeat, mlp_ms in enumerate((2.3, 1.3, 1.5)):  # the first process slow
+        run_dir = sweep / f"attention=sdpa__measure.repeat={repeat}__recompute=none"
+        rank = {**base, "module_times": {"layers": list(range(1, 9)), "microbatches": 4, "replay_ms": {},
+                                         "forward_ms": {"mlp": [mlp_ms] * 8, "mlp.linear_fc2": [0.3] * 8}}}
+        write_json_atomic(run_dir / "ranks" / "rank0.json", rank)
+        config = compose("attention=sdpa", "recompute=none", "size=h200", f"measure.repeat={repeat}")
+        meta = {"name": "standard_attn sdpa none", "run_dir": str(run_dir), "config": config,
+                "choices": {"model": "standard_attn", "attention": "sdpa", "recompute": "none"}}
+        write_json_atomic(run_dir / "result.json", merge_result(run_dir, meta, 1, None))
+    shutil.rmtree(sweep / "attention=sdpa__recompute=none")
+    p = advise.sweep_plan(sweep, 20.0)
+    (row,) = [r for r in p["rows"] if (r["recompute"], r["offload"]) == ("selective/mlp", "none")]
+    assert row["recompute_s"] == pytest.approx(4 * 8 * (1.5 - 0.3) * 1e-3)  # the median process's MLP less FC2
+    merged = report.merge_module_times([{"layers": [1, 2], "forward_ms": {"": [3.0, 5.0]}},
+                                        {"layers": [1, 2], "forward_ms": {"": [2.0, 4.0]}},
+                                        {"layers": [1, 2], "forward_ms": {"": [9.0, 1.0]}}, None])
+    assert merged["forward_ms"][""] == [3.0, 4.0] and merged["replay_ms"] == {}
 
 
 def test_the_gpu_s_busy_time_merges_over_processes_and_resolves_what_the_wall_time_cannot():

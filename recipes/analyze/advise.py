@@ -32,7 +32,7 @@ from recipes.analyze.plan import (
     plan_key,
     without_measured_ooms,
 )
-from recipes.analyze.report import NOISY_STEPS, control_gap_pct, find_results, rank_rows
+from recipes.analyze.report import NOISY_STEPS, control_gap_pct, find_results, merge_repeats, rank_rows
 from recipes.errors import ConfigError
 from recipes.files import GIB
 from recipes.measure.flops import layer_forward_flops, replayed_layer_flops
@@ -198,8 +198,9 @@ def _base_point(ok: list[dict]) -> dict:
 def measured_rates(results: list[dict]) -> tuple[float | None, float | None, dict | None]:
     """What a GPU sweep measured for the planner: the model TFLOP/s per GPU its base point achieved
     (``_base_point``), the slowest host link an offload point recorded, and the module forward times
-    the base point's deciding rank recorded (``measure.module_times``; each None when it has none)."""
-    ok = _gpu_points(results)
+    the base point's deciding rank recorded (``measure.module_times``; each None when it has none).
+    A point run in several processes (``measure.repeat``) counts as one: its processes' medians."""
+    ok = merge_repeats(_gpu_points(results))
     links = [min(link["d2h_gb_s"], link["h2d_gb_s"]) for r in ok for rank in r.get("ranks") or []
              if (link := (rank.get("offload") or {}).get("link")) and link.get("d2h_gb_s")]
     if not ok:

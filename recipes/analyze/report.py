@@ -140,7 +140,9 @@ def merge_repeats(results: list[dict]) -> list[dict]:
     """One result per point: completed repetitions of a point (``measure.repeat=0,1,2``, one process
     each) merged. Per rank: step time = the median of the processes' medians, fastest = the fastest
     step of any, ``step_time_spread`` = slowest / fastest process median - 1 (the between-process
-    noise that one process cannot show), peaks = the highest. Failed repetitions stay separate rows."""
+    noise that one process cannot show), peaks = the highest, module times (``measure.module_times``:
+    what the planner prices replays from) the median of the processes' for each module and layer.
+    Failed repetitions stay separate rows."""
     groups: dict[str, list[dict]] = {}
     out: list[dict] = []
     for r in results:
@@ -177,10 +179,31 @@ def merge_repeats(results: list[dict]) -> list[dict]:
                     memory[key] = max(values)
             if memory.get("peak_allocated_gib") is not None and memory.get("peak_reserved_gib") is not None:
                 memory["fragmentation_gib"] = memory["peak_reserved_gib"] - memory["peak_allocated_gib"]
+            times = merge_module_times([x.get("module_times") for x in peers])
             merged["ranks"].append({**rank, "timing": timing, "memory": memory or rank.get("memory"),
-                                    **({"trace": trace} if trace else {})})
+                                    **({"trace": trace} if trace else {}),
+                                    **({"module_times": times} if times else {})})
         out.append(merged)
     return out
+
+
+def merge_module_times(peers: list[dict | None]) -> dict | None:
+    """One point's module times (``recipes.measure.moduletime``) from its processes: for each module
+    and layer, the median of the processes that timed it with the same layers. One process's pass is
+    one forward and backward, and an MoE layer's forward (its stream waiting for the host) took 2.9 to
+    4.9 ms in three processes of one point on an H200 (docs/offload.md); None when none timed them."""
+    timed = [t for t in peers if t and "forward_ms" in t]
+    if len(timed) < 2:
+        return timed[0] if timed else None
+    same = [t for t in timed if t.get("layers") == timed[0].get("layers")]
+    merged = dict(same[0])
+    for key in ("forward_ms", "replay_ms"):
+        names = set().union(*((t.get(key) or {}).keys() for t in same))
+        merged[key] = {}
+        for name in sorted(names):
+            rows = [t[key][name] for t in same if name in (t.get(key) or {})]
+            merged[key][name] = [statistics.median(values) for values in zip(*rows)]
+    return merged
 
 
 def _row(r: RankRow, name: str) -> dict:
