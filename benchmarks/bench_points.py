@@ -116,5 +116,6 @@ def main() -> None:
                   f"{p.get('first step', 0.0):.1f} | {p.get('to the window end', 0.0):.1f} | {after:.1f} | "
                   f"{p['wall'] - before - after:.1f} |")
 
+
 if __name__ == "__main__":
     main()

@@ -200,9 +200,10 @@ def measured_rates(results: list[dict]) -> tuple[float | None, float | None, dic
     (``_base_point``), the slowest host link an offload point recorded, and the module forward times
     the base point's deciding rank recorded (``measure.module_times``; each None when it has none).
     A point run in several processes (``measure.repeat``) counts as one: its processes' medians."""
-    ok = merge_repeats(_gpu_points(results))
-    links = [min(link["d2h_gb_s"], link["h2d_gb_s"]) for r in ok for rank in r.get("ranks") or []
-             if (link := (rank.get("offload") or {}).get("link")) and link.get("d2h_gb_s")]
+    points = _gpu_points(results)
+    links = [min(link["d2h_gb_s"], link["h2d_gb_s"]) for r in points for rank in r.get("ranks") or []
+             if (link := (rank.get("offload") or {}).get("link")) and link.get("d2h_gb_s")]  # every process's
+    ok = merge_repeats(points)
     if not ok:
         return None, (min(links) if links else None), None
     base = _base_point(ok)
