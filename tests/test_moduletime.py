@@ -54,9 +54,12 @@ def test_timing_leaves_no_hooks_no_update_and_no_gradient_for_the_optimizer(mega
 
 def test_off_by_default_on_a_cpu_and_refused_under_compile():
     from recipes.errors import ConfigError
-    from recipes.run.worker import times_modules
+    from recipes.run.worker import prices_others, times_modules
     from recipes.validate import validate
 
+    assert prices_others(compose(*TINY)) and prices_others(compose(*TINY, "recompute=control"))  # the timeline
+    assert not any(prices_others(compose(*TINY, o)) for o in ("recompute=full", "recompute=selective/mlp",
+                                                               "offload=core_attn"))
     assert not times_modules(compose(*TINY), on_gpu=False)
     assert times_modules(compose(*TINY), on_gpu=True)
     assert not times_modules(compose(*TINY, "model.compile=layer"), on_gpu=True)  # hooks would break its graph
@@ -135,3 +138,151 @@ def test_offload_hides_its_copies_behind_the_measured_layer_forward():
     fast, slow = (price(cfg, p, 400.0, 2.0, 0, _times(list(range(1, 9)), layer=ms)) for ms in (0.5, 50.0))
     assert fast["offload_stall_s"] > slow["offload_stall_s"] >= 0.0
     assert fast["offload_copy_s"] == slow["offload_copy_s"] > 0
+
+
+def test_the_timeline_marks_each_modules_forward_and_backward_in_the_hosts_order(megatron_world):
+    """``marks`` (recorded on a GPU; here on a CPU's wall clock): every timed module's forward start and
+    end in forward order, its backward start once backward reaches it, later layers' first, on a clock
+    that only moves forward. A recompute's replays make no marks, and a checkpointed module (its forward
+    ran without autograd) has no backward of its own."""
+    from recipes.measure.moduletime import ModuleTimer, _pass
+
+    timelines = {}
+    for option in ("none", "selective/core_attn"):
+        trainer = build_trainer(compose(*TINY, f"recompute={option}"))
+        try:
+            counted = ModuleTimer(trainer.chunks, cuda=False)
+            _pass(trainer, counted)
+            timer = ModuleTimer(trainer.chunks, cuda=False, marks="host")
+            _pass(trainer, timer)
+            timelines[option] = [m[0] for m in timer.marks], [m[1] for m in timer.marks], counted.summary(1)
+        finally:
+            trainer.close()
+    names, host, summary = timelines["none"]
+    assert names[0] == "start" and all(b >= a for a, b in zip(host, host[1:]))
+    for layer in (1, 2):
+        for module in ("", "self_attention", "self_attention.core_attention", "mlp", "mlp.linear_fc1"):
+            pre, end, bwd = (names.index(f"{layer}:{module}:{k}") for k in ("pre", "end", "bwd"))
+            assert pre < end < bwd and names.count(f"{layer}:{module}:pre") == 1, (layer, module)
+    assert names.index("2::bwd") < names.index("1::bwd") < names.index("1:mlp:bwd") and \
+        names.index("2:mlp:bwd") < names.index("2:self_attention:bwd")
+    assert names[-1] == "input:bwd" and len(names) == 2 + 3 * len(summary["forward_ms"]) * 2  # backward's end
+    recomputed, _, summary = timelines["selective/core_attn"]
+    assert summary["replay_ms"]["self_attention.core_attention"]  # replayed, and not marked:
+    assert recomputed.count("1:self_attention.core_attention:pre") == 1
+    assert "1:self_attention.core_attention:bwd" not in recomputed
+
+
+def _marks(host: list[float], gpu: list[float]) -> dict:
+    """A synthetic timeline: the host's clock at each mark, the GPU's work (ms) up to each."""
+    return {"names": [f"m{j}" for j in range(len(host))], "host_ms": host,
+            "gpu_ms": [0.0] + [b - a for a, b in zip(gpu, gpu[1:])]}
+
+
+def test_inserted_work_costs_its_gpu_time_where_the_host_is_ahead_and_its_host_time_where_it_is_not():
+    """Timeline.finish: work inserted where the host leads the GPU by more than its host time costs the
+    step its GPU time; where the GPU waits for the host, its host time; a lead between pays the host
+    time beyond it. An interval the GPU may have waited inside reads the clean one between the same marks
+    of another micro-batch."""
+    from recipes.predict.replay import Timeline
+
+    # the host issues 10 marks 1 ms apart; the GPU needs 3 ms between marks: it trails by more and more
+    ahead = Timeline.of(_marks([float(j) for j in range(11)], [3.0 * j for j in range(11)]))
+    assert ahead.finish() == pytest.approx(30.0)
+    assert ahead.finish({5: (4.0, 2.0)}) - ahead.finish() == pytest.approx(2.0)
+    # the host needs 3 ms between marks, the GPU 1: every mark waits for the host
+    behind = Timeline.of(_marks([3.0 * j for j in range(11)], [float(j) for j in range(11)]))
+    assert behind.finish({5: (4.0, 2.0)}) - behind.finish() == pytest.approx(4.0)
+    # host-bound to mark 5, then the GPU needs 2 ms a mark: it trails the host by 1, 2, 3 ms at marks 6-8
+    mixed = Timeline.of(_marks([0, 1, 2, 3, 4, 5, 6, 7, 8], [0, 1, 2, 3, 4, 5.0, 7, 9, 11]))
+    assert mixed.finish() == pytest.approx(11.0)
+    # 4 ms of host work after mark 6: the GPU, 2 ms ahead of the host by mark 7, waits the other 2
+    assert mixed.finish({6: (4.0, 0.0)}) - mixed.finish() == pytest.approx(2.0)
+    assert mixed.finish({6: (4.0, 3.0)}) - mixed.finish() == pytest.approx(3.0)  # its GPU time is more
+    assert Timeline.of({**_marks([0.0, 1.0], [0.0, 1.0]), "gpu_ms": []}) is None  # no GPU pass
+    twice = {"names": ["start", "a", "b", "a", "b"], "host_ms": [0.0, 1, 2, 3, 4], "gpu_ms": [0.0, 1, 2, 1, 9],
+             "gpu_clean": [True, True, True, True, False]}
+    assert Timeline.of(twice).work == [0.0, 1, 2, 1, 2]
+
+
+def _layer_marks(layers: list[int], host_step: float, gpu_step: float, microbatches: int = 1) -> dict:
+    """A synthetic pass: each layer's forward (layer, its MLP) then backward in reverse, the host
+    ``host_step`` ms and the GPU ``gpu_step`` ms between consecutive marks."""
+    names = ["start"]
+    for _ in range(microbatches):
+        names += [f"{n}:{m}:{k}" for n in layers for m, k in (("", "pre"), ("mlp", "pre"), ("mlp", "end"), ("", "end"))]
+        names += [f"{n}:{m}:bwd" for n in reversed(layers) for m in ("", "mlp")]
+    return {"names": names, "host_ms": [host_step * j for j in range(len(names))],
+            "gpu_ms": [0.0] + [gpu_step] * (len(names) - 1), "gpu_clean": [True] * len(names)}
+
+
+def test_a_replay_costs_its_gpu_time_on_a_gpu_bound_timeline_and_its_host_time_on_a_host_bound_one():
+    """timeline_recompute_s: MoE's whole-layer label replays each MoE layer's forward where its
+    backward begins. With the host far ahead it costs the forwards' GPU time; with the GPU waiting on
+    the host, their host time and the checkpoint region's (``estimate.replay_region_ms``); a point run
+    in several processes, the median of theirs; a label with no place on the timeline, no price (the
+    module times' then)."""
+    from recipes.predict.offload import timeline_recompute_s
+
+    cfg = compose("model=moe", "size=h200", "recompute=selective/moe", "model.num_layers=2")
+    region = cfg["estimate"]["replay_region_ms"]
+
+    def cost(marks) -> float:
+        return timeline_recompute_s(cfg, {"layers": [1, 2], "marks": marks}) * 1e3
+
+    assert cost(_layer_marks([1, 2], 0.01, 1.0)) == pytest.approx(2 * 1.0)  # an MLP forward: 1 GPU ms
+    assert cost(_layer_marks([1, 2], 1.0, 0.01)) == pytest.approx(2 * (1.0 + region))  # 1 host ms
+    assert cost(_layer_marks([1, 2], 0.01, 1.0, microbatches=2)) == pytest.approx(4 * 1.0)
+    runs = [_layer_marks([1, 2], 0.01, gpu) for gpu in (1.0, 3.0, 2.0)]
+    assert cost(runs) == pytest.approx(2 * 2.0)
+    full = compose("model=moe", "size=h200", "recompute=full", "recompute.recompute_num_layers=1",
+                   "model.num_layers=2")
+    # a layer's forward is three intervals of the pass: 3 GPU ms each layer
+    assert timeline_recompute_s(full, {"layers": [1, 2], "marks": runs[0]}) == pytest.approx(2 * 3e-3)
+    gdn = compose("model=gdn", "size=h200", "recompute=selective/gdn_norm_out")
+    assert timeline_recompute_s(gdn, {"layers": [1, 2], "marks": runs[0]}) is None
+    assert timeline_recompute_s(cfg, {"layers": [1, 2], "marks": {"error": "OutOfMemoryError"}}) is None
+
+
+def test_recompute_s_prices_on_the_timeline_where_the_point_recorded_one():
+    """The timeline's price replaces the module times' and the FLOPs' for the whole option; without
+    one (older points, a failed pass) the module times price it as before."""
+    cfg = compose("model=moe", "size=h200", "recompute=selective/moe", "model.num_layers=2")
+    times = {**_times([1, 2], mlp=7.0), "microbatches": 1}
+    assert recompute_s(cfg, 400.0, 2, 1, 0, 3000.0, times) == pytest.approx(2 * 7e-3)
+    timed = {**times, "marks": _layer_marks([1, 2], 0.01, 1.0)}
+    assert recompute_s(cfg, 400.0, 2, 1, 0, 3000.0, timed) == pytest.approx(2 * 1e-3)
+    failed = {**times, "marks": {"error": "OutOfMemoryError: CUDA out of memory"}}
+    assert recompute_s(cfg, 400.0, 2, 1, 0, 3000.0, failed) == pytest.approx(2 * 7e-3)
+
+
+def test_a_repeated_point_keeps_every_processs_timeline():
+    """merge_module_times: module times merge to medians, timelines do not merge (each is priced, then
+    the median taken), so the merged point keeps them all."""
+    from recipes.analyze.report import merge_module_times
+
+    runs = [{**_times([1, 2], mlp=ms), "marks": _layer_marks([1, 2], 0.01, ms)} for ms in (1.0, 3.0, 2.0)]
+    merged = merge_module_times(runs)
+    assert merged["forward_ms"]["mlp"] == [2.0, 2.0] and [m["gpu_ms"][1] for m in merged["marks"]] == [1.0, 3.0, 2.0]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: CUDA events and torch.cuda._sleep")
+def test_on_a_gpu_the_timeline_replays_to_the_pass_it_was_measured_in(megatron_world):
+    """On a GPU the GPU pass's intervals are clean (the sleep at each mark kept the host ahead), both
+    passes mark the same points, and the timeline reproduces the host pass's duration (the work after
+    the last mark, the loss and the gradient reduction, aside) to within a fifth."""
+    from recipes.predict.replay import Timeline
+
+    trainer = build_trainer(compose("model=moe", "size=tiny", "profile=none", "train.train_iters=3",
+                                    "measure.start_step=2", "recompute=none"))
+    try:
+        trainer.compute_gradients()  # as in a run, the pass comes after steps: kernels loaded, fusions traced
+        marks = time_modules(trainer)["marks"]
+    finally:
+        trainer.close()
+    assert "error" not in marks and 0.0 <= marks["mark_cost_ms"] <= 0.1
+    assert marks["gpu_clean"].count(False) <= len(marks["names"]) // 50
+    timeline = Timeline.of(marks)
+    assert timeline.finish() == pytest.approx(marks["pass_ms"], rel=0.2)
+    assert all(g > 0 for _, g in timeline.forward(1, "mlp")) and timeline.where(1, "mlp", "bwd")

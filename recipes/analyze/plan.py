@@ -12,7 +12,8 @@ modules); the runner-up is the next one, and both are worth one sweep to confirm
 The rate and the link: ``estimate.mfu`` x ``measure.peak_tflops`` and ``estimate.host_link_gb_s``
 before a run; a measured sweep's own achieved TFLOP/s and recorded link bandwidth when it has them,
 and its base point's module forward times (``measure.module_times``), which price the matmul labels'
-and full recompute's replays as measured.
+and full recompute's replays as measured, or, where the base point recorded its step's timeline,
+every recompute option on that timeline (host time included: ``recipes.predict.replay``).
 """
 
 from __future__ import annotations

@@ -203,6 +203,9 @@ def merge_module_times(peers: list[dict | None]) -> dict | None:
         for name in sorted(names):
             rows = [t[key][name] for t in same if name in (t.get(key) or {})]
             merged[key][name] = [statistics.median(values) for values in zip(*rows)]
+    marks = [t["marks"] for t in same if t.get("marks")]  # timelines do not merge: priced each, then the median
+    if marks:
+        merged["marks"] = marks
     return merged
 
 

@@ -13,6 +13,16 @@ The result (``result.json`` ranks[*].module_times): per module name (relative to
 layer itself), the forward ms of one micro-batch in each of the rank's layers (``layers``: megatron's
 1-based layer numbers), and the same for replays. ``recipes.predict.offload.measured_replay_s``
 prices the recompute labels from a no-recompute point's forward times.
+
+Where the step is host-bound (MoE, MLA), a replay costs neither its stream time nor its GPU time but
+what the host's lead at that point in backward leaves of it. On a GPU, two more passes give
+``marks``, each timed module's forward start (``pre``) and end (``end``) and its backward start
+(``bwd``, a gradient hook on its output): a host pass notes only the host's clock at each (no CUDA
+event: the host's pace as the step has it, but for the hooks' calls), and a GPU pass records CUDA
+events at each around a ``torch.cuda._sleep`` long enough that the host has issued the next
+interval's work before the GPU starts it, so the events time the GPU's own work between marks, no
+waiting for the host. ``recipes.predict.replay`` replays that timeline with a recompute's forwards
+inserted where its backward runs them.
 """
 
 from __future__ import annotations
@@ -58,29 +68,71 @@ class _Clock:
 
 
 class ModuleTimer:
-    """Forward hooks on each layer's ``TIMED`` modules: (layer number, name, in backward) -> intervals."""
+    """Forward hooks on each layer's ``TIMED`` modules: (layer number, name, in backward) -> intervals.
 
-    def __init__(self, chunks: list[torch.nn.Module], cuda: bool):
+    With ``marks`` ("host" or "gpu"), the timeline instead: a mark ("<layer>:<module>:<pre|end|bwd>")
+    at each timed module's forward start and end and its backward start, in the host's order, with
+    the host's clock ("host") or a CUDA event ending the interval before it, a sleep (``sleep_ms``,
+    one a mark), and one starting the interval after it ("gpu"). "host" and "light" also mark where backward leaves
+    the first layer (``input:bwd``), "light" nothing else: the two passes' host clocks there give
+    what a mark's hooks cost the host."""
+
+    def __init__(self, chunks: list[torch.nn.Module], cuda: bool, marks: str | None = None,
+                 sleep_ms: list[float] | None = None):
         self.clock, self.handles = _Clock(cuda), []
         self.intervals: dict[tuple[int, str, bool], list] = defaultdict(list)
+        self.mode, self.marks = marks, []
+        per_ms = _cycles_per_ms() if marks == "gpu" and sleep_ms else 0.0
+        self.sleep_cycles = [int(ms * per_ms) for ms in sleep_ms or []]
         self.layers = []
-        for layer in transformer_layers(chunks):
+        layers = transformer_layers(chunks)
+        for layer in layers:
             self.layers.append(layer.layer_number)
+            if marks == "light":
+                continue
             modules = dict(layer.named_modules())
             for name in TIMED:
                 module = modules.get(name)
                 if module is not None and type(module).__name__ not in _SKIP:
                     self._hook(module, layer.layer_number, name)
+        if marks in ("host", "light") and layers:  # where backward leaves the layers: both passes mark it
+            self.handles.append(layers[0].register_forward_pre_hook(self._input_hook, with_kwargs=True))
+
+    def _input_hook(self, _module, args, kwargs):
+        hidden = args[0] if args else kwargs.get("hidden_states")
+        if isinstance(hidden, torch.Tensor) and hidden.requires_grad and torch._C._current_graph_task_id() == -1:
+            hidden.register_hook(lambda _grad: self.note("input:bwd"))
+
+    def note(self, name: str) -> None:
+        """One mark: the host's clock, and in the GPU pass the events around a sleep."""
+        if self.mode in ("host", "light"):
+            self.marks.append((name, time.perf_counter()))
+            return
+        end = self.clock.mark()
+        if self.sleep_cycles:
+            torch.cuda._sleep(self.sleep_cycles[min(len(self.marks), len(self.sleep_cycles) - 1)])
+        self.marks.append((name, time.perf_counter(), end, self.clock.mark()))
 
     def _hook(self, module: torch.nn.Module, layer: int, name: str) -> None:
         open_: list = []
 
         def pre(_module, _args):
-            open_.append(self.clock.mark())
+            if self.mode is None:
+                open_.append(self.clock.mark())
+            elif torch._C._current_graph_task_id() == -1:
+                self.note(f"{layer}:{name}:pre")
 
-        def post(_module, _args, _output):
+        def post(_module, _args, output):
             replay = torch._C._current_graph_task_id() != -1  # inside autograd's backward: a replay
-            self.intervals[(layer, name, replay)].append((open_.pop(), self.clock.mark()))
+            if self.mode is None:
+                self.intervals[(layer, name, replay)].append((open_.pop(), self.clock.mark()))
+                return
+            if replay:
+                return
+            self.note(f"{layer}:{name}:end")
+            out = output[0] if isinstance(output, (tuple, list)) else output
+            if isinstance(out, torch.Tensor) and out.requires_grad:  # fires as backward reaches the module
+                out.register_hook(lambda _grad: self.note(f"{layer}:{name}:bwd"))
 
         self.handles += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
 
@@ -100,16 +152,89 @@ class ModuleTimer:
         return out
 
 
-def time_modules(trainer) -> dict:
-    """One more forward and backward of the step's micro-batches with the layers' modules timed (no
-    update: the gradients are zeroed after)."""
-    cuda = trainer.on_gpu
-    timer = ModuleTimer(trainer.chunks, cuda)
+def _cycles_per_ms() -> float:
+    """GPU clock cycles a ms of ``torch.cuda._sleep`` spins (measured: the clock under load varies)."""
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    torch.cuda._sleep(20_000_000)
+    b.record()
+    b.synchronize()
+    return 20_000_000 / max(a.elapsed_time(b), 1e-3)
+
+
+def _pass(trainer, timer: ModuleTimer) -> float:
+    """One forward and backward of the step's micro-batches under ``timer`` (no update); its origin
+    on the host's clock (the stream drained first), after which the pass starts with a mark."""
     try:
-        trainer.compute_gradients()
-        if cuda:
+        if timer.clock.cuda:
             torch.cuda.synchronize()
-        return timer.summary(trainer.num_microbatches)
+        t0 = time.perf_counter()
+        if timer.mode:
+            timer.note("start")
+        trainer.compute_gradients()
+        if timer.clock.cuda:
+            torch.cuda.synchronize()
+        return t0
     finally:
         timer.remove()
         trainer.optimizer.zero_grad()
+
+
+#: The GPU pass's sleep at each mark (ms): the host pass's time to the next mark this many times over,
+#: plus ``SLEEP_PLUS_MS`` (the GPU pass's events), so the host has issued an interval's work before the
+#: GPU starts it. About 1 s a pass at the h200 size (MoE: 961 marks, 250 ms of host time).
+SLEEP_FACTOR, SLEEP_PLUS_MS = 1.5, 0.2
+#: The most a mark's hooks are taken to cost the host (ms; about 0.025 on a CPU core).
+MARK_COST_MAX_MS = 0.1
+
+
+def time_modules(trainer, marks: bool = True) -> dict:
+    """One more forward and backward of the step's micro-batches with the layers' modules timed (no
+    update: the gradients are zeroed after); on a GPU with ``marks``, also the timeline (``timeline``)."""
+    cuda = trainer.on_gpu
+    timer = ModuleTimer(trainer.chunks, cuda)
+    _pass(trainer, timer)
+    out = timer.summary(trainer.num_microbatches)
+    if cuda and marks:
+        try:
+            out["marks"] = timeline(trainer)
+        except Exception as err:  # an OOM, or passes that differ: the module times stand
+            out["marks"] = {"error": f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"}
+    return out
+
+
+def timeline(trainer) -> dict:
+    """The marks of a host pass and a GPU pass (``ModuleTimer``): ``names``; ``host_ms`` the host's
+    clock at each since the pass began; ``pass_ms`` the host pass from its start to the end of its
+    work on the GPU (a synchronize), what the timeline should replay to; ``gpu_ms`` the GPU's own work
+    from the mark before to each; ``gpu_clean`` whether the host had issued that interval's work
+    before the GPU began it (the GPU cannot have waited inside it); ``mark_cost_ms`` what a mark's
+    hooks cost the host (``recipes.predict.replay`` takes it off)."""
+    light = ModuleTimer(trainer.chunks, True, marks="light")
+    l0 = _pass(trainer, light)
+    host = ModuleTimer(trainer.chunks, True, marks="host")
+    t0 = _pass(trainer, host)
+    pass_ms = (time.perf_counter() - t0) * 1e3
+    names = [m[0] for m in host.marks if m[0] != "input:bwd"]
+    issued = [m[1] for m in host.marks if m[0] != "input:bwd"]
+    sleeps = [SLEEP_FACTOR * (b - a) * 1e3 + SLEEP_PLUS_MS for a, b in zip(issued, issued[1:])]
+    gpu = ModuleTimer(trainer.chunks, True, marks="gpu", sleep_ms=sleeps + [SLEEP_PLUS_MS])
+    g0 = _pass(trainer, gpu)
+    if names != [m[0] for m in gpu.marks]:
+        raise RuntimeError(f"the GPU pass made {len(gpu.marks)} marks, the host pass {len(names)}")
+    # the hooks' cost a mark: the host pass reached backward's end later than the light one by that
+    # many marks' worth (a process's host pace moves too: kept within [0, MARK_COST_MAX_MS])
+    ends = [j for j, m in enumerate(host.marks) if m[0] == "input:bwd"]
+    light_end = [m[1] - l0 for m in light.marks if m[0] == "input:bwd"]
+    cost = 0.0
+    if ends and light_end:
+        extra = (host.marks[ends[-1]][1] - t0) - light_end[-1]
+        cost = min(max(extra * 1e3 / max(ends[-1] - (len(light.marks) - 1), 1), 0.0), MARK_COST_MAX_MS)
+    origin = gpu.marks[0][2]  # the stream was drained: it runs as the host records it, at g0
+    work, clean = [0.0], [True]
+    for (_, _, _, begun), (_, noted, ended, _) in zip(gpu.marks, gpu.marks[1:]):
+        work.append(round(begun.elapsed_time(ended), 4))
+        clean.append(origin.elapsed_time(begun) >= (noted - g0) * 1e3)
+    return {"names": names, "host_ms": [round((m[1] - t0) * 1e3, 4) for m in host.marks if m[0] != "input:bwd"],
+            "pass_ms": round(pass_ms, 4), "mark_cost_ms": round(cost, 5), "gpu_ms": work, "gpu_clean": clean}

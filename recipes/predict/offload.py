@@ -30,7 +30,11 @@ one H200 measured, docs/offload.md), which also lengthens the layers the copies 
 and an elementwise replay's bytes, checkpoint regions and (host-bound step) kernel launches. A GPU
 point that timed its layers' modules (``recipes.measure.moduletime``) prices its matmul labels and
 full recompute by what their modules' forward took instead (``measured_replay_s``): a GEMM replays
-at its own rate, not the step's average, and a host-bound module at its host time.
+at its own rate, not the step's average, and a host-bound module at its host time. A point that also
+recorded its step's timeline (``module_times["marks"]``) prices the whole recompute option on it
+(``timeline_recompute_s``, ``recipes.predict.replay``): each replayed forward's host and GPU time
+inserted where backward runs it, so a replay costs its GPU time where the host leads the GPU, its host
+time where the GPU waits for the host, and between the two where the lead is short.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from recipes.config import EstimateConfig
 from recipes.measure.flops import layer_forward_flops, mlp_replays_fc2, replayed_layer_flops
 from recipes.offload import modules_of
 from recipes.predict.activations import Dims, Term
+from recipes.predict.replay import Timeline
 from recipes.recompute import ATTENTION_KIND, gdn_pattern, labels_of, moe_pattern
 
 #: A host term: (kind, what, bytes kept on the device before offload, bytes copied to the host, the
@@ -270,6 +275,84 @@ def _full_covers(cfg: dict, numbers: list[int]):
     return lambda g, i: position[i] < k
 
 
+#: Where each label's replay runs, for ``timeline_recompute_s``: (modules whose forward it replays,
+#: modules inside those it does not replay, the module at whose backward start it runs, which layers);
+#: an elementwise label's replay is (no module: its bytes and kernels, ``ELEMENTWISE_REPLAYS``) at each
+#: position it names. ``layernorm``'s norms are replayed where the attention's and the MLP's backward
+#: begin (megatron registers their recompute on those modules' outputs).
+def _placements(cfg: dict) -> list[tuple[tuple, tuple, str, object]] | None:
+    """The run's recompute as (replayed, not replayed, at, covers(global layer, index)) pieces; None
+    where a label has no place on the timeline (``gdn_norm_out``, GDN layers)."""
+    rc, m = cfg["recompute"], cfg["model"]
+    moe, gdn = moe_pattern(m), gdn_pattern(m)
+    if any(gdn):
+        return None
+    every = lambda g, i: True  # noqa: E731
+    if rc["recompute_granularity"] == "full":
+        return [(("",), (), "", None)]  # covers: _full_covers, which needs the rank's layer numbers
+    if rc["recompute_granularity"] != "selective":
+        return []
+    spec = {"mlp": [(("mlp",), () if mlp_replays_fc2(cfg) else ("mlp.linear_fc2",), "mlp", lambda g, i: not moe[g])],
+            "moe": [(("mlp",), (), "mlp", lambda g, i: moe[g])],
+            "shared_experts": [(("mlp.shared_experts",), (), "mlp.shared_experts", lambda g, i: moe[g])],
+            "mla_up_proj": [(("self_attention",), MLA_OUTSIDE_UP_PROJ, "self_attention.core_attention", every)],
+            "core_attn": [(("self_attention.core_attention",), (), "self_attention.core_attention", every)],
+            "layernorm": [((), (), "self_attention", every), ((), (), "mlp", every)],
+            "moe_act": [((), (), "mlp.experts", lambda g, i: moe[g])]}
+    if any(label not in spec for label in rc["recompute_modules"]):
+        return None
+    return [piece for label in rc["recompute_modules"] for piece in spec[label]]
+
+
+def timeline_recompute_s(cfg: dict, module_times: dict, elementwise_s: float = 0.0) -> float | None:
+    """Seconds per step the run's recompute adds, from the base point's timeline
+    (``recipes.predict.replay``): each replayed forward (its modules' host and GPU time in that layer)
+    inserted where its backward runs it, with a checkpoint region's host cost
+    (``estimate.replay_region_ms``); an elementwise replay as host work (a region and its kernels at
+    ``estimate.launch_us``) and GPU work (its share of ``elementwise_s``, the elementwise labels' bytes
+    a micro-batch). A point run in several processes: the median of theirs. None where the point has
+    no GPU-only timeline or a label has no place on it."""
+    marks = module_times.get("marks")
+    timelines = [t for t in map(Timeline.of, marks if isinstance(marks, list) else [marks]) if t]
+    pieces, numbers = _placements(cfg), module_times.get("layers") or []
+    if not timelines or pieces is None or not numbers:
+        return None
+    est, default = cfg.get("estimate") or {}, EstimateConfig()
+    region_ms = est.get("replay_region_ms", default.replay_region_ms)
+    launch_ms = est.get("launch_us", default.launch_us) / 1e3
+    act = 1 if resolve_swiglu_fusion(cfg["model"], on_gpu=True) else (5 if cfg["model"]["gated_linear_unit"] else 3)
+    costs = []
+    for tl in timelines:
+        inserted: dict[int, list[float]] = {}
+        elementwise = []
+        for replayed, inside, at, covers in pieces:
+            covers = covers or _full_covers(cfg, numbers)
+            for i, number in enumerate(numbers):
+                if not covers(number - 1, i):
+                    continue
+                spots = tl.where(number, at, "bwd")
+                forwards = [tl.forward(number, name) for name in replayed + inside]
+                if not spots or any(len(f) != len(spots) for f in forwards[:len(replayed)]):
+                    return None  # a module the pass did not time
+                for k, j in enumerate(spots):
+                    host, gpu = region_ms, 0.0
+                    for n, f in enumerate(forwards):
+                        if len(f) == len(spots):
+                            sign = 1.0 if n < len(replayed) else -1.0
+                            host, gpu = host + sign * f[k][0], gpu + sign * f[k][1]
+                    if not replayed:  # elementwise: one kernel for a norm, the activation's for moe_act
+                        host += (act if at == "mlp.experts" else 1) * launch_ms
+                        elementwise.append(j)
+                    slot = inserted.setdefault(j, [0.0, 0.0])
+                    slot[0], slot[1] = slot[0] + max(host, 0.0), slot[1] + max(gpu, 0.0)
+        microbatches = max(len(tl.where(numbers[0], "", "bwd")), 1)
+        for j in elementwise:
+            inserted[j][1] += elementwise_s * 1e3 * microbatches / len(elementwise)
+        costs.append(tl.finish({j: (h, g) for j, (h, g) in inserted.items()}) - tl.finish())
+    costs.sort()
+    return costs[len(costs) // 2] / 1e3
+
+
 def recompute_s(cfg: dict, tflops: float, layers: int, microbatches: int, elementwise_bytes: int = 0,
                 hbm_gb_s: float = 3000.0, module_times: dict | None = None) -> float:
     """Seconds per step the run's recompute replays: its replayed forward FLOPs at ``tflops``, or
@@ -278,8 +361,14 @@ def recompute_s(cfg: dict, tflops: float, layers: int, microbatches: int, elemen
     traffic, reading their inputs and writing the ``elementwise_bytes`` they rematerialize (one
     micro-batch, the rank's layers) at ``hbm_gb_s``, plus ``estimate.replay_region_ms`` a region
     replayed and, in a host-bound step, ``estimate.launch_us`` a kernel replayed
-    (``elementwise_replays``)."""
+    (``elementwise_replays``). Where the point also recorded its timeline (``marks``), the whole
+    recompute is priced on it instead (``timeline_recompute_s``): host time where the host is behind."""
     rc = cfg["recompute"]
+    memory = 2 * elementwise_bytes / (hbm_gb_s * 1e9)
+    if module_times and module_times.get("marks"):
+        on_timeline = timeline_recompute_s(cfg, module_times, memory)
+        if on_timeline is not None:
+            return on_timeline
     measured = measured_replay_s(cfg, module_times) if module_times else {}
     timed, rest = 0.0, rc
     if rc["recompute_granularity"] == "full" and "full" in measured:
@@ -292,7 +381,6 @@ def recompute_s(cfg: dict, tflops: float, layers: int, microbatches: int, elemen
     per_layer = sum(layer.get(k, 0.0) for k in ("attn_proj", "core_attn", "mlp", "moe"))
     replay = replayed_layer_flops({**cfg, "recompute": rest}, layer, per_layer)
     replay /= cfg["parallel"]["tensor_model_parallel_size"]
-    memory = 2 * elementwise_bytes / (hbm_gb_s * 1e9)
     est, default = cfg.get("estimate") or {}, EstimateConfig()
     regions, kernels = elementwise_replays(cfg)
     per_kernel = est.get("launch_us", default.launch_us) / 1e6 if host_bound(cfg) else 0.0

@@ -431,7 +431,7 @@ def _measure(trainer: Trainer, cfg: dict, result: dict, window: Window, labels: 
     marks["ledgers_done"] = time.time()
     if times_modules(cfg, trainer.on_gpu):
         try:
-            result["module_times"] = time_modules(trainer)
+            result["module_times"] = time_modules(trainer, marks=prices_others(cfg))
         except Exception as err:  # an OOM in the extra pass: the run's own measurements stand
             result["module_times"] = failed_measurement(err)
         marks["modules_timed"] = time.time()
@@ -441,6 +441,12 @@ def times_modules(cfg: dict, on_gpu: bool) -> bool:
     """Whether the run times its layers' modules (``measure.module_times``; null: on a GPU, eager)."""
     wanted = cfg["measure"]["module_times"]
     return bool(wanted) if wanted is not None else on_gpu and cfg["model"]["compile"] == "none"
+
+
+def prices_others(cfg: dict) -> bool:
+    """Whether the point is one the planner prices the others from (no replay, no offload): only its
+    module times record the step's timeline (``recipes.measure.moduletime.timeline``, about 1 s)."""
+    return not labels_of(cfg) and cfg["recompute"]["recompute_granularity"] != "full" and not modules_of(cfg)
 
 
 def failed_measurement(err: Exception) -> dict:

@@ -1,0 +1,74 @@
+"""A step's timeline from its module-time pass, and what work inserted into it costs the step.
+
+The pass (``recipes.measure.moduletime``, ``marks``) notes each timed module's forward start and end
+and its backward start, on the host's clock (``host_ms``: when the host issued it) and, from a second
+pass the host issues well ahead of the GPU, the GPU's own time up to each (``gpu_ms``: its work, no
+waiting). The GPU reaches a mark once the host has issued it and the work before it is done::
+
+    reached[j] = max(host[j] + latency, reached[j - 1] + work[j])
+
+A recompute replays some modules' forward where backward reaches them: the host issues that forward
+again (its host time, which moves every later mark) and the GPU runs it again (its GPU time, after the
+mark). Its cost to the step is how much later the last mark is reached: the GPU time where the host
+was ahead by more than the replay adds to it, the host time where the GPU was waiting for the host,
+and between the two elsewhere. That is why one label costs an MoE step its module's stream time on
+one day and its GPU time on another (docs/offload.md): the host's lead differs, and this reads it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """One point's marks: names ("<layer>:<module>:<pre|end|bwd>"), when the host issued each (ms since
+    the pass began), the GPU's own work from the mark before to each (ms), and how long the pass took
+    measured (host issue to GPU done), which ``finish()`` should reproduce."""
+
+    names: list[str]
+    host: list[float]
+    work: list[float]
+    measured_ms: float | None = None
+
+    @classmethod
+    def of(cls, marks: dict | None) -> Timeline | None:
+        """From a ``module_times["marks"]`` record (None without one). An interval the GPU may have
+        waited inside (``gpu_clean`` false) takes the median of the clean ones between the same two
+        marks of other micro-batches, where there are any. The host's clock loses what the marks
+        before each cost it (``mark_cost_ms`` each)."""
+        if not marks or not marks.get("gpu_ms") or len(marks["gpu_ms"]) != len(marks.get("names") or []):
+            return None
+        names, work = marks["names"], list(marks["gpu_ms"])
+        clean = marks.get("gpu_clean") or [True] * len(work)
+        seen: dict[tuple[str, str], list[float]] = {}
+        for j in range(1, len(work)):
+            if clean[j]:
+                seen.setdefault((names[j - 1], names[j]), []).append(work[j])
+        for j in range(1, len(work)):
+            same = sorted(seen.get((names[j - 1], names[j])) or [])
+            if not clean[j] and same:
+                work[j] = same[len(same) // 2]
+        cost = marks.get("mark_cost_ms") or 0.0  # the hooks' host time, off each mark after them
+        return cls(list(names), [h - cost * j for j, h in enumerate(marks["host_ms"])], work, marks.get("pass_ms"))
+
+    def where(self, layer: int, module: str, kind: str) -> list[int]:
+        """The marks of one module of one layer of one kind, in order (one a micro-batch)."""
+        name = f"{layer}:{module}:{kind}"
+        return [j for j, n in enumerate(self.names) if n == name]
+
+    def forward(self, layer: int, module: str) -> list[tuple[float, float]]:
+        """(host ms, GPU ms) each forward of the module took, in order."""
+        return [(self.host[b] - self.host[a], sum(self.work[a + 1:b + 1]))
+                for a, b in zip(self.where(layer, module, "pre"), self.where(layer, module, "end"))]
+
+    def finish(self, inserted: dict[int, tuple[float, float]] | None = None) -> float:
+        """When the GPU reaches the last mark (ms), with (host ms, GPU ms) of work ``inserted`` right
+        after some marks: the host issues it there, and the GPU runs it before the next mark's work."""
+        inserted = inserted or {}
+        shift, reached, n = 0.0, self.host[0], len(self.names)
+        for j in range(1, n + 1):  # n: after the last mark, where work inserted there ends
+            host, gpu = inserted.get(j - 1, (0.0, 0.0))
+            shift += host
+            reached = max(self.host[min(j, n - 1)] + shift, reached + (self.work[j] if j < n else 0.0) + gpu)
+        return reached
