@@ -244,6 +244,14 @@ def test_the_module_timed_offload_table_regenerates_identically():
     assert labels == (OFFLOAD / "moduletimes_moe_again.md").read_text() and "| +78.8 | +88.1 |" in labels
 
 
+def test_the_timeline_sweeps_of_2026_12_04_regenerate_identically():
+    """docs/offload-h200/timeline_2026-12-04{,_first}.md: the label sweeps whose base points recorded
+    their timeline (``module_times.marks``), priced on it (recipes.predict.replay; docs/offload.md)."""
+    for name, moe_full in (("timeline_2026-12-04", "| +92.3 | +101.1 |"), ("timeline_2026-12-04_first", "| +87.1 | +115.1 |")):
+        table = _offload_table(*(str(OFFLOAD / f"{name}_{m}") for m in ("standard_attn", "mla", "moe")))
+        assert table == (OFFLOAD / f"{name}.md").read_text() and moe_full in table, name
+
+
 def test_the_offload_overhead_rates_are_the_fit_of_the_dense_points():
     """estimate.offload_ms_per_group and offload_ms_per_gib are what --fit finds in the dense h200 sweep,
     and that fit is within 20% of each dense offload-only point (docs/offload.md)."""
