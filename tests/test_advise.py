@@ -620,6 +620,18 @@ def test_a_sweep_whose_base_point_timed_its_modules_prices_the_replays_from_them
     flops = recompute_s({**cfg, "recompute": _config("sdpa", "selective/mlp")["recompute"]}, p["tflops"], 8, 4)
     assert row["recompute_s"] != pytest.approx(flops)
     assert "(replays at the base point's measured module times)" in "\n".join(advise.explain_plan(p, p["base"]))
+    # with the step's timeline (a GPU base point's marks) every option is priced on it, and it says so:
+    # here the host leads by far, so the 32 MLP forwards (less FC2) cost their GPU time, 0.5 ms each
+    names = ["start"] + [f"{n}:{m}:{k}" for n in range(1, 9) for m, k in (("mlp", "pre"), ("mlp.linear_fc2", "pre"),
+                                                                          ("mlp.linear_fc2", "end"), ("mlp", "end"))]
+    names = names[:1] + (names[1:] + [f"{n}:mlp:bwd" for n in range(8, 0, -1)]) * 4
+    rank["module_times"]["marks"] = {"names": names, "host_ms": [0.001 * j for j in range(len(names))],
+                                     "gpu_ms": [0.0] + [0.5] * (len(names) - 1), "gpu_clean": [True] * len(names)}
+    write_point(sweep, "sdpa", "none", [rank])
+    p = advise.sweep_plan(sweep, 20.0)
+    (row,) = [r for r in p["rows"] if (r["recompute"], r["offload"]) == ("selective/mlp", "none")]
+    assert p["timeline"] and row["recompute_s"] == pytest.approx(4 * 8 * 2 * 0.5e-3)  # pre to end: 3 intervals less FC2's 1
+    assert "(replays on the base point's measured step timeline" in "\n".join(advise.explain_plan(p, p["base"]))
     rank.pop("module_times")
     write_point(sweep, "sdpa", "none", [rank])
     assert not advise.sweep_plan(sweep, 20.0)["module_times"]  # without them: FLOPs, as before

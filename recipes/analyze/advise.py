@@ -652,7 +652,9 @@ def explain_plan(p: dict | None, base: str, measured: frozenset = frozenset()) -
     fitting = sorted((r for r in p["rows"] if r["fits"]), key=lambda r: r["cost_s"])
     lines = [f"Plan over recompute x offload ({len(p['rows'])} combinations megatron-core allows, "
              f"{len(fitting)} fit; {len(p['refused'])} refused by its rules), added step time at "
-             f"{p['tflops']:.0f} TFLOP/s" + (" (replays at the base point's measured module times)"
+             f"{p['tflops']:.0f} TFLOP/s" + (" (replays on the base point's measured step timeline, host "
+                                              "time included)" if p.get("timeline") else
+                                              " (replays at the base point's measured module times)"
                                               if p.get("module_times") else "")
              + f" and a {p['host_link_gb_s']:g} GB/s host link:"]
     c, runner = p["choice"], p["runner_up"]

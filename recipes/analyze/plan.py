@@ -28,6 +28,7 @@ from recipes.predict.fit import FITS, TIGHT, fits, slack_for, verdict
 from recipes.predict.offload import (
     ELEMENTWISE_REPLAYS,
     exposed_transfer_s,
+    has_timeline,
     layer_forward_s,
     offload_overhead,
     recompute_s,
@@ -165,7 +166,7 @@ def plan(cfg: dict, budget_gib: float, tflops: float | None = None, link_gb_s: f
                             if rc_option == "full/block" else {}),
                          **({"activation_offload_fraction": fraction} if modules and fraction < 1.0 else {})})
     return rank({"budget_gib": budget_gib, "tflops": tflops, "host_link_gb_s": link_gb_s,
-                 "module_times": bool(module_times),
+                 "module_times": bool(module_times), "timeline": has_timeline(module_times),
                  "allocator_slack": slack_for(cfg), "rows": rows, "refused": refused})
 
 

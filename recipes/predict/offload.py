@@ -304,6 +304,12 @@ def _placements(cfg: dict) -> list[tuple[tuple, tuple, str, object]] | None:
     return [piece for label in rc["recompute_modules"] for piece in spec[label]]
 
 
+def has_timeline(module_times: dict | None) -> bool:
+    """Whether a point's module times hold a step timeline the replays can be priced on."""
+    marks = (module_times or {}).get("marks")
+    return any(Timeline.of(m) for m in (marks if isinstance(marks, list) else [marks]))
+
+
 def timeline_recompute_s(cfg: dict, module_times: dict, elementwise_s: float = 0.0) -> float | None:
     """Seconds per step the run's recompute adds, from the base point's timeline
     (``recipes.predict.replay``): each replayed forward (its modules' host and GPU time in that layer)
