@@ -70,12 +70,12 @@ class _Clock:
 class ModuleTimer:
     """Forward hooks on each layer's ``TIMED`` modules: (layer number, name, in backward) -> intervals.
 
-    With ``marks`` ("host" or "gpu"), the timeline instead: a mark ("<layer>:<module>:<pre|end|bwd>")
-    at each timed module's forward start and end and its backward start, in the host's order, with
-    the host's clock ("host") or a CUDA event ending the interval before it, a sleep (``sleep_ms``,
-    one a mark), and one starting the interval after it ("gpu"). "host" and "light" also mark where backward leaves
-    the first layer (``input:bwd``), "light" nothing else: the two passes' host clocks there give
-    what a mark's hooks cost the host."""
+    With ``marks``, the timeline instead: a mark ("<layer>:<module>:<pre|end|bwd>") at each timed
+    module's forward start and end and its backward start, in the host's order, with the host's clock
+    ("host"), or a CUDA event ending the interval before it, a sleep (``sleep_ms``, one a mark) and one
+    starting the interval after it ("gpu"). "host" and "light" also mark where backward leaves the
+    first layer (``input:bwd``), "light" nothing else: the two passes' host clocks there give what a
+    mark's hooks cost the host."""
 
     def __init__(self, chunks: list[torch.nn.Module], cuda: bool, marks: str | None = None,
                  sleep_ms: list[float] | None = None):
