@@ -235,6 +235,15 @@ def test_a_replay_costs_its_gpu_time_on_a_gpu_bound_timeline_and_its_host_time_o
     assert cost(_layer_marks([1, 2], 0.01, 1.0, microbatches=2)) == pytest.approx(4 * 1.0)
     runs = [_layer_marks([1, 2], 0.01, gpu) for gpu in (1.0, 3.0, 2.0)]
     assert cost(runs) == pytest.approx(2 * 2.0)
+    # the planner also shows how far apart the processes price it (their host pace differs)
+    from recipes.analyze.plan import describe, price
+    from recipes.predict.estimate import predict
+
+    row = {"recompute": "selective/moe", "offload": "none", "predicted_peak_gib": 1.0,
+           **price(cfg, predict(cfg, "cuda"), 400.0, 50.0, 0, {"layers": [1, 2], "marks": runs})}
+    assert row["recompute_spread_s"] == pytest.approx((2e-3, 6e-3)) and "4.0 ms, 2.0-6.0 by process" in describe(row)
+    one = price(cfg, predict(cfg, "cuda"), 400.0, 50.0, 0, {"layers": [1, 2], "marks": runs[0]})
+    assert "recompute_spread_s" not in one
     full = compose("model=moe", "size=h200", "recompute=full", "recompute.recompute_num_layers=1",
                    "model.num_layers=2")
     # a layer's forward is three intervals of the pass: 3 GPU ms each layer

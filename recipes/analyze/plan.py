@@ -32,6 +32,7 @@ from recipes.predict.offload import (
     layer_forward_s,
     offload_overhead,
     recompute_s,
+    recompute_spread_s,
 )
 from recipes.recompute import is_full, option_of, options_for, recompute_config, recompute_order, selective_labels
 from recipes.validate import layers_per_chunk
@@ -99,9 +100,9 @@ def price(cfg: dict, p: dict, tflops: float, link_gb_s: float, remat_bytes: int 
     behind) and offload's (reloads waited for, the copies' overhead), in seconds."""
     par = cfg["parallel"]
     layers = cfg["model"]["num_layers"] // par["pipeline_model_parallel_size"]
-    m = num_microbatches(cfg)
-    replay = recompute_s(cfg, tflops, layers, m, remat_bytes, (cfg.get("estimate") or {}).get("hbm_gb_s", 3000.0),
-                         module_times)
+    m, hbm = num_microbatches(cfg), (cfg.get("estimate") or {}).get("hbm_gb_s", 3000.0)
+    replay = recompute_s(cfg, tflops, layers, m, remat_bytes, hbm, module_times)
+    spread = recompute_spread_s(cfg, remat_bytes, hbm, module_times)
     copies = exposed_transfer_s(p["host_bytes_per_layer"], layer_forward_s(cfg, tflops, module_times), link_gb_s, m,
                                 p.get("host_groups_per_layer"), *offload_overhead(cfg.get("estimate") or {}))
     return {"recompute_s": replay, "offload_s": copies["exposed_s"] + copies["overhead_s"],
@@ -109,7 +110,8 @@ def price(cfg: dict, p: dict, tflops: float, link_gb_s: float, remat_bytes: int 
             "offload_overhead_s": copies["overhead_s"],
             "offload_groups": m * sum(p.get("host_groups_per_layer") or []),
             "offload_gib": m * sum(p["host_bytes_per_layer"]) / GIB,
-            "cost_s": replay + copies["exposed_s"] + copies["overhead_s"]}
+            "cost_s": replay + copies["exposed_s"] + copies["overhead_s"],
+            **({"recompute_spread_s": spread} if spread else {})}
 
 
 def price_config(cfg: dict, tflops: float, link_gb_s: float, module_times: dict | None = None) -> dict:
@@ -216,9 +218,12 @@ def overrides_of(row: dict) -> str:
 
 
 def describe(row: dict) -> str:
-    """``recompute=X offload=Y: 21.30 GiB, +4.1 ms per step (replay 1.4 ms, offload 2.7 ms: ...)``."""
+    """``recompute=X offload=Y: 21.30 GiB, +4.1 ms per step (replay 1.4 ms, offload 2.7 ms: ...)``; a replay
+    priced on several processes' timelines also gives their range (``replay 101.1 ms, 74.8-135.3 by process``)."""
+    spread = row.get("recompute_spread_s")
+    by_process = f", {spread[0] * 1e3:.1f}-{spread[1] * 1e3:.1f} by process" if spread else ""
     return (f"{overrides_of(row)}: {row['predicted_peak_gib']:.2f} GiB, +{row['cost_s'] * 1e3:.1f} ms per step "
-            f"(replay {row['recompute_s'] * 1e3:.1f} ms, offload {row['offload_s'] * 1e3:.1f} ms: copies of "
+            f"(replay {row['recompute_s'] * 1e3:.1f} ms{by_process}, offload {row['offload_s'] * 1e3:.1f} ms: copies of "
             f"{row['offload_copy_s'] * 1e3:.1f} ms, {row['offload_stall_s'] * 1e3:.1f} ms of them waited for, "
             f"and their overhead {row['offload_overhead_s'] * 1e3:.1f} ms)")
 

@@ -311,13 +311,29 @@ def has_timeline(module_times: dict | None) -> bool:
 
 
 def timeline_recompute_s(cfg: dict, module_times: dict, elementwise_s: float = 0.0) -> float | None:
+    """Seconds per step the run's recompute adds on the base point's timeline: the median of its
+    processes' (``timeline_recompute_costs``); None where it cannot be priced there."""
+    costs = timeline_recompute_costs(cfg, module_times, elementwise_s)
+    return costs[len(costs) // 2] if costs else None
+
+
+def recompute_spread_s(cfg: dict, elementwise_bytes: int, hbm_gb_s: float,
+                       module_times: dict | None) -> tuple[float, float] | None:
+    """The least and most seconds per step the recompute costs on any one of the base point's
+    processes' timelines, where it ran in several (an MoE process's host pace moves a replay's cost by
+    that much: 75-135 ms for ``full`` in three processes of one H200 point); else None."""
+    costs = timeline_recompute_costs(cfg, module_times or {}, 2 * elementwise_bytes / (hbm_gb_s * 1e9))
+    return (costs[0], costs[-1]) if costs and costs[-1] - costs[0] > 1e-6 else None
+
+
+def timeline_recompute_costs(cfg: dict, module_times: dict, elementwise_s: float = 0.0) -> list[float] | None:
     """Seconds per step the run's recompute adds, from the base point's timeline
     (``recipes.predict.replay``): each replayed forward (its modules' host and GPU time in that layer)
     inserted where its backward runs it, with a checkpoint region's host cost
     (``estimate.replay_region_ms``); an elementwise replay as host work (a region and its kernels at
     ``estimate.launch_us``) and GPU work (its share of ``elementwise_s``, the elementwise labels' bytes
-    a micro-batch). A point run in several processes: the median of theirs. None where the point has
-    no GPU-only timeline or a label has no place on it."""
+    a micro-batch). One price a process whose timeline the point kept, in order; None where the point
+    has no timeline or a label has no place on it."""
     marks = module_times.get("marks")
     timelines = [t for t in map(Timeline.of, marks if isinstance(marks, list) else [marks]) if t]
     pieces, numbers = _placements(cfg), module_times.get("layers") or []
@@ -354,9 +370,8 @@ def timeline_recompute_s(cfg: dict, module_times: dict, elementwise_s: float = 0
         microbatches = max(len(tl.where(numbers[0], "", "bwd")), 1)
         for j in elementwise:
             inserted[j][1] += elementwise_s * 1e3 * microbatches / len(elementwise)
-        costs.append(tl.finish({j: (h, g) for j, (h, g) in inserted.items()}) - tl.finish())
-    costs.sort()
-    return costs[len(costs) // 2] / 1e3
+        costs.append((tl.finish({j: (h, g) for j, (h, g) in inserted.items()}) - tl.finish()) / 1e3)
+    return sorted(costs)
 
 
 def recompute_s(cfg: dict, tflops: float, layers: int, microbatches: int, elementwise_bytes: int = 0,
