@@ -657,6 +657,8 @@ def test_a_base_point_run_in_several_processes_prices_replays_from_their_median_
     p = advise.sweep_plan(sweep, 20.0)
     (row,) = [r for r in p["rows"] if (r["recompute"], r["offload"]) == ("selective/mlp", "none")]
     assert row["recompute_s"] == pytest.approx(4 * 8 * (1.5 - 0.3) * 1e-3)  # the median process's MLP less FC2
+    names = [row["point"] for row in advise.predicted_next_to_measured(sweep)]
+    assert names.count("standard_attn sdpa none") == 1  # one row a point, not one a process
     merged = report.merge_module_times([{"layers": [1, 2], "forward_ms": {"": [3.0, 5.0]}},
                                         {"layers": [1, 2], "forward_ms": {"": [2.0, 4.0]}},
                                         {"layers": [1, 2], "forward_ms": {"": [9.0, 1.0]}}, None])

@@ -153,9 +153,10 @@ def predicted_next_to_measured(sweep_dir: Path) -> list[dict]:
 
     The prediction is of the worst rank's pipeline stage; under expert parallel at the routing that
     rank recorded (else balanced), as ``estimate --compare`` prices it, with the before-a-run bound
-    for the worst EP rank (``estimate.moe_imbalance``) beside it."""
+    for the worst EP rank (``estimate.moe_imbalance``) beside it. A point run in several processes is
+    one row (``merge_repeats``: its highest peak)."""
 
-    results = find_results(sweep_dir)
+    results = merge_repeats(find_results(sweep_dir))
     layouts = {_layout(r) for r in results}
     rows = []
     for r in results:
