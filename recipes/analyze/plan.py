@@ -31,8 +31,7 @@ from recipes.predict.offload import (
     has_timeline,
     layer_forward_s,
     offload_overhead,
-    recompute_s,
-    recompute_spread_s,
+    recompute_by_process_s,
 )
 from recipes.recompute import is_full, option_of, options_for, recompute_config, recompute_order, selective_labels
 from recipes.validate import layers_per_chunk
@@ -101,8 +100,9 @@ def price(cfg: dict, p: dict, tflops: float, link_gb_s: float, remat_bytes: int 
     par = cfg["parallel"]
     layers = cfg["model"]["num_layers"] // par["pipeline_model_parallel_size"]
     m, hbm = num_microbatches(cfg), (cfg.get("estimate") or {}).get("hbm_gb_s", 3000.0)
-    replay = recompute_s(cfg, tflops, layers, m, remat_bytes, hbm, module_times)
-    spread = recompute_spread_s(cfg, remat_bytes, hbm, module_times)
+    replay, by_process = recompute_by_process_s(cfg, tflops, layers, m, remat_bytes, hbm, module_times)
+    # the base point's processes price it apart where their host pace differs: shown beside the median
+    spread = (by_process[0], by_process[-1]) if by_process and by_process[-1] - by_process[0] > 1e-6 else None
     copies = exposed_transfer_s(p["host_bytes_per_layer"], layer_forward_s(cfg, tflops, module_times), link_gb_s, m,
                                 p.get("host_groups_per_layer"), *offload_overhead(cfg.get("estimate") or {}))
     return {"recompute_s": replay, "offload_s": copies["exposed_s"] + copies["overhead_s"],

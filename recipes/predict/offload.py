@@ -32,7 +32,7 @@ point that timed its layers' modules (``recipes.measure.moduletime``) prices its
 full recompute by what their modules' forward took instead (``measured_replay_s``): a GEMM replays
 at its own rate, not the step's average, and a host-bound module at its host time. A point that also
 recorded its step's timeline (``module_times["marks"]``) prices the whole recompute option on it
-(``timeline_recompute_s``, ``recipes.predict.replay``): each replayed forward's host and GPU time
+(``timeline_recompute_costs``, ``recipes.predict.replay``): each replayed forward's host and GPU time
 inserted where backward runs it, so a replay costs its GPU time where the host leads the GPU, its host
 time where the GPU waits for the host, and between the two where the lead is short.
 """
@@ -207,13 +207,19 @@ def layer_forward_s(cfg: dict, tflops: float, module_times: dict | None = None) 
 ELEMENTWISE_REPLAYS = {"layernorm": (2, 2), "moe_act": (1, None), "gdn_norm_out": (1, 4)}
 
 
+def activation_kernels(model: dict) -> int:
+    """Kernels the MLP's activation runs on CUDA: one fused, five unfused SwiGLU, three unfused GeLU
+    (``model.bias_activation_fusion`` null: auto)."""
+    return 1 if resolve_swiglu_fusion(model, on_gpu=True) else (5 if model["gated_linear_unit"] else 3)
+
+
 def elementwise_replays(cfg: dict) -> tuple[float, float]:
     """(checkpoint regions, kernels) the run's elementwise labels replay per layer and micro-batch
     (``ELEMENTWISE_REPLAYS``; model=gdn and partial MoE: the average layer)."""
     labels, m = set(labels_of(cfg)), cfg["model"]
     share = {"layernorm": 1.0, "moe_act": sum(moe_pattern(m)) / m["num_layers"],
              "gdn_norm_out": sum(gdn_pattern(m)) / m["num_layers"]}
-    act = 1 if resolve_swiglu_fusion(m, on_gpu=True) else (5 if m["gated_linear_unit"] else 3)  # null: auto
+    act = activation_kernels(m)
     regions, kernels = 0.0, 0.0
     for label, (label_regions, label_kernels) in ELEMENTWISE_REPLAYS.items():
         if label in labels:
@@ -275,7 +281,7 @@ def _full_covers(cfg: dict, numbers: list[int]):
     return lambda g, i: position[i] < k
 
 
-#: Where each label's replay runs, for ``timeline_recompute_s``: (modules whose forward it replays,
+#: Where each label's replay runs, for ``timeline_recompute_costs``: (modules whose forward it replays,
 #: modules inside those it does not replay, the module at whose backward start it runs, which layers);
 #: an elementwise label's replay is (no module: its bytes and kernels, ``ELEMENTWISE_REPLAYS``) at each
 #: position it names. ``layernorm``'s norms are replayed where the attention's and the MLP's backward
@@ -310,22 +316,6 @@ def has_timeline(module_times: dict | None) -> bool:
     return any(Timeline.of(m) for m in (marks if isinstance(marks, list) else [marks]))
 
 
-def timeline_recompute_s(cfg: dict, module_times: dict, elementwise_s: float = 0.0) -> float | None:
-    """Seconds per step the run's recompute adds on the base point's timeline: the median of its
-    processes' (``timeline_recompute_costs``); None where it cannot be priced there."""
-    costs = timeline_recompute_costs(cfg, module_times, elementwise_s)
-    return costs[len(costs) // 2] if costs else None
-
-
-def recompute_spread_s(cfg: dict, elementwise_bytes: int, hbm_gb_s: float,
-                       module_times: dict | None) -> tuple[float, float] | None:
-    """The least and most seconds per step the recompute costs on any one of the base point's
-    processes' timelines, where it ran in several (an MoE process's host pace moves a replay's cost by
-    that much: 75-135 ms for ``full`` in three processes of one H200 point); else None."""
-    costs = timeline_recompute_costs(cfg, module_times or {}, 2 * elementwise_bytes / (hbm_gb_s * 1e9))
-    return (costs[0], costs[-1]) if costs and costs[-1] - costs[0] > 1e-6 else None
-
-
 def timeline_recompute_costs(cfg: dict, module_times: dict, elementwise_s: float = 0.0) -> list[float] | None:
     """Seconds per step the run's recompute adds, from the base point's timeline
     (``recipes.predict.replay``): each replayed forward (its modules' host and GPU time in that layer)
@@ -342,7 +332,7 @@ def timeline_recompute_costs(cfg: dict, module_times: dict, elementwise_s: float
     est, default = cfg.get("estimate") or {}, EstimateConfig()
     region_ms = est.get("replay_region_ms", default.replay_region_ms)
     launch_ms = est.get("launch_us", default.launch_us) / 1e3
-    act = 1 if resolve_swiglu_fusion(cfg["model"], on_gpu=True) else (5 if cfg["model"]["gated_linear_unit"] else 3)
+    act = activation_kernels(cfg["model"])
     costs = []
     for tl in timelines:
         inserted: dict[int, list[float]] = {}
@@ -376,6 +366,13 @@ def timeline_recompute_costs(cfg: dict, module_times: dict, elementwise_s: float
 
 def recompute_s(cfg: dict, tflops: float, layers: int, microbatches: int, elementwise_bytes: int = 0,
                 hbm_gb_s: float = 3000.0, module_times: dict | None = None) -> float:
+    """Seconds per step the run's recompute replays (``recompute_by_process_s``)."""
+    return recompute_by_process_s(cfg, tflops, layers, microbatches, elementwise_bytes, hbm_gb_s, module_times)[0]
+
+
+def recompute_by_process_s(cfg: dict, tflops: float, layers: int, microbatches: int, elementwise_bytes: int = 0,
+                           hbm_gb_s: float = 3000.0,
+                           module_times: dict | None = None) -> tuple[float, list[float] | None]:
     """Seconds per step the run's recompute replays: its replayed forward FLOPs at ``tflops``, or
     where a point measured its layers' modules (``module_times``, ``measured_replay_s``) their forward
     times; the elementwise replays (``moe_act``, ``layernorm``, ``gdn_norm_out``: no matmul) as memory
@@ -383,13 +380,16 @@ def recompute_s(cfg: dict, tflops: float, layers: int, microbatches: int, elemen
     micro-batch, the rank's layers) at ``hbm_gb_s``, plus ``estimate.replay_region_ms`` a region
     replayed and, in a host-bound step, ``estimate.launch_us`` a kernel replayed
     (``elementwise_replays``). Where the point also recorded its timeline (``marks``), the whole
-    recompute is priced on it instead (``timeline_recompute_s``): host time where the host is behind."""
+    recompute is priced on it instead (``timeline_recompute_costs``: host time where the host is
+    behind): the median of its processes' prices, returned with them all (an MoE process's host pace
+    moves a replay's cost by that much: 75-135 ms for ``full`` in three processes of one H200 point);
+    otherwise with None."""
     rc = cfg["recompute"]
     memory = 2 * elementwise_bytes / (hbm_gb_s * 1e9)
     if module_times and module_times.get("marks"):
-        on_timeline = timeline_recompute_s(cfg, module_times, memory)
-        if on_timeline is not None:
-            return on_timeline
+        costs = timeline_recompute_costs(cfg, module_times, memory)
+        if costs:
+            return costs[len(costs) // 2], costs
     measured = measured_replay_s(cfg, module_times) if module_times else {}
     timed, rest = 0.0, rc
     if rc["recompute_granularity"] == "full" and "full" in measured:
@@ -406,7 +406,7 @@ def recompute_s(cfg: dict, tflops: float, layers: int, microbatches: int, elemen
     regions, kernels = elementwise_replays(cfg)
     per_kernel = est.get("launch_us", default.launch_us) / 1e6 if host_bound(cfg) else 0.0
     overhead = regions * est.get("replay_region_ms", default.replay_region_ms) / 1e3 + kernels * per_kernel
-    return microbatches * (timed + layers * (replay / (tflops * 1e12) + overhead) + memory)
+    return microbatches * (timed + layers * (replay / (tflops * 1e12) + overhead) + memory), None
 
 
 def offload_overhead(estimate: dict) -> tuple[float, float]:

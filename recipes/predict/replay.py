@@ -18,6 +18,7 @@ one day and its GPU time on another (docs/offload.md): the host's lead differs, 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 
 @dataclass(frozen=True)
@@ -52,10 +53,16 @@ class Timeline:
         cost = marks.get("mark_cost_ms") or 0.0  # the hooks' host time, off each mark after them
         return cls(list(names), [h - cost * j for j, h in enumerate(marks["host_ms"])], work, marks.get("pass_ms"))
 
+    @cached_property
+    def _index(self) -> dict[str, list[int]]:
+        index: dict[str, list[int]] = {}
+        for j, name in enumerate(self.names):
+            index.setdefault(name, []).append(j)
+        return index
+
     def where(self, layer: int, module: str, kind: str) -> list[int]:
         """The marks of one module of one layer of one kind, in order (one a micro-batch)."""
-        name = f"{layer}:{module}:{kind}"
-        return [j for j, n in enumerate(self.names) if n == name]
+        return self._index.get(f"{layer}:{module}:{kind}", [])
 
     def forward(self, layer: int, module: str) -> list[tuple[float, float]]:
         """(host ms, GPU ms) each forward of the module took, in order."""

@@ -49,6 +49,7 @@ from recipes.measure.routing import RoutingRecorder
 from recipes.measure.steptrace import trace_step
 from recipes.offload import modules_of
 from recipes.recompute import labels_of
+from recipes.recompute import option_of as recompute_option
 from recipes.results import merge_result
 from recipes.run.checkpoint import checkpoint_root, find_resume, load_checkpoint, save_checkpoint
 from recipes.run.collector import ManualCollection
@@ -445,8 +446,8 @@ def times_modules(cfg: dict, on_gpu: bool) -> bool:
 
 def prices_others(cfg: dict) -> bool:
     """Whether the point is one the planner prices the others from (no replay, no offload): only its
-    module times record the step's timeline (``recipes.measure.moduletime.timeline``, about 1 s)."""
-    return not labels_of(cfg) and cfg["recompute"]["recompute_granularity"] != "full" and not modules_of(cfg)
+    module times record the step's timeline (``recipes.measure.moduletime.timeline``: three more passes)."""
+    return recompute_option(cfg) in ("none", "control") and not modules_of(cfg)
 
 
 def failed_measurement(err: Exception) -> dict:
