@@ -248,7 +248,7 @@ class MeasureConfig:
     # one more forward and backward after the timed steps, each layer's modules timed: what each recompute
     # label's replay costs here (result.json ranks[*].module_times; advise prices the labels from it). On a
     # GPU a point that replays and offloads nothing also records its step's timeline (module_times.marks:
-    # three more passes, about 1 s), on which advise prices every recompute option, host time included.
+    # three more passes; about 1 s at the h200 size by estimate, not yet measured), on which advise prices every recompute option, host time included.
     # null: on a GPU, eager layers (model.compile=none); true also on a CPU
     module_times: Optional[bool] = None
 
@@ -283,7 +283,7 @@ class EstimateConfig:
     # memory they run at (the H200's HBM3e peaks at 4800).
     hbm_gb_s: float = 3000.0
     # What an elementwise label's replay costs beyond its bytes (recipes.predict.offload.recompute_s; on a
-    # measured timeline, timeline_recompute_s, both are host time, which a GPU-bound step hides):
+    # measured timeline, timeline_recompute_costs, both are host time, which a GPU-bound step hides):
     # per checkpoint region replayed (megatron's CheckpointWithoutOutput: RNG states saved and
     # restored, a nested autograd backward), fitted to the one robust row, dense selective/layernorm
     # at the h200 size on one H200 (+10.5 ms in two processes, 64 regions a step; docs/offload.md);
