@@ -136,6 +136,21 @@ def test_the_time_breakdown_splits_the_distributed_init():
     assert phases["process group"] == 3.0 and phases["findings+exit"] == 1.0 and phases["wall"] == 13.0
 
 
+def test_the_time_breakdown_follows_the_marks_order_where_module_times_move():
+    """A point times its modules right after the window, an offloading one after its other measurements:
+    each phase is the time since the mark before it in time, never negative."""
+    from recipes.run.console import time_breakdown
+
+    base = {"main_start": 11.0, "built": 12.0, "warmed_up": 13.0, "steady_done": 14.0}
+    first = {**base, "modules_timed": 15.0, "profile_done": 17.0, "ledgers_done": 17.5}
+    last = {**base, "profile_done": 16.0, "ledgers_done": 16.5, "modules_timed": 17.5}
+    for marks, expected in ((first, ["module times", "profile", "control ledgers"]),
+                            (last, ["profile", "control ledgers", "module times"])):
+        phases = time_breakdown({"launched": 10.0, "wall_s": 8.0, "ranks": [{"timeline": marks}]})
+        assert [k for k in phases if k in expected] == expected and min(phases.values()) >= 0
+        assert sum(v for k, v in phases.items() if k != "wall") == 8.0
+
+
 def test_a_one_process_worker_that_exits_next_leaves_its_group_to_the_exit(tmp_path, monkeypatch):
     """serve() ends the process right after main: a one-rank group is not torn down (NCCL's teardown
     took 1.5 s of each sweep point's exit on the H200); with other ranks, or when the caller goes on,

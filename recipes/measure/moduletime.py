@@ -27,8 +27,10 @@ inserted where its backward runs them.
 
 from __future__ import annotations
 
+import gc
 import time
 from collections import defaultdict
+from contextlib import contextmanager
 
 import torch
 
@@ -153,14 +155,20 @@ class ModuleTimer:
 
 
 def _cycles_per_ms() -> float:
-    """GPU clock cycles a ms of ``torch.cuda._sleep`` spins (measured: the clock under load varies)."""
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    torch.cuda._sleep(20_000_000)
-    b.record()
-    b.synchronize()
-    return 20_000_000 / max(a.elapsed_time(b), 1e-3)
+    """GPU clock cycles a ms of ``torch.cuda._sleep`` spins (measured: the clock under load varies).
+    The faster of two spins: an idle GPU's clock rises during the first (on a freshly started H200 the
+    first read 0.6 million cycles a ms, the next ones 1.97), and a sleep sized at a slow clock would be
+    too short at the pass's."""
+    rates = []
+    for _ in range(2):
+        torch.cuda.synchronize()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        torch.cuda._sleep(20_000_000)
+        b.record()
+        b.synchronize()
+        rates.append(20_000_000 / max(a.elapsed_time(b), 1e-3))
+    return max(rates)
 
 
 def _pass(trainer, timer: ModuleTimer) -> float:
@@ -190,9 +198,31 @@ SLEEP_FACTOR, SLEEP_PLUS_MS = 1.5, 0.2
 MARK_COST_MAX_MS = 0.1
 
 
+@contextmanager
+def collector_off():
+    """Python's garbage collector off while the passes run. A full collection walks every object the
+    process holds: inside an MoE host pass at the h200 size it paused the host 310 ms (one H200,
+    2026-12-04), which the timeline would read as the host's pace and every replay's price would carry.
+    Whether and where one lands depends on how many objects the process made before: in one of four
+    processes of one point it made the host pass 2.2x as long as in the other three."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def time_modules(trainer, marks: bool = True) -> dict:
     """One more forward and backward of the step's micro-batches with the layers' modules timed (no
-    update: the gradients are zeroed after); on a GPU with ``marks``, also the timeline (``timeline``)."""
+    update: the gradients are zeroed after); on a GPU with ``marks``, also the timeline (``timeline``).
+    Python's collector is off throughout (``collector_off``)."""
+    with collector_off():
+        return _time_modules(trainer, marks)
+
+
+def _time_modules(trainer, marks: bool) -> dict:
     cuda = trainer.on_gpu
     timer = ModuleTimer(trainer.chunks, cuda)
     _pass(trainer, timer)

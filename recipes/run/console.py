@@ -62,12 +62,12 @@ def print_run(result: dict) -> None:
         print("  time: " + ", ".join(f"{k} {v:.1f}s" for k, v in phases.items()))
 
 
-#: Worker timeline marks, in order, and the phase each one ends (recipes/run/worker.py).
+#: Worker timeline marks and the phase each one ends (recipes/run/worker.py), in their usual order.
 _PHASES = [("main_start", "start+imports"), ("logger_ready", "W&B init"), ("megatron_imported", "megatron imports"),
            ("device_ready", "device init"), ("process_group_ready", "process group"),
            ("distributed_ready", "parallel state"), ("built", "build"),
-           ("warmed_up", "first step"), ("steady_done", "to the window end"), ("profile_done", "profile"),
-           ("ledgers_done", "control ledgers"), ("modules_timed", "module times"), ("trained", "training"),
+           ("warmed_up", "first step"), ("steady_done", "to the window end"), ("modules_timed", "module times"),
+           ("profile_done", "profile"), ("ledgers_done", "control ledgers"), ("trained", "training"),
            ("end", "findings+exit")]
 
 
@@ -81,10 +81,9 @@ def time_breakdown(result: dict) -> dict[str, float]:
         return {}
     marks["end"] = launched + result.get("wall_s", 0.0)
     phases, previous = {}, launched
-    for key, name in _PHASES:
-        if key in marks:
-            phases[name] = marks[key] - previous
-            previous = marks[key]
+    for key, name in sorted((p for p in _PHASES if p[0] in marks), key=lambda p: marks[p[0]]):
+        phases[name] = marks[key] - previous  # in the order they happened (module times move with offload)
+        previous = marks[key]
     phases["wall"] = result.get("wall_s", 0.0)
     return phases
 

@@ -413,6 +413,8 @@ def _measure(trainer: Trainer, cfg: dict, result: dict, window: Window, labels: 
             # the reserved peak measures the memory there was, not what the run needed
             "alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries", 0),
         }
+    if not trainer.offloading:  # before the profiled step: after it, the host passes read slower (docs/offload.md)
+        _time_modules(trainer, cfg, result, marks)
     keep = trace_path(run_dir, torch.distributed.get_rank()) if cfg["measure"]["trace_step"] and run_dir else None
     if trainer.offloading:
         result.setdefault("offload", {"modules": modules_of(cfg), **plan_summary()})
@@ -430,6 +432,12 @@ def _measure(trainer: Trainer, cfg: dict, result: dict, window: Window, labels: 
     if labels and cfg["measure"]["ledger"]:
         result["_ledger_warnings"] = control_ledgers(trainer, labels, result, run_dir)
     marks["ledgers_done"] = time.time()
+    if trainer.offloading:  # as measured on 2026-12-03: after the offload measurements' step
+        _time_modules(trainer, cfg, result, marks)
+
+
+def _time_modules(trainer: Trainer, cfg: dict, result: dict, marks: dict) -> None:
+    """``result["module_times"]`` where the run times its modules (``times_modules``)."""
     if times_modules(cfg, trainer.on_gpu):
         try:
             result["module_times"] = time_modules(trainer, marks=prices_others(cfg))
