@@ -277,6 +277,34 @@ def test_a_replay_costs_its_gpu_time_on_a_gpu_bound_timeline_and_its_host_time_o
     assert timeline_recompute_costs(cfg, {"layers": [1, 2], "marks": {"error": "OutOfMemoryError"}}) is None
 
 
+def test_the_gpu_pass_is_read_at_the_pace_the_stream_pass_measured_for_its_gpu_bound_kernels():
+    """stream_pace: the module-time pass's stream time over the GPU pass's time for the same forwards,
+    where the host was far ahead (the GPU pass's sleeps let the same kernels run about a tenth faster
+    on an H200); forwards the host was slow to issue do not count, and the ratio is kept within
+    PACE_RANGE. A replay is then priced at that pace: a GPU-bound MoE replay costs its GPU time 1.2x."""
+    from recipes.predict.offload import timeline_recompute_costs
+    from recipes.predict.replay import PACE_RANGE, Timeline, stream_pace
+
+    names = ["start", "1:mlp.experts:pre", "1:mlp.experts:end", "2:mlp.experts:pre", "2:mlp.experts:end"]
+    marks = {"names": names, "host_ms": [0.0, 0.1, 0.2, 0.3, 0.4], "gpu_ms": [0.0, 0.5, 2.0, 0.5, 2.0]}
+    timeline = Timeline.of(marks)
+    assert stream_pace(timeline, {"mlp.experts": [2.2, 2.4]}, [1, 2]) == pytest.approx(1.15)
+    host_bound = Timeline.of({**marks, "host_ms": [0.0, 0.1, 1.5, 1.6, 3.0]})  # 1.4 host ms a 2 GPU ms forward
+    assert stream_pace(host_bound, {"mlp.experts": [2.2, 2.4]}, [1, 2]) is None
+    assert stream_pace(timeline, {"mlp.experts": [6.0, 6.0]}, [1, 2]) == PACE_RANGE[1]
+    assert stream_pace(timeline, {}, [1, 2]) is None
+
+    layer = [("", "pre"), ("mlp", "pre"), ("mlp.experts", "pre"), ("mlp.experts", "end"), ("mlp", "end"), ("", "end")]
+    names = ["start"] + [f"{n}:{m}:{k}" for n in (1, 2) for m, k in layer] + [f"{n}:{m}:bwd" for n in (2, 1) for m in ("", "mlp")]
+    gpu_bound = {"names": names, "host_ms": [0.01 * j for j in range(len(names))],
+                 "gpu_ms": [0.0] + [1.0] * (len(names) - 1)}
+    cfg = compose("model=moe", "size=h200", "recompute=selective/moe", "model.num_layers=2")
+    plain = timeline_recompute_costs(cfg, {"layers": [1, 2], "marks": gpu_bound})
+    paced = timeline_recompute_costs(cfg, {"layers": [1, 2], "marks": gpu_bound,
+                                           "forward_ms": {"mlp.experts": [1.2, 1.2]}})
+    assert plain == pytest.approx([2 * 3e-3]) and paced == pytest.approx([2 * 3e-3 * 1.2])
+
+
 def test_recompute_s_prices_on_the_timeline_where_the_point_recorded_one():
     """The timeline's price replaces the module times' and the FLOPs' for the whole option; without
     one (older points, a failed pass) the module times price it as before."""

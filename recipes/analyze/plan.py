@@ -219,7 +219,7 @@ def overrides_of(row: dict) -> str:
 
 def describe(row: dict) -> str:
     """``recompute=X offload=Y: 21.30 GiB, +4.1 ms per step (replay 1.4 ms, offload 2.7 ms: ...)``; a replay
-    priced on several processes' timelines also gives their range (``replay 101.1 ms, 74.8-135.3 by process``)."""
+    priced on several processes' timelines also gives their range (``replay 86.0 ms, 71.2-107.8 by process``)."""
     spread = row.get("recompute_spread_s")
     by_process = f", {spread[0] * 1e3:.1f}-{spread[1] * 1e3:.1f} by process" if spread else ""
     return (f"{overrides_of(row)}: {row['predicted_peak_gib']:.2f} GiB, +{row['cost_s'] * 1e3:.1f} ms per step "

@@ -44,7 +44,7 @@ from recipes.config import EstimateConfig
 from recipes.measure.flops import layer_forward_flops, mlp_replays_fc2, replayed_layer_flops
 from recipes.offload import modules_of
 from recipes.predict.activations import Dims, Term
-from recipes.predict.replay import Timeline
+from recipes.predict.replay import Timeline, stream_pace
 from recipes.recompute import ATTENTION_KIND, gdn_pattern, labels_of, moe_pattern
 
 #: A host term: (kind, what, bytes kept on the device before offload, bytes copied to the host, the
@@ -322,8 +322,10 @@ def timeline_recompute_costs(cfg: dict, module_times: dict, elementwise_s: float
     inserted where its backward runs it, with a checkpoint region's host cost
     (``estimate.replay_region_ms``); an elementwise replay as host work (a region and its kernels at
     ``estimate.launch_us``) and GPU work (its share of ``elementwise_s``, the elementwise labels' bytes
-    a micro-batch). One price a process whose timeline the point kept, in order; None where the point
-    has no timeline or a label has no place on it."""
+    a micro-batch). Each timeline's GPU work is read at the pace the point's stream times give
+    (``replay.stream_pace``; a process without one takes its point's others'). One price a process
+    whose timeline the point kept, sorted; None where the point has no timeline or a label has no
+    place on it."""
     marks = module_times.get("marks")
     timelines = [t for t in map(Timeline.of, marks if isinstance(marks, list) else [marks]) if t]
     pieces, numbers = _placements(cfg), module_times.get("layers") or []
@@ -333,6 +335,11 @@ def timeline_recompute_costs(cfg: dict, module_times: dict, elementwise_s: float
     region_ms = est.get("replay_region_ms", default.replay_region_ms)
     launch_ms = est.get("launch_us", default.launch_us) / 1e3
     act = activation_kernels(cfg["model"])
+    forward_ms = module_times.get("forward_ms") or {}
+    paces = [stream_pace(tl, forward_ms, numbers) for tl in timelines]
+    known = sorted(p for p in paces if p is not None)
+    fallback = known[len(known) // 2] if known else 1.0  # a process without one: its point's others'
+    timelines = [tl.scaled(fallback if p is None else p) for tl, p in zip(timelines, paces)]
     costs = []
     for tl in timelines:
         inserted: dict[int, list[float]] = {}

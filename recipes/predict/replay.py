@@ -13,12 +13,22 @@ mark). Its cost to the step is how much later the last mark is reached: the GPU 
 was ahead by more than the replay adds to it, the host time where the GPU was waiting for the host,
 and between the two elsewhere. That is why one label costs an MoE step its module's stream time on
 one day and its GPU time on another (docs/offload.md): the host's lead differs, and this reads it.
+The GPU pass's sleeps let its kernels run faster than a step's; ``stream_pace`` says by how much, from
+the module-time pass, and the GPU work is read at the step's pace (``Timeline.scaled``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import statistics
+from dataclasses import dataclass, replace
 from functools import cached_property
+
+#: The modules whose stream time can check the GPU pass's pace: one or a few kernels each, no host
+#: work of their own to speak of (``recipes.measure.moduletime.TIMED`` names).
+PACE_MODULES = ("self_attention.linear_qkv", "self_attention.core_attention", "self_attention.linear_proj",
+                "mlp.linear_fc1", "mlp.linear_fc2", "mlp.experts")
+#: The range a pace is kept in (a ratio outside it is a measurement gone wrong, not a clock).
+PACE_RANGE = (0.9, 1.3)
 
 
 @dataclass(frozen=True)
@@ -79,3 +89,31 @@ class Timeline:
             shift += host
             reached = max(self.host[min(j, n - 1)] + shift, reached + (self.work[j] if j < n else 0.0) + gpu)
         return reached
+
+    def scaled(self, pace: float) -> Timeline:
+        """The same timeline with the GPU's work ``pace`` times as long (``stream_pace``)."""
+        return replace(self, work=[w * pace for w in self.work])
+
+
+def stream_pace(timeline: Timeline, forward_ms: dict, layers: list[int]) -> float | None:
+    """How much longer the GPU takes for a module's forward in a plain pass than in the GPU pass: the
+    median over ``PACE_MODULES``' forwards (each layer's, in the module-time pass's stream times,
+    ``forward_ms``) where the GPU was busy and the host far ahead (host time under half the GPU time),
+    so that the stream time is the GPU's work at the step's own pace. On one H200 it was 1.08-1.16 on
+    every base point of 2026-12-04 that had such forwards (dense, MLA, MoE): the GPU pass's sleeps let
+    the same kernels run about a tenth faster, and dense replays priced at the GPU pass's pace came out
+    5-15% low. None where no forward qualifies (an MoE pass whose host is behind everywhere)."""
+    ratios = []
+    for name in PACE_MODULES:
+        stream = forward_ms.get(name) or []
+        for i, number in enumerate(layers[:len(stream)]):
+            spans = timeline.forward(number, name)
+            if not spans:
+                continue
+            host, gpu = (sum(x) / len(spans) for x in zip(*spans))
+            if gpu > 0.2 and host < 0.5 * gpu:
+                ratios.append(stream[i] / gpu)
+    if not ratios:
+        return None
+    return min(max(statistics.median(ratios), PACE_RANGE[0]), PACE_RANGE[1])
+
