@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gc
 import time
+from contextlib import contextmanager
 
 
 class CollectionMeter:
@@ -62,3 +63,20 @@ def collection_findings(timing: dict | None) -> list[str]:
     return [f"Python's garbage collector ran {sum(record['collections'])} time(s) inside the timed steps and "
             f"paused them {record['pause_ms']:.1f} ms (the longest step's: {record['max_step_pause_ms']:.1f} ms): "
             "set train.manual_gc=true to keep it between steps"]
+
+
+@contextmanager
+def collector_off():
+    """Python's garbage collector off while a measurement runs (``recipes.measure.moduletime``'s
+    passes), and back as it was after. A full collection walks every object the process holds: inside
+    an MoE host pass at the h200 size it paused the host 310 ms (one H200, 2026-12-04), which the
+    timeline would read as the host's pace and every replay's price would carry.
+    Whether and where one lands depends on how many objects the process made before: in one of four
+    processes of one point it made the host pass 2.2x as long as in the other three."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()

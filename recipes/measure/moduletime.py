@@ -27,12 +27,12 @@ inserted where its backward runs them.
 
 from __future__ import annotations
 
-import gc
 import time
 from collections import defaultdict
-from contextlib import contextmanager
 
 import torch
+
+from recipes.measure.collections import collector_off
 
 #: The modules timed, by name relative to their layer ("" the layer; a name a layer lacks is skipped).
 TIMED = ("", "input_layernorm", "pre_mlp_layernorm", "self_attention", "self_attention.core_attention",
@@ -196,22 +196,6 @@ def _pass(trainer, timer: ModuleTimer) -> float:
 SLEEP_FACTOR, SLEEP_PLUS_MS = 1.5, 0.2
 #: The most a mark's hooks are taken to cost the host (ms; about 0.025 on a CPU core).
 MARK_COST_MAX_MS = 0.1
-
-
-@contextmanager
-def collector_off():
-    """Python's garbage collector off while the passes run. A full collection walks every object the
-    process holds: inside an MoE host pass at the h200 size it paused the host 310 ms (one H200,
-    2026-12-04), which the timeline would read as the host's pace and every replay's price would carry.
-    Whether and where one lands depends on how many objects the process made before: in one of four
-    processes of one point it made the host pass 2.2x as long as in the other three."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def time_modules(trainer, marks: bool = True) -> dict:
