@@ -303,6 +303,16 @@ def test_the_gpu_pass_is_read_at_the_pace_the_stream_pass_measured_for_its_gpu_b
     paced = timeline_recompute_costs(cfg, {"layers": [1, 2], "marks": gpu_bound,
                                            "forward_ms": {"mlp.experts": [1.2, 1.2]}})
     assert plain == pytest.approx([2 * 3e-3]) and paced == pytest.approx([2 * 3e-3 * 1.2])
+    # a process whose forwards the host issued too slowly to tell (0.6 host ms a 1 GPU ms interval) has
+    # no pace of its own: it is read at its point's other processes'
+    slower = {**gpu_bound, "host_ms": [0.6 * j for j in range(len(names))]}
+    assert stream_pace(Timeline.of(slower), {"mlp.experts": [1.2, 1.2]}, [1, 2]) is None
+    at_pace = {**slower, "gpu_ms": [w * 1.2 for w in slower["gpu_ms"]]}
+    mixed = timeline_recompute_costs(cfg, {"layers": [1, 2], "marks": [gpu_bound, slower],
+                                           "forward_ms": {"mlp.experts": [1.2, 1.2]}})
+    expected = timeline_recompute_costs(cfg, {"layers": [1, 2], "marks": [at_pace]})[0]
+    assert mixed == pytest.approx(sorted([2 * 3e-3 * 1.2, expected]))
+    assert timeline_recompute_costs(cfg, {"layers": [1, 2], "marks": [slower]})[0] != pytest.approx(expected)
 
 
 def test_recompute_s_prices_on_the_timeline_where_the_point_recorded_one():
