@@ -248,7 +248,8 @@ class MeasureConfig:
     # one more forward and backward after the timed steps, each layer's modules timed: what each recompute
     # label's replay costs here (result.json ranks[*].module_times; advise prices the labels from it). On a
     # GPU a point that replays and offloads nothing also records its step's timeline (module_times.marks:
-    # three more passes; about 1 s at the h200 size by estimate, not yet measured), on which advise prices every recompute option, host time included.
+    # three more passes; about 1 s more a point at the h200 size on one H200), on which advise prices every
+    # recompute option, host time included.
     # null: on a GPU, eager layers (model.compile=none); true also on a CPU
     module_times: Optional[bool] = None
 

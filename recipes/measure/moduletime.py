@@ -15,13 +15,13 @@ layer itself), the forward ms of one micro-batch in each of the rank's layers (`
 prices the recompute labels from a no-recompute point's forward times.
 
 Where the step is host-bound (MoE, MLA), a replay costs neither its stream time nor its GPU time but
-what the host's lead at that point in backward leaves of it. On a GPU, two more passes give
-``marks``, each timed module's forward start (``pre``) and end (``end``) and its backward start
-(``bwd``, a gradient hook on its output): a host pass notes only the host's clock at each (no CUDA
-event: the host's pace as the step has it, but for the hooks' calls), and a GPU pass records CUDA
-events at each around a ``torch.cuda._sleep`` long enough that the host has issued the next
-interval's work before the GPU starts it, so the events time the GPU's own work between marks, no
-waiting for the host. ``recipes.predict.replay`` replays that timeline with a recompute's forwards
+what the host's lead at that point in backward leaves of it. On a GPU, more passes give ``marks``,
+each timed module's forward start (``pre``) and end (``end``) and its backward start (``bwd``, a
+gradient hook on its output): a host pass notes only the host's clock at each (no CUDA event: the
+host's pace as the step has it, but for the hooks' calls; a light pass with one mark gives what the
+hooks cost), and a GPU pass records CUDA events at each around a ``torch.cuda._sleep`` long enough
+that the host has issued the next interval's work before the GPU starts it, so the events time the
+GPU's own work between marks, no waiting for the host. ``recipes.predict.replay`` replays that timeline with a recompute's forwards
 inserted where its backward runs them.
 """
 
@@ -191,8 +191,8 @@ def _pass(trainer, timer: ModuleTimer) -> float:
 
 #: The GPU pass's sleep at each mark (ms): the host pass's time to the next mark this many times over,
 #: plus ``SLEEP_PLUS_MS`` (the GPU pass's events), so the host has issued an interval's work before the
-#: GPU starts it. At the h200 size (MoE: 961 marks, 250 ms of host time) that is about 0.6 s of sleep a
-#: pass by this arithmetic, not yet measured.
+#: GPU starts it. At the h200 size (MoE: 961 marks) a base point's measurements after its steps took
+#: 1.4-1.7 s with the three passes, the other points' 0.5-0.8 s (one H200, 2026-12-04).
 SLEEP_FACTOR, SLEEP_PLUS_MS = 1.5, 0.2
 #: The most a mark's hooks are taken to cost the host (ms; about 0.025 on a CPU core).
 MARK_COST_MAX_MS = 0.1

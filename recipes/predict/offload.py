@@ -310,10 +310,16 @@ def _placements(cfg: dict) -> list[tuple[tuple, tuple, str, object]] | None:
     return [piece for label in rc["recompute_modules"] for piece in spec[label]]
 
 
+def _timelines(module_times: dict | None) -> list[Timeline]:
+    """The step timelines a point's module times hold: one a process (``merge_module_times`` keeps a
+    repeated point's as a list), failed passes left out."""
+    marks = (module_times or {}).get("marks")
+    return [t for t in map(Timeline.of, marks if isinstance(marks, list) else [marks]) if t]
+
+
 def has_timeline(module_times: dict | None) -> bool:
     """Whether a point's module times hold a step timeline the replays can be priced on."""
-    marks = (module_times or {}).get("marks")
-    return any(Timeline.of(m) for m in (marks if isinstance(marks, list) else [marks]))
+    return bool(_timelines(module_times))
 
 
 def timeline_recompute_costs(cfg: dict, module_times: dict, elementwise_s: float = 0.0) -> list[float] | None:
@@ -326,8 +332,7 @@ def timeline_recompute_costs(cfg: dict, module_times: dict, elementwise_s: float
     (``replay.stream_pace``; a process without one takes its point's others'). One price a process
     whose timeline the point kept, sorted; None where the point has no timeline or a label has no
     place on it."""
-    marks = module_times.get("marks")
-    timelines = [t for t in map(Timeline.of, marks if isinstance(marks, list) else [marks]) if t]
+    timelines = _timelines(module_times)
     pieces, numbers = _placements(cfg), module_times.get("layers") or []
     if not timelines or pieces is None or not numbers:
         return None
@@ -389,7 +394,7 @@ def recompute_by_process_s(cfg: dict, tflops: float, layers: int, microbatches: 
     (``elementwise_replays``). Where the point also recorded its timeline (``marks``), the whole
     recompute is priced on it instead (``timeline_recompute_costs``: host time where the host is
     behind): the median of its processes' prices, returned with them all (an MoE process's host pace
-    moves a replay's cost by that much: 75-135 ms for ``full`` in three processes of one H200 point);
+    moves a replay's cost by that much: 71-108 ms for ``full`` in three processes of one H200 point);
     otherwise with None."""
     rc = cfg["recompute"]
     memory = 2 * elementwise_bytes / (hbm_gb_s * 1e9)

@@ -34,13 +34,12 @@ PACE_RANGE = (0.9, 1.3)
 @dataclass(frozen=True)
 class Timeline:
     """One point's marks: names ("<layer>:<module>:<pre|end|bwd>"), when the host issued each (ms since
-    the pass began), the GPU's own work from the mark before to each (ms), and how long the pass took
-    measured (host issue to GPU done), which ``finish()`` should reproduce."""
+    the pass began) and the GPU's own work from the mark before to each (ms). ``finish()`` of the base
+    timeline should come near the host pass's measured ``pass_ms`` (the work after the last mark aside)."""
 
     names: list[str]
     host: list[float]
     work: list[float]
-    measured_ms: float | None = None
 
     @classmethod
     def of(cls, marks: dict | None) -> Timeline | None:
@@ -61,7 +60,7 @@ class Timeline:
             if not clean[j] and same:
                 work[j] = same[len(same) // 2]
         cost = marks.get("mark_cost_ms") or 0.0  # the hooks' host time, off each mark after them
-        return cls(list(names), [h - cost * j for j, h in enumerate(marks["host_ms"])], work, marks.get("pass_ms"))
+        return cls(list(names), [h - cost * j for j, h in enumerate(marks["host_ms"])], work)
 
     @cached_property
     def _index(self) -> dict[str, list[int]]:

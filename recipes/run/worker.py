@@ -414,7 +414,7 @@ def _measure(trainer: Trainer, cfg: dict, result: dict, window: Window, labels: 
             "alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries", 0),
         }
     if not trainer.offloading:  # before the profiled step: after it, the host passes read slower (docs/offload.md)
-        _time_modules(trainer, cfg, result, marks)
+        _record_module_times(trainer, cfg, result, marks)
     keep = trace_path(run_dir, torch.distributed.get_rank()) if cfg["measure"]["trace_step"] and run_dir else None
     if trainer.offloading:
         result.setdefault("offload", {"modules": modules_of(cfg), **plan_summary()})
@@ -433,10 +433,10 @@ def _measure(trainer: Trainer, cfg: dict, result: dict, window: Window, labels: 
         result["_ledger_warnings"] = control_ledgers(trainer, labels, result, run_dir)
     marks["ledgers_done"] = time.time()
     if trainer.offloading:  # as measured on 2026-12-03: after the offload measurements' step
-        _time_modules(trainer, cfg, result, marks)
+        _record_module_times(trainer, cfg, result, marks)
 
 
-def _time_modules(trainer: Trainer, cfg: dict, result: dict, marks: dict) -> None:
+def _record_module_times(trainer: Trainer, cfg: dict, result: dict, marks: dict) -> None:
     """``result["module_times"]`` where the run times its modules (``times_modules``)."""
     if times_modules(cfg, trainer.on_gpu):
         try:
