@@ -154,3 +154,36 @@ def test_layernorm_recompute_reorders_one_gradient_sum():
     torch.testing.assert_close(ckpt[1], plain[1], rtol=1e-6, atol=1e-6 * plain[1].abs().max())
     alone, alone_ckpt = run(False, False), run(True, False)
     assert all(torch.equal(a, b) for a, b in zip(alone, alone_ckpt))
+
+
+OFF_CASES = [("moe", "full"), ("moe", "selective/moe"), ("moe", "selective/moe_act"),
+             ("standard_attn", "selective/mlp"), ("standard_attn", "selective/core_attn"),
+             ("mla", "selective/mla_up_proj-core_attn")]
+
+
+@pytest.mark.parametrize("family,option", OFF_CASES, ids=[f"{f}-{o}" for f, o in OFF_CASES])
+def test_recompute_disabled_runs_the_model_as_built_without_it(megatron_world, family, option):
+    """``recompute_disabled`` (what ``bench_paired.py`` times a step without): inside it a model built
+    with the option runs no checkpoint region and keeps the bytes a ``none`` model keeps, with its
+    gradients; after it the option recomputes again."""
+    from recipes.measure.labels import recompute_disabled
+
+    base = [f"model={family}", "attention=unfused"]
+    _, grads0, ledger0, _ = gradients(compose(*base, "recompute=none"))
+    seen = {}
+
+    def off_then_on(trainer):
+        with recompute_disabled(trainer.chunks, trainer.config):
+            seen["loss"] = trainer.compute_gradients(record_ledger=True)
+        seen["grads"] = {n: p.grad.detach().clone() for c in trainer.chunks for n, p in c.named_parameters()
+                         if p.grad is not None}
+        seen["ledger"], seen["counts"] = dict(trainer.ledger.bytes_by_kind), trainer.counter.as_dict()
+        trainer.counter.reset()
+
+    _, _, ledger, counts = gradients(compose(*base, f"recompute={option}"), before=off_then_on)
+    assert seen["counts"] == {}, f"{option} still checkpointed while disabled: {seen['counts']}"
+    assert seen["ledger"] == ledger0, "disabled, the ledger must hold what recompute=none's does"
+    for name in grads0:
+        assert torch.equal(seen["grads"][name], grads0[name]), f"{option} disabled: gradient of {name} differs"
+    assert counts and all(c["recompute"] > 0 for c in counts.values()), f"{option} did not recompute after: {counts}"
+    assert sum(ledger.values()) < sum(ledger0.values())

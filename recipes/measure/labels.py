@@ -74,6 +74,24 @@ def labels_disabled(chunks: list[torch.nn.Module], labels: list[str]) -> Iterato
             setattr(module, attr, True)
 
 
+@contextlib.contextmanager
+def recompute_disabled(chunks: list[torch.nn.Module], config) -> Iterator[None]:
+    """The model's whole recompute option off for the block, as if built with ``recompute=none``:
+    every selective label's flags (``labels_disabled``) and full recompute, which megatron's
+    ``TransformerBlock`` reads from the shared ``TransformerConfig`` at each forward
+    (``config.recompute_granularity == 'full'``). A step inside and one outside then differ only by
+    the recompute, in one process at one host pace (``benchmarks/bench_paired.py``)."""
+    full = config.recompute_granularity == "full"
+    if full:
+        config.recompute_granularity = None
+    try:
+        with labels_disabled(chunks, list(LABELS)):
+            yield
+    finally:
+        if full:
+            config.recompute_granularity = "full"
+
+
 def label_findings(result: dict, labels: list[str]) -> list[str]:
     """Per label: did its checkpoint regions run and recompute, and what did it save vs control?
 
