@@ -150,6 +150,13 @@ step_peer() {  # Megatron-LM's pretrain_gpt.py side by side (MEGATRON_LM: benchm
     "<Megatron-LM git dir> core_r0.19.0 /tmp/megatron-lm)" >&2; return 1; }
   stamp "bench_peer"; $PY benchmarks/bench_peer.py --megatron-lm "$MEGATRON_LM" --repeats 2 --iters 8 model=standard_attn \
     size=$SIZE attention=unfused recompute=none 2>&1 | grep -v "Warning\|warn(" | tail -32; }
+step_paired() {  # each family's recompute options timed against themselves switched off in one process, and
+  # priced on that process's timeline (docs/offload.md); MoE 3 processes, the others 1; saved under results/paired_*
+  local fams=${1:-moe,standard_attn,mla}; for m in ${fams//,/ }; do local n=1 opts=full,selective/core_attn
+    case $m in moe) n=3 opts=full,selective/moe,selective/moe_act;; standard_attn) opts=full,selective/mlp,selective/core_attn;;
+      mla) opts=full,selective/mla_up_proj,selective/mla_up_proj-core_attn;; esac
+    stamp "bench_paired model=$m"; $PY benchmarks/bench_paired.py --processes $n --rounds 10 --passes 2 \
+      --save results/paired_$m model=$m size=$SIZE --options $opts 2>&1 | grep "^|\|processes"; done; }
 step_pinning() {  # MoE none unpinned, pinned to 1 core and to 4 cores per rank, alternating, 4 processes each
   stamp "pinning"; $PY train.py -m model=moe size=$SIZE $SWEEP_ARGS recompute=none measure.repeat=0,1,2,3 \
     launcher.cpu_cores_per_rank=null,1,4 hydra.sweep.dir=results/moe_pinning 2>&1 | quiet 6; }

@@ -1,0 +1,260 @@
+"""What a recompute option adds to a step, measured against itself switched off in the same process,
+next to the planner's price from that process's own timeline.
+
+    python benchmarks/bench_paired.py --processes 3 model=moe size=h200 --options full,selective/moe
+    python benchmarks/bench_paired.py --processes 1 model=standard_attn size=h200 --options full,selective/mlp
+
+A label sweep measures each option in its own processes, so an option's cost is the difference of two
+sets of processes; where the host's speed moves between processes (an MoE step's wall time follows it:
+docs/speed.md), that difference moves with it. Here each process builds the worker's ``Trainer`` with
+the option and, after 2 warm-up steps each way, alternates steps with the option on and switched off
+(``recipes.measure.labels.recompute_disabled``: the model as ``recompute=none`` builds it, same
+weights, same allocator), ``--rounds`` of each, in the order on/off, off/on, ... Before those it
+records the module times and step timeline with the option off (``recipes.measure.moduletime``, what a
+sweep's ``none`` point records) and prices the option on them as the planner does
+(``recipes.analyze.plan.price_config``). Both figures then belong to one process at one host pace.
+
+Per process and option: the median off and on step (ms, each step timed from a drained stream to
+its end), the added ms (the median of the rounds' on-minus-off differences; in brackets the middle half
+of them), and the price (``timeline`` where the pass recorded a step timeline, on a GPU, else from the
+module times). On a CPU it runs, for tests, at whatever size is given; times mean nothing there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import gzip
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from functools import partial
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+
+_blocked = [0.0]  # seconds the host waited in Tensor.item (megatron reads the grad norm once a step)
+
+
+def _timed_step(trainer, cuda: bool, host: list | None = None) -> float:
+    """The step's ms from a drained stream to its end; with ``host``, also appends the host's own
+    ms: until ``step()`` returned, less its waits in ``Tensor.item``."""
+    import torch
+
+    if cuda:
+        torch.cuda.synchronize()
+    _blocked[0] = 0.0
+    start = time.perf_counter()
+    trainer.step()
+    returned = time.perf_counter()
+    if cuda:
+        torch.cuda.synchronize()
+    if host is not None:
+        host.append((returned - start - _blocked[0]) * 1e3)
+    return (time.perf_counter() - start) * 1e3
+
+
+def _count_item_waits():
+    import torch
+
+    item = torch.Tensor.item
+
+    def timed_item(self):
+        start = time.perf_counter()
+        try:
+            return item(self)
+        finally:
+            _blocked[0] += time.perf_counter() - start
+
+    torch.Tensor.item = timed_item
+
+
+def measure_option(overrides: list[str], option: str, rounds: int, passes: int = 1) -> dict:
+    """One option in this process: the paired steps and its price on this process's timeline."""
+    from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
+
+    from recipes.analyze.plan import price_config, rates
+    from recipes.build.compat import cuda_available, seed_model_parallel_rng
+    from recipes.config import compose_config
+    from recipes.measure.labels import recompute_disabled
+    from recipes.measure.moduletime import time_modules
+    from recipes.run.trainer import Trainer
+
+    cfg = compose_config([*overrides, f"recompute={option}"])
+    destroy_moe_metrics_tracker()  # a process global sized by the first MoE model (see tests/conftest.py)
+    seed_model_parallel_rng(cfg["train"]["seed"])
+    trainer, cuda = Trainer(cfg), cuda_available()
+    try:
+        off = partial(recompute_disabled, trainer.chunks, trainer.config)
+        for _ in range(2):
+            _timed_step(trainer, cuda)
+            with off():
+                _timed_step(trainer, cuda)
+        with off():
+            before = [time_modules(trainer) for _ in range(passes)]
+        on_ms, off_ms, on_host, off_host = [], [], [], []
+        for r in range(rounds):
+            for on in ((True, False) if r % 2 == 0 else (False, True)):
+                if on:
+                    on_ms.append(_timed_step(trainer, cuda, on_host))
+                else:
+                    with off():
+                        off_ms.append(_timed_step(trainer, cuda, off_host))
+        with off():
+            after = [time_modules(trainer) for _ in range(passes - 1)]
+        added = sorted(a - b for a, b in zip(on_ms, off_ms))
+        module_times = before[0]  # what a sweep's base point records: one pass after its steps
+        priced = price_config(cfg, *rates(cfg), module_times)
+        marks = module_times.get("marks")
+        return {"option": option, "off_ms": statistics.median(off_ms), "on_ms": statistics.median(on_ms),
+                "added_ms": statistics.median(added),
+                "added_iqr_ms": [added[len(added) // 4], added[(3 * len(added)) // 4]],
+                "host_added_ms": statistics.median(a - b for a, b in zip(on_host, off_host)),
+                "priced_ms": priced["recompute_s"] * 1e3,
+                "priced_on": "timeline" if isinstance(marks, dict) and "names" in marks else "module times",
+                "host_pass_ms": marks.get("pass_ms") if isinstance(marks, dict) else None,
+                "raw": {"cfg": cfg, "on_ms": on_ms, "off_ms": off_ms, "on_host_ms": on_host, "off_host_ms": off_host,
+                        "module_times": before + after}}
+    finally:
+        trainer.close()
+
+
+def measure(overrides: list[str], options: list[str], rounds: int, passes: int) -> list[dict]:
+    from launch.torchrun import free_port
+    from recipes.config import compose_config
+    from recipes.run.worker import init_distributed
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
+                      LOCAL_RANK="0")
+    init_distributed(compose_config(overrides))
+    _count_item_waits()
+    import torch
+
+    results = []
+    for option in options:
+        results.append(measure_option(overrides, option, rounds, passes))
+        gc.collect()  # the option's model and optimizer, before the next one's are built
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return results
+
+
+def defaults(overrides: list[str]) -> list[str]:
+    out = [] if any(o.startswith("model=") for o in overrides) else ["model=moe"]
+    out += [] if any(o.startswith("size=") for o in overrides) else ["size=h200"]
+    return out + ["profile=none", *overrides]
+
+
+def error(priced: float, added: float) -> str:
+    return f"{(priced - added) / added:+.0%}" if added > 1e-9 else "-"
+
+
+def load(path: str) -> list[dict]:
+    """A saved process (``--save``): its options' results, raw steps and module times."""
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        return json.load(f)
+
+
+def reprice(r: dict) -> dict:
+    """A saved option's price from its module times with this code: ``priced_ms`` from the first pass
+    (what a sweep's base point records), ``passes_ms`` from each."""
+    from recipes.analyze.plan import price_config, rates
+
+    cfg = r["raw"]["cfg"]
+    passes = [price_config(cfg, *rates(cfg), mt)["recompute_s"] * 1e3 for mt in r["raw"]["module_times"]]
+    return {**r, "priced_ms": passes[0], "passes_ms": passes}
+
+
+ROW_HEADER = ("| process | option | off ms | on ms | added ms (middle half) | host added ms | priced ms "
+              "| price vs added | priced on | host pass ms |\n|---|---|---|---|---|---|---|---|---|---|")
+
+
+def row(n: int, r: dict) -> str:
+    lo, hi = r["added_iqr_ms"]
+    host = f"{r['host_pass_ms']:.1f}" if r["host_pass_ms"] is not None else "-"
+    host_added = f"{r['host_added_ms']:+.1f}" if r.get("host_added_ms") is not None else "-"
+    return (f"| {n} | {r['option']} | {r['off_ms']:.1f} | {r['on_ms']:.1f} | {r['added_ms']:+.1f} "
+            f"({lo:+.1f} to {hi:+.1f}) | {host_added} | {r['priced_ms']:+.1f} | {error(r['priced_ms'], r['added_ms'])} "
+            f"| {r['priced_on']} | {host} |")
+
+
+def summary(rows: dict[tuple[str, str], list[dict]]) -> list[str]:
+    """Per (model, option): the processes' added ms and prices, their medians, and the median price
+    of every module-time pass they recorded."""
+    out = ["| model | option | processes | added ms, each | added, median | priced, median | vs added "
+           "| priced, every pass: median | vs added |", "|---|---|---|---|---|---|---|---|---|"]
+    for (model, option), rs in rows.items():
+        added, priced = statistics.median(r["added_ms"] for r in rs), statistics.median(r["priced_ms"] for r in rs)
+        every = statistics.median(p for r in rs for p in r.get("passes_ms") or [r["priced_ms"]])
+        each = ", ".join(f"{r['added_ms']:+.1f}" for r in rs)
+        out.append(f"| {model} | {option} | {len(rs)} | {each} | {added:+.1f} | {priced:+.1f} | {error(priced, added)} "
+                   f"| {every:+.1f} | {error(every, added)} |")
+    return out
+
+
+def table(dirs: list[str]) -> None:
+    """Every saved process under ``dirs``, priced with this code, and the summary over them all."""
+    rows: dict[tuple[str, str], list[dict]] = {}
+    for d in dirs:
+        files = sorted(f for f in os.listdir(d) if f.startswith("process-"))
+        print(f"{d} ({len(files)} processes)\n\n{ROW_HEADER}")
+        for f in files:
+            for r in map(reprice, load(os.path.join(d, f))):
+                rows.setdefault((r["raw"]["cfg"]["model"]["family"], r["option"]), []).append(r)
+                print(row(int(f.split("-")[1].split(".")[0]), r))
+        print()
+    print("\n".join(summary(rows)))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     epilog="Everything else is a Hydra override, as train.py takes them.")
+    parser.add_argument("--processes", type=int, default=3, help="fresh processes, one after another (default 3)")
+    parser.add_argument("--options", default="full", help="recompute options, comma-separated (default full)")
+    parser.add_argument("--rounds", type=int, default=8, help="on/off pairs of steps per option (default 8)")
+    parser.add_argument("--passes", type=int, default=1,
+                        help="module-time passes before the steps (and one fewer after); the price reads the first")
+    parser.add_argument("--save", help="write each process's steps, config and module times to SAVE/process-N.json.gz")
+    parser.add_argument("--table", nargs="+", metavar="DIR", help="no run: price the processes saved in DIRs with "
+                        "this code and print their rows and the summary over them all")
+    parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # a child: measure, print JSON
+    args, overrides = parser.parse_known_args()
+    if args.table:
+        table(args.table)
+        return
+    overrides, options = defaults(overrides), args.options.split(",")
+    if args.one:
+        print("RESULT " + json.dumps(measure(overrides, options, args.rounds, args.passes)), flush=True)
+        return
+    import torch
+
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU (times mean nothing)"
+    print(f"{' '.join(overrides)}; {args.processes} processes, {args.rounds} rounds; {device}; "
+          f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}\n\n{ROW_HEADER}")
+    rows: dict[tuple[str, str], list[dict]] = {}
+    for n in range(args.processes):
+        done = subprocess.run([sys.executable, __file__, "--one", f"--options={args.options}", f"--rounds={args.rounds}",
+                               f"--passes={args.passes}", *overrides], cwd=REPO, capture_output=True, text=True)
+        line = next((x for x in done.stdout.splitlines() if x.startswith("RESULT ")), None)
+        if line is None:
+            print(f"| {n} | failed (exit {done.returncode}): {done.stderr.strip().splitlines()[-1:]} | | | | | | | | |")
+            continue
+        results = json.loads(line[len("RESULT "):])
+        if args.save:
+            os.makedirs(args.save, exist_ok=True)
+            with gzip.open(os.path.join(args.save, f"process-{n}.json.gz"), "wt") as f:
+                json.dump(results, f)
+        for r in results:
+            rows.setdefault((r["raw"]["cfg"]["model"]["family"], r["option"]), []).append(r)
+            print(row(n, r), flush=True)
+    print()
+    print("\n".join(summary(rows)))
+
+
+if __name__ == "__main__":
+    main()
