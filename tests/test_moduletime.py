@@ -277,6 +277,49 @@ def test_a_replay_costs_its_gpu_time_on_a_gpu_bound_timeline_and_its_host_time_o
     assert timeline_recompute_costs(cfg, {"layers": [1, 2], "marks": {"error": "OutOfMemoryError"}}) is None
 
 
+def _nograd_marks(marks: dict, layers: list[int], mlp_ms: float, gap_ms: float, microbatches: int = 1) -> dict:
+    """``marks`` with a forward-only pass under no_grad: each MLP forward ``mlp_ms`` of host, the
+    layer's forward ``gap_ms`` more either side of it."""
+    names, host, t = ["start"], [0.0], 0.0
+    for _ in range(microbatches):
+        for n in layers:
+            for name, step in ((f"{n}::pre", gap_ms), (f"{n}:mlp:pre", gap_ms), (f"{n}:mlp:end", mlp_ms),
+                               (f"{n}::end", gap_ms)):
+                t += step
+                names.append(name)
+                host.append(t)
+    return {**marks, "nograd_names": names, "nograd_host_ms": host}
+
+
+def test_a_checkpoints_first_forward_saves_the_host_what_no_grad_saves_it_where_the_host_is_behind():
+    """megatron runs a checkpoint's first forward under no_grad: no autograd graph, no MoE aux loss. Where
+    the pass recorded a no-grad forward, the replayed modules' forward costs its host time there, not
+    the training pass's: on a host-bound timeline the price falls by the difference; on a GPU-bound one
+    it does not move; a point recorded without it is priced as before."""
+    from recipes.predict.offload import timeline_recompute_costs
+    from recipes.predict.replay import Timeline
+
+    moe = compose("model=moe", "size=h200", "recompute=selective/moe", "model.num_layers=2")
+    full = compose("model=moe", "size=h200", "recompute=full", "recompute.recompute_num_layers=1",
+                   "model.num_layers=2")
+    region = moe["estimate"]["replay_region_ms"]
+    host_bound = _layer_marks([1, 2], 1.0, 0.01)  # an MLP forward: 1 host ms; a layer's: 3
+    lighter = _nograd_marks(host_bound, [1, 2], mlp_ms=0.4, gap_ms=0.5)  # no grad: 0.4 and 1.4
+    assert Timeline.of(lighter).forward_nograd(2, "mlp") == pytest.approx([0.4])
+    assert Timeline.of(lighter).forward_nograd(1, "") == pytest.approx([1.4])
+
+    def cost(cfg, marks) -> float:
+        return timeline_recompute_costs(cfg, {"layers": [1, 2], "marks": marks})[0] * 1e3
+
+    assert cost(moe, host_bound) == pytest.approx(2 * (1.0 + region))
+    assert cost(moe, lighter) == pytest.approx(2 * (1.0 + region) - 2 * 0.6)
+    assert cost(full, lighter) == pytest.approx(2 * (3.0 + region) - 2 * 1.6)
+    gpu_bound = _layer_marks([1, 2], 0.5, 1.0)
+    assert cost(moe, _nograd_marks(gpu_bound, [1, 2], mlp_ms=0.1, gap_ms=0.2)) == pytest.approx(cost(moe, gpu_bound))
+    # a no-grad forward slower than the training one (a stall) saves nothing, and costs nothing
+    assert cost(moe, _nograd_marks(host_bound, [1, 2], mlp_ms=5.0, gap_ms=0.5)) == pytest.approx(cost(moe, host_bound))
+
+
 def test_the_gpu_pass_is_read_at_the_pace_the_stream_pass_measured_for_its_gpu_bound_kernels():
     """stream_pace: the module-time pass's stream time over the GPU pass's time for the same forwards,
     where the host was far ahead (the GPU pass's sleeps let the same kernels run about a tenth faster
@@ -359,3 +402,8 @@ def test_on_a_gpu_the_timeline_replays_to_the_pass_it_was_measured_in(megatron_w
     timeline = Timeline.of(marks)
     assert timeline.finish() == pytest.approx(marks["pass_ms"], rel=0.2)
     assert all(g > 0 for _, g in timeline.forward(1, "mlp")) and timeline.where(1, "mlp", "bwd")
+    # the no-grad forward: every layer's MoE layer, a forward a micro-batch, less host than with grad
+    # (no autograd graph, no aux loss)
+    nograd = [timeline.forward_nograd(n, "mlp") for n in (1, 2)]
+    assert all(len(f) == trainer.num_microbatches for f in nograd), nograd
+    assert sum(map(sum, nograd)) < sum(h for n in (1, 2) for h, _ in timeline.forward(n, "mlp"))

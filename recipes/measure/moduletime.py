@@ -21,8 +21,11 @@ gradient hook on its output): a host pass notes only the host's clock at each (n
 host's pace as the step has it, but for the hooks' calls; a light pass with one mark gives what the
 hooks cost), and a GPU pass records CUDA events at each around a ``torch.cuda._sleep`` long enough
 that the host has issued the next interval's work before the GPU starts it, so the events time the
-GPU's own work between marks, no waiting for the host. ``recipes.predict.replay`` replays that timeline with a recompute's forwards
-inserted where its backward runs them.
+GPU's own work between marks, no waiting for the host. A forward-only pass under ``torch.no_grad``
+notes the host's clock at the forwards' marks again: a checkpoint runs its region's first forward so
+(no autograd graph; megatron's MoE router skips its aux loss), and in a host-bound step what that
+saves the host is step time. ``recipes.predict.replay`` replays that timeline with a recompute's
+forwards inserted where its backward runs them and its regions' first forwards at their no-grad cost.
 """
 
 from __future__ import annotations
@@ -189,6 +192,22 @@ def _pass(trainer, timer: ModuleTimer) -> float:
         trainer.optimizer.zero_grad()
 
 
+def _forward_pass(trainer, timer: ModuleTimer) -> float:
+    """The step's micro-batches forward only, under ``torch.no_grad`` as a checkpoint's first forward
+    runs its region (megatron's router skips its aux loss there too), with ``timer``; its origin on
+    the host's clock, as ``_pass``."""
+    try:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        timer.note("start")
+        with torch.no_grad():
+            trainer._schedule(trainer.data, forward_only=True)
+        torch.cuda.synchronize()
+        return t0
+    finally:
+        timer.remove()
+
+
 #: The GPU pass's sleep at each mark (ms): the host pass's time to the next mark this many times over,
 #: plus ``SLEEP_PLUS_MS`` (the GPU pass's events), so the host has issued an interval's work before the
 #: GPU starts it. At the h200 size (MoE: 961 marks) a base point's measurements after its steps took
@@ -225,12 +244,18 @@ def timeline(trainer) -> dict:
     work on the GPU (a synchronize), what the timeline should replay to; ``gpu_ms`` the GPU's own work
     from the mark before to each; ``gpu_clean`` whether the host had issued that interval's work
     before the GPU began it (the GPU cannot have waited inside it); ``mark_cost_ms`` what a mark's
-    hooks cost the host (``recipes.predict.replay`` takes it off)."""
+    hooks cost the host (``recipes.predict.replay`` takes it off); ``nograd_names`` and
+    ``nograd_host_ms`` the forwards' marks and host clock in a forward-only pass under no_grad (after
+    one unmarked: a process's first no-grad forward took 2-3x as long on the H200)."""
     light = ModuleTimer(trainer.chunks, True, marks="light")
     l0 = _pass(trainer, light)
     host = ModuleTimer(trainer.chunks, True, marks="host")
     t0 = _pass(trainer, host)
     pass_ms = (time.perf_counter() - t0) * 1e3
+    # a process's first no-grad forward took 2-3x as long as the next on the H200: one unmarked first
+    _forward_pass(trainer, ModuleTimer(trainer.chunks, True, marks="light"))
+    nograd = ModuleTimer(trainer.chunks, True, marks="host")
+    n0 = _forward_pass(trainer, nograd)
     kept = [m for m in host.marks if m[0] != "input:bwd"]  # the GPU pass does not mark backward's end
     names, issued = [m[0] for m in kept], [m[1] for m in kept]
     sleeps = [SLEEP_FACTOR * (b - a) * 1e3 + SLEEP_PLUS_MS for a, b in zip(issued, issued[1:])]
@@ -252,4 +277,6 @@ def timeline(trainer) -> dict:
         work.append(round(begun.elapsed_time(ended), 4))
         clean.append(origin.elapsed_time(begun) >= (noted - g0) * 1e3)
     return {"names": names, "host_ms": [round((t - t0) * 1e3, 4) for t in issued],
-            "pass_ms": round(pass_ms, 4), "mark_cost_ms": round(cost, 5), "gpu_ms": work, "gpu_clean": clean}
+            "pass_ms": round(pass_ms, 4), "mark_cost_ms": round(cost, 5), "gpu_ms": work, "gpu_clean": clean,
+            "nograd_names": [m[0] for m in nograd.marks],
+            "nograd_host_ms": [round((m[1] - n0) * 1e3, 4) for m in nograd.marks]}

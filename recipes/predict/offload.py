@@ -358,6 +358,10 @@ def timeline_recompute_costs(cfg: dict, module_times: dict, elementwise_s: float
                 forwards = [tl.forward(number, name) for name in replayed + inside]
                 if not spots or any(len(f) != len(spots) for f in forwards[:len(replayed)]):
                     return None  # a module the pass did not time
+                lighter = _forward_savings(tl, number, replayed, inside, forwards, len(spots))
+                for j, saved in lighter.items():
+                    slot = inserted.setdefault(j, [0.0, 0.0])
+                    slot[0] -= saved
                 for k, j in enumerate(spots):
                     host, gpu = region_ms, 0.0
                     for n, f in enumerate(forwards):
@@ -374,6 +378,29 @@ def timeline_recompute_costs(cfg: dict, module_times: dict, elementwise_s: float
             inserted[j][1] += elementwise_s * 1e3 * microbatches / len(elementwise)
         costs.append((tl.finish({j: (h, g) for j, (h, g) in inserted.items()}) - tl.finish()) / 1e3)
     return sorted(costs)
+
+
+def _forward_savings(tl: Timeline, number: int, replayed: tuple, inside: tuple, forwards: list, spots: int
+                     ) -> dict[int, float]:
+    """Host ms a checkpoint's first forward saves, at the mark before each replayed forward's end:
+    megatron runs the region under ``torch.no_grad`` (no autograd graph; the MoE router skips its aux
+    loss), so its host time is the no-grad pass's (``Timeline.forward_nograd``), not the training
+    pass's. An MoE step's host is behind the GPU, so this is step time: on one H200 (2026-12-04) the
+    32 MoE-layer forwards of a step took 67-92 ms of host with grad and 35-57 without. {} where the
+    pass recorded no no-grad forward (a point measured before 2026-12-04, 17:30 UTC)."""
+    nograd = [tl.forward_nograd(number, name) for name in replayed + inside]
+    ends = tl.where(number, replayed[0], "end") if replayed else []
+    if not replayed or len(ends) != spots or any(len(g) != spots for g in nograd[:len(replayed)]):
+        return {}
+    out = {}
+    for k in range(spots):
+        saved = 0.0
+        for n, (f, g) in enumerate(zip(forwards, nograd)):
+            if len(f) == spots and len(g) == spots:
+                saved += (1.0 if n < len(replayed) else -1.0) * (f[k][0] - g[k])
+        if saved > 0:
+            out[ends[k] - 1] = saved
+    return out
 
 
 def recompute_s(cfg: dict, tflops: float, layers: int, microbatches: int, elementwise_bytes: int = 0,
