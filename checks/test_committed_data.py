@@ -277,3 +277,20 @@ def test_the_label_sweeps_of_2026_12_04_regenerate_identically():
     table = _offload_table(*map(str, sweeps))
     assert table == (REPO / "docs" / "speed-h200" / "labels_2026-12-04.md").read_text()
     assert "| +70.5 | +108.2 |" in table and "| +34.1 | +61.9 |" in table  # MoE full and moe
+
+
+def test_the_paired_runs_of_2026_12_04_regenerate_identically():
+    """docs/offload-h200/paired_2026-12-04{,_1713}.md: benchmarks/bench_paired.py's saved processes (each
+    option timed against itself switched off in one process) priced with today's time model; the first
+    with the no-grad forward pass recorded, _1713 from before it (docs/offload.md)."""
+    import subprocess
+
+    runs = REPO / "docs" / "offload-h200" / "paired_2026-12-04"
+    for name, dirs, moe in (("paired_2026-12-04", ("1722_moe", "1729_moe", "1737_moe", "1731_standard_attn", "1732_mla"),
+                             "| moe | selective/moe | 7 |"),
+                            ("paired_2026-12-04_1713", ("1713_moe", "1719_standard_attn", "1720_mla"),
+                             "| moe | selective/moe | 3 |")):
+        done = subprocess.run([sys.executable, "benchmarks/bench_paired.py", "--table",
+                               *(str((runs / d).relative_to(REPO)) for d in dirs)],
+                              cwd=REPO, capture_output=True, text=True, timeout=300, check=True)
+        assert done.stdout == (OFFLOAD / f"{name}.md").read_text() and moe in done.stdout, name
