@@ -38,6 +38,7 @@ def measure(overrides: list[str]) -> dict:
     from launch.torchrun import free_port
     from recipes.build.compat import seed_model_parallel_rng
     from recipes.config import compose_config
+    from recipes.measure.syncs import ItemWaits
     from recipes.run.trainer import Trainer
     from recipes.run.worker import init_distributed
 
@@ -47,30 +48,20 @@ def measure(overrides: list[str]) -> dict:
     init_distributed(cfg)
     seed_model_parallel_rng(cfg["train"]["seed"])
     trainer = Trainer(cfg)
-    blocked = [0.0]
-    item = torch.Tensor.item
-
-    def timed_item(self):
-        start = time.perf_counter()
-        try:
-            return item(self)
-        finally:
-            blocked[0] += time.perf_counter() - start
-
-    torch.Tensor.item = timed_item
+    blocked = ItemWaits().__enter__()
     try:
         for _ in range(3):
             trainer.step()
         torch.cuda.synchronize()
         steps, waits, tails = [], [], []
         for _ in range(6):
-            blocked[0] = 0.0
+            blocked.seconds = 0.0
             start = time.perf_counter()
             trainer.step()
             issued = time.perf_counter()
             torch.cuda.synchronize()
             steps.append(time.perf_counter() - start)
-            waits.append(blocked[0])
+            waits.append(blocked.seconds)
             tails.append(time.perf_counter() - issued)
         from torch.profiler import ProfilerActivity, profile
 
@@ -79,7 +70,7 @@ def measure(overrides: list[str]) -> dict:
             torch.cuda.synchronize()
         device = sum(e.self_device_time_total for e in prof.key_averages()) / 1e6
     finally:
-        torch.Tensor.item = item
+        blocked.__exit__()
         trainer.close()
     host = statistics.median(s - w - t for s, w, t in zip(steps, waits, tails))
     return {"step_ms": statistics.median(steps) * 1e3, "blocked_ms": statistics.median(waits) * 1e3,

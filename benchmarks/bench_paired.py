@@ -37,40 +37,26 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 
-_blocked = [0.0]  # seconds the host waited in Tensor.item (megatron reads the grad norm once a step)
+_waits = None  # recipes.measure.syncs.ItemWaits, entered for a measuring process's lifetime (measure)
 
 
 def _timed_step(trainer, cuda: bool, host: list | None = None) -> float:
     """The step's ms from a drained stream to its end; with ``host``, also appends the host's own
-    ms: until ``step()`` returned, less its waits in ``Tensor.item``."""
+    ms: until ``step()`` returned, less its waits in ``Tensor.item`` (megatron's grad-norm read)."""
     import torch
 
     if cuda:
         torch.cuda.synchronize()
-    _blocked[0] = 0.0
+    if _waits is not None:
+        _waits.seconds = 0.0
     start = time.perf_counter()
     trainer.step()
     returned = time.perf_counter()
     if cuda:
         torch.cuda.synchronize()
     if host is not None:
-        host.append((returned - start - _blocked[0]) * 1e3)
+        host.append((returned - start - (_waits.seconds if _waits is not None else 0.0)) * 1e3)
     return (time.perf_counter() - start) * 1e3
-
-
-def _count_item_waits():
-    import torch
-
-    item = torch.Tensor.item
-
-    def timed_item(self):
-        start = time.perf_counter()
-        try:
-            return item(self)
-        finally:
-            _blocked[0] += time.perf_counter() - start
-
-    torch.Tensor.item = timed_item
 
 
 def measure_option(overrides: list[str], option: str, rounds: int, passes: int = 1) -> dict:
@@ -126,12 +112,14 @@ def measure_option(overrides: list[str], option: str, rounds: int, passes: int =
 def measure(overrides: list[str], options: list[str], rounds: int, passes: int) -> list[dict]:
     from launch.torchrun import free_port
     from recipes.config import compose_config
+    from recipes.measure.syncs import ItemWaits
     from recipes.run.worker import init_distributed
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
                       LOCAL_RANK="0")
+    global _waits
     init_distributed(compose_config(overrides))
-    _count_item_waits()
+    _waits = ItemWaits().__enter__()  # this process measures and exits: never left
     import torch
 
     results = []

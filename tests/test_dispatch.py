@@ -236,3 +236,19 @@ def test_stored_results_keep_their_dispatcher():
     new = upgrade(old)
     assert new["model"]["moe_token_dispatcher_type"] == "allgather"
     assert new["model"]["moe_expert_capacity_factor"] is None
+
+
+def test_item_waits_counts_the_hosts_time_in_item_and_gives_it_back():
+    """ItemWaits (bench_hostbound.py, bench_paired.py): the seconds spent inside Tensor.item while
+    entered, and Tensor.item as it was after."""
+    import time
+
+    from recipes.measure.syncs import ItemWaits
+
+    original = torch.Tensor.item
+    with ItemWaits() as waits:
+        assert torch.tensor(3.0).item() == 3.0 and waits.seconds > 0.0
+        waits.seconds = 0.0
+        time.sleep(0.01)  # outside item: not counted
+        assert waits.seconds == 0.0
+    assert torch.Tensor.item is original

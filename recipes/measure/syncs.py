@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 import warnings
 from collections import Counter
 from dataclasses import dataclass, field
@@ -89,6 +90,33 @@ class HostSyncCounter:
     def by_site(self) -> Counter:
         """Counts per (what, where), most frequent first."""
         return Counter((e.what, e.where) for e in self.events)
+
+
+class ItemWaits:
+    """The host's seconds inside ``Tensor.item`` while entered (``seconds``; the caller resets it):
+    on a GPU, how long a step's host waited for the device where megatron reads the grad norm, once a
+    step. What the host took to issue a step is its time to return less these waits
+    (``benchmarks/bench_hostbound.py``, ``bench_paired.py``)."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._item = None
+
+    def __enter__(self) -> ItemWaits:
+        item = self._item = torch.Tensor.item
+
+        def timed_item(tensor):
+            start = time.perf_counter()
+            try:
+                return item(tensor)
+            finally:
+                self.seconds += time.perf_counter() - start
+
+        torch.Tensor.item = timed_item
+        return self
+
+    def __exit__(self, *exc) -> None:
+        torch.Tensor.item = self._item
 
 
 class CudaSyncSites:
