@@ -277,6 +277,26 @@ def test_a_replay_costs_its_gpu_time_on_a_gpu_bound_timeline_and_its_host_time_o
     assert timeline_recompute_costs(cfg, {"layers": [1, 2], "marks": {"error": "OutOfMemoryError"}}) is None
 
 
+def test_a_forward_only_pass_draws_the_steps_micro_batches_and_leaves_no_gradient(megatron_world):
+    """Trainer.forward_only, the no-grad pass the timeline times: every micro-batch of a step forward,
+    under no_grad, in training mode; nothing for backward."""
+    from recipes.measure.moduletime import transformer_layers
+
+    trainer = build_trainer(compose("model=moe", "size=tiny", "recompute=none"))
+    grad_enabled = []
+    layer = transformer_layers(trainer.chunks)[0]
+    handle = layer.register_forward_hook(lambda m, a, o: grad_enabled.append((torch.is_grad_enabled(), m.training)))
+    try:
+        drawn = trainer.data.drawn
+        trainer.forward_only()
+        assert trainer.data.drawn == drawn + trainer.num_microbatches
+        assert grad_enabled == [(False, True)] * trainer.num_microbatches
+        assert all(p.grad is None for c in trainer.chunks for p in c.parameters())
+    finally:
+        handle.remove()
+        trainer.close()
+
+
 def _nograd_marks(marks: dict, layers: list[int], mlp_ms: float, gap_ms: float, microbatches: int = 1) -> dict:
     """``marks`` with a forward-only pass under no_grad: each MLP forward ``mlp_ms`` of host, the
     layer's forward ``gap_ms`` more either side of it."""

@@ -200,8 +200,7 @@ def _forward_pass(trainer, timer: ModuleTimer) -> float:
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         timer.note("start")
-        with torch.no_grad():
-            trainer._schedule(trainer.data, forward_only=True)
+        trainer.forward_only()
         torch.cuda.synchronize()
         return t0
     finally:

@@ -181,6 +181,12 @@ class Trainer:
             return float(loss) if sync_loss else loss
         return None
 
+    def forward_only(self) -> None:
+        """The step's micro-batches forward only, under ``torch.no_grad``, in training mode: as a
+        checkpoint runs its region's first forward (``recipes.measure.moduletime`` times that)."""
+        with torch.no_grad():
+            self._schedule(self.data, forward_only=True)
+
     def _schedule(self, data, forward_only: bool) -> list[dict]:
         """megatron's forward-backward schedule over this step's micro-batches (all chunks)."""
         train = self.cfg["train"]
