@@ -386,7 +386,7 @@ def _forward_savings(tl: Timeline, number: int, replayed: tuple, inside: tuple, 
     megatron runs the region under ``torch.no_grad`` (no autograd graph; the MoE router skips its aux
     loss), so its host time is the no-grad pass's (``Timeline.forward_nograd``), not the training
     pass's. An MoE step's host is behind the GPU, so this is step time: on one H200 (2026-12-04) the
-    32 MoE-layer forwards of a step took 67-92 ms of host with grad and 35-57 without. {} where the
+    32 MoE-layer forwards of a step took 54-102 ms of host with grad and 33-63 without. {} where the
     pass recorded no no-grad forward (a point measured before 2026-12-04, 17:30 UTC)."""
     nograd = [tl.forward_nograd(number, name) for name in replayed + inside]
     ends = tl.where(number, replayed[0], "end") if replayed else []
