@@ -48,29 +48,28 @@ def measure(overrides: list[str]) -> dict:
     init_distributed(cfg)
     seed_model_parallel_rng(cfg["train"]["seed"])
     trainer = Trainer(cfg)
-    blocked = ItemWaits().__enter__()
     try:
-        for _ in range(3):
-            trainer.step()
-        torch.cuda.synchronize()
-        steps, waits, tails = [], [], []
-        for _ in range(6):
-            blocked.seconds = 0.0
-            start = time.perf_counter()
-            trainer.step()
-            issued = time.perf_counter()
+        with ItemWaits() as blocked:
+            for _ in range(3):
+                trainer.step()
             torch.cuda.synchronize()
-            steps.append(time.perf_counter() - start)
-            waits.append(blocked.seconds)
-            tails.append(time.perf_counter() - issued)
-        from torch.profiler import ProfilerActivity, profile
+            steps, waits, tails = [], [], []
+            for _ in range(6):
+                blocked.seconds = 0.0
+                start = time.perf_counter()
+                trainer.step()
+                issued = time.perf_counter()
+                torch.cuda.synchronize()
+                steps.append(time.perf_counter() - start)
+                waits.append(blocked.seconds)
+                tails.append(time.perf_counter() - issued)
+            from torch.profiler import ProfilerActivity, profile
 
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            trainer.step()
-            torch.cuda.synchronize()
-        device = sum(e.self_device_time_total for e in prof.key_averages()) / 1e6
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                trainer.step()
+                torch.cuda.synchronize()
+            device = sum(e.self_device_time_total for e in prof.key_averages()) / 1e6
     finally:
-        blocked.__exit__()
         trainer.close()
     host = statistics.median(s - w - t for s, w, t in zip(steps, waits, tails))
     return {"step_ms": statistics.median(steps) * 1e3, "blocked_ms": statistics.median(waits) * 1e3,

@@ -36,6 +36,7 @@ from functools import partial
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from benchmarks.bench_hostbound import defaults  # noqa: E402  (model=moe size=h200 unless named, profile=none)
 
 _waits = None  # recipes.measure.syncs.ItemWaits, entered for a measuring process's lifetime (measure)
 
@@ -129,12 +130,6 @@ def measure(overrides: list[str], options: list[str], rounds: int, passes: int) 
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     return results
-
-
-def defaults(overrides: list[str]) -> list[str]:
-    out = [] if any(o.startswith("model=") for o in overrides) else ["model=moe"]
-    out += [] if any(o.startswith("size=") for o in overrides) else ["size=h200"]
-    return out + ["profile=none", *overrides]
 
 
 def error(priced: float, added: float) -> str:

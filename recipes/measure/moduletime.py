@@ -174,37 +174,27 @@ def _cycles_per_ms() -> float:
     return max(rates)
 
 
-def _pass(trainer, timer: ModuleTimer) -> float:
-    """One forward and backward of the step's micro-batches under ``timer`` (no update); its origin
-    on the host's clock (the stream drained first), after which the pass starts with a mark."""
+def _pass(trainer, timer: ModuleTimer, forward_only: bool = False) -> float:
+    """One forward and backward of the step's micro-batches under ``timer`` (no update), or with
+    ``forward_only`` their forward under ``torch.no_grad`` as a checkpoint runs its region's first
+    (``Trainer.forward_only``); its origin on the host's clock (the stream drained first), after which
+    the pass starts with a mark."""
     try:
         if timer.clock.cuda:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
         if timer.mode:
             timer.note("start")
-        trainer.compute_gradients()
+        if forward_only:
+            trainer.forward_only()
+        else:
+            trainer.compute_gradients()
         if timer.clock.cuda:
             torch.cuda.synchronize()
         return t0
     finally:
         timer.remove()
         trainer.optimizer.zero_grad()
-
-
-def _forward_pass(trainer, timer: ModuleTimer) -> float:
-    """The step's micro-batches forward only, under ``torch.no_grad`` as a checkpoint's first forward
-    runs its region (megatron's router skips its aux loss there too), with ``timer``; its origin on
-    the host's clock, as ``_pass``."""
-    try:
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        timer.note("start")
-        trainer.forward_only()
-        torch.cuda.synchronize()
-        return t0
-    finally:
-        timer.remove()
 
 
 #: The GPU pass's sleep at each mark (ms): the host pass's time to the next mark this many times over,
@@ -253,9 +243,9 @@ def timeline(trainer) -> dict:
     t0 = _pass(trainer, host)
     pass_ms = (time.perf_counter() - t0) * 1e3
     # a process's first no-grad forward took 2-3x as long as the next on the H200: one unmarked first
-    _forward_pass(trainer, ModuleTimer(trainer.chunks, True, marks="light"))
+    _pass(trainer, ModuleTimer(trainer.chunks, True, marks="light"), forward_only=True)
     nograd = ModuleTimer(trainer.chunks, True, marks="host")
-    n0 = _forward_pass(trainer, nograd)
+    n0 = _pass(trainer, nograd, forward_only=True)
     kept = [m for m in host.marks if m[0] != "input:bwd"]  # the GPU pass does not mark backward's end
     names, issued = [m[0] for m in kept], [m[1] for m in kept]
     sleeps = [SLEEP_FACTOR * (b - a) * 1e3 + SLEEP_PLUS_MS for a, b in zip(issued, issued[1:])]

@@ -22,7 +22,7 @@ from a forward-only pass): where the host is behind, that is taken off the step.
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from functools import cached_property
 
 #: The modules whose stream time can check the GPU pass's pace: one or a few kernels each, no host
@@ -42,9 +42,9 @@ class Timeline:
     names: list[str]
     host: list[float]
     work: list[float]
-    #: "<layer>:<module>" -> the host ms of each of its forwards under ``torch.no_grad``, as a
-    #: checkpoint's first forward runs its region (empty where the pass did not record it)
-    nograd: dict[str, list[float]] = field(default_factory=dict)
+    #: the forward-only pass under ``torch.no_grad``, as a checkpoint's first forward runs its region:
+    #: its marks and host clock (no GPU work); None where the pass did not record it
+    nograd: Timeline | None = None
 
     @classmethod
     def of(cls, marks: dict | None) -> Timeline | None:
@@ -65,8 +65,11 @@ class Timeline:
             if not clean[j] and same:
                 work[j] = same[len(same) // 2]
         cost = marks.get("mark_cost_ms") or 0.0  # the hooks' host time, off each mark after them
-        return cls(list(names), [h - cost * j for j, h in enumerate(marks["host_ms"])], work,
-                   _forwards(marks.get("nograd_names") or [], marks.get("nograd_host_ms") or [], cost))
+        nograd = marks.get("nograd_names")
+        if nograd:
+            nograd = cls(list(nograd), [h - cost * j for j, h in enumerate(marks["nograd_host_ms"])],
+                         [0.0] * len(nograd))
+        return cls(list(names), [h - cost * j for j, h in enumerate(marks["host_ms"])], work, nograd or None)
 
     @cached_property
     def _index(self) -> dict[str, list[int]]:
@@ -86,7 +89,7 @@ class Timeline:
 
     def forward_nograd(self, layer: int, module: str) -> list[float]:
         """Host ms each forward of the module took under ``torch.no_grad`` ([] where not recorded)."""
-        return self.nograd.get(f"{layer}:{module}", [])
+        return [host for host, _ in self.nograd.forward(layer, module)] if self.nograd else []
 
     def finish(self, inserted: dict[int, tuple[float, float]] | None = None) -> float:
         """When the GPU reaches the last mark (ms), with (host ms, GPU ms) of work ``inserted`` right
@@ -102,21 +105,6 @@ class Timeline:
     def scaled(self, pace: float) -> Timeline:
         """The same timeline with the GPU's work ``pace`` times as long (``stream_pace``)."""
         return replace(self, work=[w * pace for w in self.work])
-
-
-def _forwards(names: list[str], host: list[float], cost: float) -> dict[str, list[float]]:
-    """"<layer>:<module>" -> each forward's host ms, from a forward-only pass's marks (``pre`` and
-    ``end``; the hooks' ``cost`` a mark taken off, as ``Timeline.of`` does)."""
-    opened: dict[str, list[int]] = {}
-    out: dict[str, list[float]] = {}
-    for j, name in enumerate(names):
-        key, _, kind = name.rpartition(":")
-        if kind == "pre":
-            opened.setdefault(key, []).append(j)
-        elif kind == "end" and opened.get(key):
-            a = opened[key].pop()
-            out.setdefault(key, []).append(host[j] - host[a] - cost * (j - a))
-    return out
 
 
 def stream_pace(timeline: Timeline, forward_ms: dict, layers: list[int]) -> float | None:
