@@ -72,7 +72,7 @@ def test_a_run_streams_every_interval_and_validation_at_its_step(corpus, megatro
     progress = [l for l in capsys.readouterr().out.splitlines() if l.startswith("[progress]")]
     assert [l.split(" | ")[0] for l in progress] == ["[progress] step 3/7", "[progress] step 6/7",
                                                      "[progress] step 7/7"]
-    (wb,) = offline_runs(tmp_path)
+    (wb,) = _finished_runs(tmp_path)  # finished in this process: its exit record may land a moment later
     assert wb.name.startswith("standard_attn sdpa none ") and len(wb.name.split()[-1]) == 6
     assert wb.group == tmp_path.parent.name and wb.job_type == "train"
     assert wb.config["choices"] == {"model": "standard_attn"} and wb.config["train"]["train_iters"] == 7
@@ -128,7 +128,7 @@ def _failing_worker(tmp_path, monkeypatch, error: BaseException, *overrides: str
 
 def test_an_oom_point_finishes_its_run_with_its_status(tmp_path, monkeypatch):
     code = _failing_worker(tmp_path, monkeypatch, torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
-    (wb,) = offline_runs(tmp_path)
+    (wb,) = _finished_runs(tmp_path)
     assert code == 3 and wb.exit_code == 3 and wb.job_type == "point"
     assert wb.summary["status"] == "oom" and wb.summary["error"].startswith("CUDA out of memory")
     assert wb.history == {1: {"train/loss": 6.0}}
