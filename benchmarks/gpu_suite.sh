@@ -157,6 +157,10 @@ step_paired() {  # each family's recompute options timed against themselves swit
       mla) opts=full,selective/mla_up_proj,selective/mla_up_proj-core_attn;; esac
     stamp "bench_paired model=$m"; $PY benchmarks/bench_paired.py --processes $n --rounds 10 --passes 2 \
       --save results/paired_$m model=$m size=$SIZE --options $opts 2>&1 | grep "^|\|processes"; done; }
+step_region() {  # where a checkpoint region's host time goes, part by part: MoE moe_act and layernorm, dense layernorm
+  for a in "model=moe recompute=selective/moe_act" "model=moe recompute=selective/layernorm" \
+      "model=standard_attn recompute=selective/layernorm"; do stamp "bench_region $a"
+    $PY benchmarks/bench_region.py size=$SIZE profile=none $a 2>&1 | grep "^|\|^step\|regions a step"; done; }
 step_pinning() {  # MoE none unpinned, pinned to 1 core and to 4 cores per rank, alternating, 4 processes each
   stamp "pinning"; $PY train.py -m model=moe size=$SIZE $SWEEP_ARGS recompute=none measure.repeat=0,1,2,3 \
     launcher.cpu_cores_per_rank=null,1,4 hydra.sweep.dir=results/moe_pinning 2>&1 | quiet 6; }

@@ -284,7 +284,9 @@ class EstimateConfig:
     # memory they run at (the H200's HBM3e peaks at 4800).
     hbm_gb_s: float = 3000.0
     # What an elementwise label's replay costs beyond its bytes (recipes.predict.offload.recompute_s; on a
-    # measured timeline, timeline_recompute_costs, both are host time, which a GPU-bound step hides):
+    # measured timeline, timeline_recompute_costs, both are host time, which a GPU-bound step hides; a
+    # timeline recorded since 2026-12-04 19:30 UTC measured its regions and functions instead,
+    # recipes.measure.regions: 0.4-0.6 ms a region on one H200):
     # per checkpoint region replayed (megatron's CheckpointWithoutOutput: RNG states saved and
     # restored, a nested autograd backward), fitted to the one robust row, dense selective/layernorm
     # at the h200 size on one H200 (+10.5 ms in two processes, 64 regions a step; docs/offload.md);

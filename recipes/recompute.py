@@ -90,6 +90,18 @@ LABELS: dict[str, Label] = {label.name: label for label in (
           "use model=gdn or gdn_moe (GatedDeltaNet layers), or recompute=selective/core_attn for standard attention"),
 )}
 
+#: Labels replayed through megatron's ``CheckpointWithoutOutput`` (transformer_layer.py's norms,
+#: multi_latent_attention.py's up-projections, gdn.py's output norm; recipes.build.experts' moe_act and
+#: recipes.build.mlp's mlp unless ``recompute.mlp_replays_fc2``); the rest through
+#: ``tensor_parallel.checkpoint``, as full recompute is.
+WITHOUT_OUTPUT_LABELS = ("layernorm", "mla_up_proj", "moe_act", "gdn_norm_out", "mlp")
+
+
+def replays_without_output(label: str, recompute: Any) -> bool:
+    """Whether a label (of a run's ``recompute`` config) replays through ``CheckpointWithoutOutput``."""
+    return label in WITHOUT_OUTPUT_LABELS and (label != "mlp" or not recompute.get("mlp_replays_fc2"))
+
+
 #: The guide's first selective option per family (its decision guide, step 3).
 GUIDE_FIRST_LABEL = {"standard_attn": "selective/core_attn", "mla": "selective/mla_up_proj",
                      "moe": "selective/moe_act", "gdn": "selective/gdn_norm_out",

@@ -17,7 +17,17 @@ from recipes.config import COMPILE_SCOPES, RecipeConfig
 from recipes.errors import ConfigError
 from recipes.files import GIB
 from recipes.offload import layer_offload_problem, option_of, rule_problem
-from recipes.recompute import ATTENTION_KIND, BACKENDS, FAMILIES, LABELS, MLP_KIND, chunk_layers, labels_of, layer_kinds
+from recipes.recompute import (
+    ATTENTION_KIND,
+    BACKENDS,
+    FAMILIES,
+    LABELS,
+    MLP_KIND,
+    chunk_layers,
+    labels_of,
+    layer_kinds,
+    replays_without_output,
+)
 
 
 def transformer_engine_importable() -> bool:
@@ -316,12 +326,6 @@ def _validate_recompute(cfg) -> None:
                           "communication overlap", "set parallel.overlap_moe_expert_parallel_comm=false")
 
 
-#: Labels replayed through megatron's ``CheckpointWithoutOutput`` (transformer_layer.py's norms,
-#: multi_latent_attention.py's up-projections, gdn.py's output norm; recipes.build.experts' moe_act and
-#: recipes.build.mlp's mlp unless ``recompute.mlp_replays_fc2``).
-WITHOUT_OUTPUT_LABELS = ("layernorm", "mla_up_proj", "moe_act", "gdn_norm_out", "mlp")
-
-
 @functools.cache
 def torch_swaps_storages() -> bool:
     """Whether this torch can swap two storages' memory (``UntypedStorage._swap_data_ptr_``; torch 2.11
@@ -352,8 +356,7 @@ def share_storage_labels(cfg, num_gpus: int) -> list[str]:
     rc = cfg["recompute"]
     if rc["recompute_granularity"] != "selective" or (not num_gpus and torch_swaps_storages()):
         return []
-    return [label for label in labels_of(cfg) if label in WITHOUT_OUTPUT_LABELS
-            and (label != "mlp" or not rc.get("mlp_replays_fc2"))]
+    return [label for label in labels_of(cfg) if replays_without_output(label, rc)]
 
 
 def share_storage_build_problem() -> str | None:

@@ -340,6 +340,49 @@ def test_a_checkpoints_first_forward_saves_the_host_what_no_grad_saves_it_where_
     assert cost(moe, _nograd_marks(host_bound, [1, 2], mlp_ms=5.0, gap_ms=0.5)) == pytest.approx(cost(moe, host_bound))
 
 
+def _region_marks(layers: list[int], regions: dict | None) -> dict:
+    """A host-bound synthetic pass (1 host ms and 0.01 GPU ms between marks) with each layer's norms,
+    attention and experts marked, and with ``regions`` the pass's region measurements."""
+    forward = [("", "pre"), ("input_layernorm", "pre"), ("input_layernorm", "end"), ("self_attention", "pre"),
+               ("self_attention", "end"), ("pre_mlp_layernorm", "pre"), ("pre_mlp_layernorm", "end"), ("mlp", "pre"),
+               ("mlp.experts", "pre"), ("mlp.experts", "end"), ("mlp", "end"), ("", "end")]
+    backward = [("", "bwd"), ("mlp", "bwd"), ("mlp.experts", "bwd"), ("self_attention", "bwd")]
+    names = ["start"] + [f"{n}:{m}:{k}" for n in layers for m, k in forward]
+    names += [f"{n}:{m}:{k}" for n in reversed(layers) for m, k in backward]
+    marks = {"names": names, "host_ms": [1.0 * j for j in range(len(names))],
+             "gpu_ms": [0.0] + [0.01] * (len(names) - 1), "gpu_clean": [True] * len(names)}
+    return {**marks, **regions} if regions else marks
+
+
+def test_a_region_costs_the_host_what_the_pass_measured_for_its_kind_and_its_function():
+    """Where the pass measured regions (recipes.measure.regions), a host-bound replay costs each region
+    its kind's measured machinery plus its function: moe_act the experts' activation as timed, a norm
+    its forward on the timeline; a module replay the region of its kind (tensor_parallel.checkpoint for
+    the whole MoE layer) plus the modules' forward. Without them, estimate.replay_region_ms and the
+    kernels at estimate.launch_us, as before."""
+    from recipes.predict.offload import activation_kernels, timeline_recompute_costs
+
+    regions = {"region_ms": {"without_output": 0.3, "checkpoint": 0.2}, "region_function_ms": {"moe_act": 0.25}}
+
+    def cost(option: str, marks: dict) -> float:
+        cfg = compose("model=moe", "size=h200", f"recompute={option}", "model.num_layers=2")
+        return timeline_recompute_costs(cfg, {"layers": [1, 2], "marks": marks})[0] * 1e3
+
+    measured = _region_marks([1, 2], regions)
+    assert cost("selective/moe_act", measured) == pytest.approx(2 * (0.3 + 0.25))
+    assert cost("selective/layernorm", measured) == pytest.approx(2 * 2 * (0.3 + 1.0))  # a norm: 1 host ms
+    assert cost("selective/moe", measured) == pytest.approx(2 * (0.2 + 3.0))  # the MoE layer: 3 host ms
+    cfg = compose("model=moe", "size=h200", "recompute=selective/moe_act")
+    est, act = cfg["estimate"], activation_kernels(cfg["model"])
+    # a kind the pass could not measure (megatron's extension not built yet) takes the setting
+    partial = _region_marks([1, 2], {**regions, "region_ms": {"checkpoint": 0.2}})
+    assert cost("selective/moe_act", partial) == pytest.approx(2 * (est["replay_region_ms"] + 0.25))
+    before = _region_marks([1, 2], None)
+    assert cost("selective/moe_act", before) == pytest.approx(
+        2 * (est["replay_region_ms"] + act * est["launch_us"] / 1e3))
+    assert cost("selective/moe", before) == pytest.approx(2 * (est["replay_region_ms"] + 3.0))
+
+
 def test_the_gpu_pass_is_read_at_the_pace_the_stream_pass_measured_for_its_gpu_bound_kernels():
     """stream_pace: the module-time pass's stream time over the GPU pass's time for the same forwards,
     where the host was far ahead (the GPU pass's sleeps let the same kernels run about a tenth faster
@@ -404,8 +447,10 @@ def test_a_repeated_point_keeps_every_processs_timeline():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: CUDA events and torch.cuda._sleep")
 def test_on_a_gpu_the_timeline_replays_to_the_pass_it_was_measured_in(megatron_world):
     """On a GPU the GPU pass's intervals are clean (the sleep at each mark kept the host ahead), both
-    passes mark the same points, and the timeline reproduces the host pass's duration (the work after
-    the last mark, the loss and the gradient reduction, aside) to within a fifth."""
+    passes mark the same points, and the timeline reproduces the host pass's duration less the work
+    after the last mark (the loss and the gradient reduction, which the timeline does not see): at the
+    tiny size a pass is about 20 ms, and on one H200 (2026-12-04, ten passes in one process) the
+    timeline came to 0.77-0.93 of it, and 0.70 once in a fresh process. It must not come out longer."""
     from recipes.predict.replay import Timeline
 
     trainer = build_trainer(compose("model=moe", "size=tiny", "profile=none", "train.train_iters=3",
@@ -420,10 +465,14 @@ def test_on_a_gpu_the_timeline_replays_to_the_pass_it_was_measured_in(megatron_w
     unclean = [name for name, clean in zip(marks["names"], marks["gpu_clean"]) if not clean]
     assert len(unclean) <= len(marks["names"]) // 50, unclean
     timeline = Timeline.of(marks)
-    assert timeline.finish() == pytest.approx(marks["pass_ms"], rel=0.2)
+    assert 0.6 * marks["pass_ms"] <= timeline.finish() <= 1.05 * marks["pass_ms"]
     assert all(g > 0 for _, g in timeline.forward(1, "mlp")) and timeline.where(1, "mlp", "bwd")
     # the no-grad forward: every layer's MoE layer, a forward a micro-batch, less host than with grad
     # (no autograd graph, no aux loss)
     nograd = [timeline.forward_nograd(n, "mlp") for n in (1, 2)]
     assert all(len(f) == trainer.num_microbatches for f in nograd), nograd
     assert sum(map(sum, nograd)) < sum(h for n in (1, 2) for h, _ in timeline.forward(n, "mlp"))
+    # the host cost of each kind of checkpoint region, and moe_act's function (the experts' activation)
+    assert set(marks["region_ms"]) == {"without_output", "checkpoint"}
+    assert all(0.0 < ms < 5.0 for ms in marks["region_ms"].values()), marks["region_ms"]
+    assert 0.0 < marks["region_function_ms"]["moe_act"] < 5.0

@@ -36,6 +36,7 @@ from collections import defaultdict
 import torch
 
 from recipes.measure.collections import collector_off
+from recipes.measure.regions import function_host_ms, region_host_ms
 
 #: The modules timed, by name relative to their layer ("" the layer; a name a layer lacks is skipped).
 TIMED = ("", "input_layernorm", "pre_mlp_layernorm", "self_attention", "self_attention.core_attention",
@@ -228,6 +229,15 @@ def _time_modules(trainer, marks: bool) -> dict:
     return out
 
 
+def _regions() -> dict | None:
+    """``region_host_ms`` on this GPU; None where it failed (the timeline stands: the price takes
+    ``estimate.replay_region_ms`` instead)."""
+    try:
+        return region_host_ms(torch.device("cuda"))
+    except Exception:
+        return None
+
+
 def timeline(trainer) -> dict:
     """The marks of a host pass and a GPU pass (``ModuleTimer``): ``names``; ``host_ms`` the host's
     clock at each since the pass began; ``pass_ms`` the host pass from its start to the end of its
@@ -236,12 +246,16 @@ def timeline(trainer) -> dict:
     before the GPU began it (the GPU cannot have waited inside it); ``mark_cost_ms`` what a mark's
     hooks cost the host (``recipes.predict.replay`` takes it off); ``nograd_names`` and
     ``nograd_host_ms`` the forwards' marks and host clock in a forward-only pass under no_grad (after
-    one unmarked: a process's first no-grad forward took 2-3x as long on the H200)."""
+    one unmarked: a process's first no-grad forward took 2-3x as long on the H200); ``region_ms`` what
+    a checkpoint region of each kind costs this host beyond its function, and ``region_function_ms``
+    the median host ms of each elementwise region's function in the host pass
+    (``recipes.measure.regions``)."""
     light = ModuleTimer(trainer.chunks, True, marks="light")
     l0 = _pass(trainer, light)
     host = ModuleTimer(trainer.chunks, True, marks="host")
-    t0 = _pass(trainer, host)
-    pass_ms = (time.perf_counter() - t0) * 1e3
+    with function_host_ms() as functions:
+        t0 = _pass(trainer, host)
+        pass_ms = (time.perf_counter() - t0) * 1e3
     # a process's first no-grad forward took 2-3x as long as the next on the H200: one unmarked first
     _pass(trainer, ModuleTimer(trainer.chunks, True, marks="light"), forward_only=True)
     nograd = ModuleTimer(trainer.chunks, True, marks="host")
@@ -269,4 +283,6 @@ def timeline(trainer) -> dict:
     return {"names": names, "host_ms": [round((t - t0) * 1e3, 4) for t in issued],
             "pass_ms": round(pass_ms, 4), "mark_cost_ms": round(cost, 5), "gpu_ms": work, "gpu_clean": clean,
             "nograd_names": [m[0] for m in nograd.marks],
-            "nograd_host_ms": [round((m[1] - n0) * 1e3, 4) for m in nograd.marks]}
+            "nograd_host_ms": [round((m[1] - n0) * 1e3, 4) for m in nograd.marks],
+            "region_ms": _regions(),
+            "region_function_ms": {label: round(sorted(ms)[len(ms) // 2], 4) for label, ms in functions.items() if ms}}

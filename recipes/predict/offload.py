@@ -45,7 +45,7 @@ from recipes.measure.flops import layer_forward_flops, mlp_replays_fc2, replayed
 from recipes.offload import modules_of
 from recipes.predict.activations import Dims, Term
 from recipes.predict.replay import Timeline, stream_pace
-from recipes.recompute import ATTENTION_KIND, gdn_pattern, labels_of, moe_pattern
+from recipes.recompute import ATTENTION_KIND, gdn_pattern, labels_of, moe_pattern, replays_without_output
 
 #: A host term: (kind, what, bytes kept on the device before offload, bytes copied to the host, the
 #: offload module whose group copies it).
@@ -282,20 +282,21 @@ def _full_covers(cfg: dict, numbers: list[int]):
 
 
 #: Where each label's replay runs, for ``timeline_recompute_costs``: (modules whose forward it replays,
-#: modules inside those it does not replay, the module at whose backward start it runs, which layers);
-#: an elementwise label's replay is (no module: its bytes and kernels, ``ELEMENTWISE_REPLAYS``) at each
-#: position it names. ``layernorm``'s norms are replayed where the attention's and the MLP's backward
-#: begin (megatron registers their recompute on those modules' outputs).
-def _placements(cfg: dict) -> list[tuple[tuple, tuple, str, object]] | None:
-    """The run's recompute as (replayed, not replayed, at, covers(global layer, index)) pieces; None
-    where a label has no place on the timeline (``gdn_norm_out``, GDN layers)."""
+#: modules inside those it does not replay, the module at whose backward start it runs, which layers,
+#: the kind of region: ``recipes.measure.regions``); an elementwise label's replay is (no module: its
+#: bytes and kernels, ``ELEMENTWISE_REPLAYS``) at each position it names. ``layernorm``'s norms are
+#: replayed where the attention's and the MLP's backward begin (megatron registers their recompute on
+#: those modules' outputs).
+def _placements(cfg: dict) -> list[tuple[tuple, tuple, str, object, str]] | None:
+    """The run's recompute as (replayed, not replayed, at, covers(global layer, index), region kind)
+    pieces; None where a label has no place on the timeline (``gdn_norm_out``, GDN layers)."""
     rc, m = cfg["recompute"], cfg["model"]
     moe, gdn = moe_pattern(m), gdn_pattern(m)
     if any(gdn):
         return None
     every = lambda g, i: True  # noqa: E731
     if rc["recompute_granularity"] == "full":
-        return [(("",), (), "", None)]  # covers: _full_covers, which needs the rank's layer numbers
+        return [(("",), (), "", None, "checkpoint")]  # covers: _full_covers, which needs the rank's layer numbers
     if rc["recompute_granularity"] != "selective":
         return []
     spec = {"mlp": [(("mlp",), () if mlp_replays_fc2(cfg) else ("mlp.linear_fc2",), "mlp", lambda g, i: not moe[g])],
@@ -307,7 +308,28 @@ def _placements(cfg: dict) -> list[tuple[tuple, tuple, str, object]] | None:
             "moe_act": [((), (), "mlp.experts", lambda g, i: moe[g])]}
     if any(label not in spec for label in rc["recompute_modules"]):
         return None
-    return [piece for label in rc["recompute_modules"] for piece in spec[label]]
+    return [(*piece, "without_output" if replays_without_output(label, rc) else "checkpoint")
+            for label in rc["recompute_modules"] for piece in spec[label]]
+
+
+#: The function an elementwise region replays, by where it runs: a timed module (a norm; its host time
+#: on the timeline) or a ``recipes.measure.regions.REGION_FUNCTIONS`` label (its host time in the pass).
+ELEMENTWISE_FUNCTION = {"self_attention": "input_layernorm", "mlp": "pre_mlp_layernorm", "mlp.experts": "moe_act"}
+
+
+def _elementwise_host_ms(tl: Timeline, number: int, at: str, k: int, kernels: int, launch_ms: float) -> float:
+    """Host ms the function of an elementwise region replayed at ``at`` takes (its ``k``-th micro-batch):
+    as measured where the pass measured regions (a norm's forward on the timeline, the experts'
+    activation in the pass: on one H200 a norm took about 56 us and megatron's compiled SwiGLU about
+    240), else ``kernels`` x ``launch_ms`` (an eager op's host cost, an order of magnitude)."""
+    function = ELEMENTWISE_FUNCTION[at]
+    if tl.region_ms is not None:
+        if function in tl.region_function_ms:
+            return tl.region_function_ms[function]
+        spans = tl.forward(number, function)
+        if k < len(spans):
+            return spans[k][0]
+    return kernels * launch_ms
 
 
 def _timelines(module_times: dict | None) -> list[Timeline]:
@@ -325,9 +347,10 @@ def has_timeline(module_times: dict | None) -> bool:
 def timeline_recompute_costs(cfg: dict, module_times: dict, elementwise_s: float = 0.0) -> list[float] | None:
     """Seconds per step the run's recompute adds, from the base point's timeline
     (``recipes.predict.replay``): each replayed forward (its modules' host and GPU time in that layer)
-    inserted where its backward runs it, with a checkpoint region's host cost
-    (``estimate.replay_region_ms``); an elementwise replay as host work (a region and its kernels at
-    ``estimate.launch_us``) and GPU work (its share of ``elementwise_s``, the elementwise labels' bytes
+    inserted where its backward runs it, with a checkpoint region's host cost (of its kind, as the pass
+    measured it: ``recipes.measure.regions``; before 2026-12-04 19:30 UTC ``estimate.replay_region_ms``);
+    an elementwise replay as host work (a region and its function: as measured, ``_elementwise_host_ms``,
+    else its kernels at ``estimate.launch_us``) and GPU work (its share of ``elementwise_s``, the elementwise labels' bytes
     a micro-batch). Each timeline's GPU work is read at the pace the point's stream times give
     (``replay.stream_pace``; a process without one takes its point's others'). One price a process
     whose timeline the point kept, sorted; None where the point has no timeline or a label has no
@@ -349,7 +372,7 @@ def timeline_recompute_costs(cfg: dict, module_times: dict, elementwise_s: float
     for tl in timelines:
         inserted: dict[int, list[float]] = {}
         elementwise = []
-        for replayed, inside, at, covers in pieces:
+        for replayed, inside, at, covers, kind in pieces:
             covers = covers or _full_covers(cfg, numbers)
             for i, number in enumerate(numbers):
                 if not covers(number - 1, i):
@@ -362,14 +385,16 @@ def timeline_recompute_costs(cfg: dict, module_times: dict, elementwise_s: float
                 for j, saved in lighter.items():
                     slot = inserted.setdefault(j, [0.0, 0.0])
                     slot[0] -= saved
+                region = (tl.region_ms or {}).get(kind, region_ms)
                 for k, j in enumerate(spots):
-                    host, gpu = region_ms, 0.0
+                    host, gpu = region, 0.0
                     for n, f in enumerate(forwards):
                         if len(f) == len(spots):
                             sign = 1.0 if n < len(replayed) else -1.0
                             host, gpu = host + sign * f[k][0], gpu + sign * f[k][1]
                     if not replayed:  # elementwise: one kernel for a norm, the activation's for moe_act
-                        host += (act if at == "mlp.experts" else 1) * launch_ms
+                        host += _elementwise_host_ms(tl, number, at, k, act if at == "mlp.experts" else 1,
+                                                     launch_ms)
                         elementwise.append(j)
                     slot = inserted.setdefault(j, [0.0, 0.0])
                     slot[0], slot[1] = slot[0] + max(host, 0.0), slot[1] + max(gpu, 0.0)

@@ -45,6 +45,10 @@ class Timeline:
     #: the forward-only pass under ``torch.no_grad``, as a checkpoint's first forward runs its region:
     #: its marks and host clock (no GPU work); None where the pass did not record it
     nograd: Timeline | None = None
+    #: host ms a checkpoint region of each kind costs beyond its function, and each elementwise
+    #: region's function (``recipes.measure.regions``); None where the pass did not record them
+    region_ms: dict | None = None
+    region_function_ms: dict | None = None
 
     @classmethod
     def of(cls, marks: dict | None) -> Timeline | None:
@@ -69,7 +73,8 @@ class Timeline:
         if nograd:
             nograd = cls(list(nograd), [h - cost * j for j, h in enumerate(marks["nograd_host_ms"])],
                          [0.0] * len(nograd))
-        return cls(list(names), [h - cost * j for j, h in enumerate(marks["host_ms"])], work, nograd or None)
+        return cls(list(names), [h - cost * j for j, h in enumerate(marks["host_ms"])], work, nograd or None,
+                   marks.get("region_ms"), marks.get("region_function_ms") or {})
 
     @cached_property
     def _index(self) -> dict[str, list[int]]:

@@ -1,0 +1,123 @@
+"""What a checkpoint region costs the host, measured on this machine.
+
+A recompute region is host work beyond the kernels it replays: megatron saves and restores the RNG
+states around it, runs its first forward under no_grad, replays it from a gradient hook (or from its
+own autograd node) and runs its backward in a nested ``torch.autograd.backward``. Where a step's host
+is behind its GPU (MoE, MLA at the h200 size) that is step time. On one H200 (2026-12-04,
+``benchmarks/bench_region.py``) a ``moe_act`` region cost its host 890 us a region: 340 us of that was
+the experts' activation itself (megatron's torch.compile'd weighted SwiGLU, about 240 us a call, run
+once more by the replay) and the rest the region's own machinery; a norm's region (``layernorm``)
+about 200 us.
+
+``region_host_ms`` measures the machinery on a region around a one-kernel function, for megatron's
+two kinds of region: ``CheckpointWithoutOutput`` (``without_output``: the elementwise labels,
+``mla_up_proj``, and our ``mlp``) and ``tensor_parallel.checkpoint`` (``checkpoint``: ``full``,
+``core_attn``, ``moe``, ``shared_experts``, ``mlp`` with ``recompute.mlp_replays_fc2``).
+A kind that cannot be measured without building megatron's C++ extension first is left out.
+``function_host_ms`` times the functions an elementwise region replays that are not timed modules
+(``REGION_FUNCTIONS``). The module-time pass records both (``recipes.measure.moduletime.timeline``)
+and ``recipes.predict.offload`` prices a region from them.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+from importlib import import_module
+
+import torch
+
+#: The function each elementwise label's region replays where it is not a timed module (a norm's
+#: region replays the norm, which ``recipes.measure.moduletime.TIMED`` times): (module, class, method).
+REGION_FUNCTIONS = {"moe_act": ("recipes.build.experts", "GroupedExperts", "activation")}
+#: Timed repetitions of each variant (after 3 untimed); a variant takes well under a millisecond.
+REPEATS = 30
+
+
+def _host_ms(run, device: torch.device, repeats: int) -> float:
+    """The median host ms of ``run()`` (the stream drained before each: the host never waits)."""
+    times = []
+    for i in range(repeats + 3):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        run()
+        if i >= 3:
+            times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def region_host_ms(device: torch.device, repeats: int = REPEATS) -> dict[str, float]:
+    """Host ms a region of each kind costs beyond the function it replays: a one-kernel function, its
+    output used by a multiply (which saves it, as FC2 saves the activation), and the backward, with
+    the function checkpointed minus without, minus one more call of the function under grad (the
+    replay's own work, which a price takes from the function's measured host time). Megatron's RNG
+    tracker must be seeded (``recipes.build.compat.seed_model_parallel_rng``)."""
+    from megatron.core import tensor_parallel
+
+    x = torch.randn(64, 64, device=device, requires_grad=True)
+    w = torch.randn(64, 64, device=device)
+    fn = torch.sigmoid
+
+    def plain():
+        (fn(x) * w).sum().backward()
+
+    def without_output():
+        region = tensor_parallel.CheckpointWithoutOutput()
+        out = region.checkpoint(fn, x) * w
+        region.discard_output_and_register_recompute(out)
+        out.sum().backward()
+
+    def checkpoint():
+        (tensor_parallel.checkpoint(fn, False, x) * w).sum().backward()
+
+    def call():
+        with torch.enable_grad():
+            fn(x)
+
+    kinds = {"without_output": without_output, "checkpoint": checkpoint}
+    if not _without_output_ready(device):
+        del kinds["without_output"]
+    base, once = _host_ms(plain, device, repeats), _host_ms(call, device, repeats)
+    return {kind: round(max(_host_ms(run, device, repeats) - base - once, 0.0), 4) for kind, run in kinds.items()}
+
+
+def _without_output_ready(device: torch.device) -> bool:
+    """Whether a ``CheckpointWithoutOutput`` region can replay here without building megatron's
+    ``share_storage`` extension now (13-24 s on a fresh H200 machine, or no compiler at all): on a CPU
+    ``recipes.build.upstream`` hands the memory over in Python; on a GPU the library must be built
+    (a sweep with such a label starts building it at launch). Otherwise that kind is not measured and
+    its regions are priced at ``estimate.replay_region_ms``."""
+    from recipes.validate import share_storage_built
+
+    return device.type == "cpu" or share_storage_built() is not False
+
+
+@contextmanager
+def function_host_ms():
+    """While inside, each ``REGION_FUNCTIONS`` call under grad (as a replay runs it) is timed on the
+    host; yields {label: [ms, ...]}, filled as calls happen."""
+    calls: dict[str, list[float]] = defaultdict(list)
+    restore = []
+    for label, (module, cls_name, method) in REGION_FUNCTIONS.items():
+        cls = getattr(import_module(module), cls_name)
+        plain = getattr(cls, method)
+
+        def timed(*args, _plain=plain, _label=label, **kwargs):
+            if not torch.is_grad_enabled():
+                return _plain(*args, **kwargs)
+            start = time.perf_counter()
+            try:
+                return _plain(*args, **kwargs)
+            finally:
+                calls[_label].append((time.perf_counter() - start) * 1e3)
+
+        setattr(cls, method, timed)
+        restore.append((cls, method, plain))
+    try:
+        yield calls
+    finally:
+        for cls, method, plain in restore:
+            setattr(cls, method, plain)
