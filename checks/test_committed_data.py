@@ -280,14 +280,19 @@ def test_the_label_sweeps_of_2026_12_04_regenerate_identically():
 
 
 def test_the_paired_runs_of_2026_12_04_regenerate_identically():
-    """docs/offload-h200/paired_2026-12-04{,_1713}.md: benchmarks/bench_paired.py's saved processes (each
-    option timed against itself switched off in one process) priced with today's time model; the first
-    with the no-grad forward pass recorded, _1713 from before it (docs/offload.md)."""
+    """docs/offload-h200/paired_2026-12-04{,_1713,_1925}.md: benchmarks/bench_paired.py's saved processes
+    (each option timed against itself switched off in one process) priced with today's time model; the
+    first with the no-grad forward pass recorded, _1713 from before it, _1925 with the checkpoint
+    regions' host cost measured too (docs/offload.md)."""
     import subprocess
 
     runs = REPO / "docs" / "offload-h200" / "paired_2026-12-04"
-    for name, dirs, moe in (("paired_2026-12-04", ("1722_moe", "1729_moe", "1737_moe", "1731_standard_attn", "1732_mla"),
+    for name, dirs, moe in (("paired_2026-12-04", ("1722_moe", "1729_moe", "1737_moe", "1731_standard_attn",
+                                                   "1915_standard_attn", "1732_mla", "1916_mla"),
                              "| moe | selective/moe | 7 |"),
+                            ("paired_2026-12-04_1925", ("1925_moe", "1931_moe", "1933_moe", "1928_standard_attn",
+                                                        "1930_mla"),
+                             "| moe | selective/moe_act | 5 |"),
                             ("paired_2026-12-04_1713", ("1713_moe", "1719_standard_attn", "1720_mla"),
                              "| moe | selective/moe | 3 |")):
         done = subprocess.run([sys.executable, "benchmarks/bench_paired.py", "--table",
