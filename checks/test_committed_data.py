@@ -247,13 +247,15 @@ def test_the_module_timed_offload_table_regenerates_identically():
 def test_the_timeline_sweeps_of_2026_12_04_regenerate_identically():
     """docs/offload-h200/timeline_2026-12-04{,_first,_1545}.md: the label sweeps whose base points
     recorded their timeline (``module_times.marks``), priced on it at the stream pass's pace
-    (recipes.predict.replay; docs/offload.md); _1551 and interleaved_2026-12-04 are MoE alone."""
+    (recipes.predict.replay; docs/offload.md); _1551, _1947 (its base points measured their checkpoint
+    regions' host cost) and interleaved_2026-12-04 are MoE alone."""
     for name, moe_full in (("timeline_2026-12-04", "| +92.3 | +86.0 |"), ("timeline_2026-12-04_first", "| +87.1 | +101.2 |"),
                            ("timeline_2026-12-04_1545", "| +62.3 | +117.8 |")):
         table = _offload_table(*(str(OFFLOAD / f"{name}_{m}") for m in ("standard_attn", "mla", "moe")))
         assert table == (OFFLOAD / f"{name}.md").read_text() and moe_full in table, name
     for name, sweep, moe_full in (("timeline_2026-12-04_1551", "timeline_2026-12-04_1551_moe", "| +105.0 | +69.4 |"),
-                                  ("interleaved_2026-12-04", "interleaved_2026-12-04_moe", "| +122.9 | +144.0 |")):
+                                  ("interleaved_2026-12-04", "interleaved_2026-12-04_moe", "| +122.9 | +144.0 |"),
+                                  ("timeline_2026-12-04_1947", "timeline_2026-12-04_1947_moe", "| +27.4 | +40.0 |")):
         table = _offload_table(str(OFFLOAD / sweep))
         assert table == (OFFLOAD / f"{name}.md").read_text() and moe_full in table, name
 

@@ -472,7 +472,11 @@ def test_on_a_gpu_the_timeline_replays_to_the_pass_it_was_measured_in(megatron_w
     nograd = [timeline.forward_nograd(n, "mlp") for n in (1, 2)]
     assert all(len(f) == trainer.num_microbatches for f in nograd), nograd
     assert sum(map(sum, nograd)) < sum(h for n in (1, 2) for h, _ in timeline.forward(n, "mlp"))
-    # the host cost of each kind of checkpoint region, and moe_act's function (the experts' activation)
-    assert set(marks["region_ms"]) == {"without_output", "checkpoint"}
+    # the host cost of each kind of checkpoint region (CheckpointWithoutOutput's only where megatron's
+    # extension is built: this point recomputes nothing), and moe_act's function (the experts' activation)
+    from recipes.validate import share_storage_built
+
+    kinds = {"checkpoint"} | ({"without_output"} if share_storage_built() is not False else set())
+    assert set(marks["region_ms"]) == kinds
     assert all(0.0 < ms < 5.0 for ms in marks["region_ms"].values()), marks["region_ms"]
     assert 0.0 < marks["region_function_ms"]["moe_act"] < 5.0
