@@ -28,6 +28,8 @@ from functools import partial, wraps
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks import bench_paired  # noqa: E402  (_timed_step: a step's host and wall ms)
+
 TIMES: dict[str, list[float]] = collections.defaultdict(list)
 PHASE = ["on"]  # which steps a part's time belongs to: "on" (the option) or "off" (switched off)
 
@@ -76,20 +78,12 @@ def instrument() -> None:
     GroupedExperts.activation = activation
 
 
-def step_host_ms(trainer, cuda: bool, waits) -> tuple[float, float]:
+def step_host_ms(trainer, cuda: bool) -> tuple[float, float]:
     """(the host's own ms until step() returned, less its waits in ``Tensor.item``; the step's ms from
-    a drained stream to its end)."""
-    import torch
-
-    if cuda:
-        torch.cuda.synchronize()
-    waits.seconds = 0.0
-    start = time.perf_counter()
-    trainer.step()
-    returned = time.perf_counter()
-    if cuda:
-        torch.cuda.synchronize()
-    return (returned - start - waits.seconds) * 1e3, (time.perf_counter() - start) * 1e3
+    a drained stream to its end), as ``bench_paired`` times a step."""
+    host: list[float] = []
+    ms = bench_paired._timed_step(trainer, cuda, host)
+    return host[0], ms
 
 
 def main() -> None:
@@ -114,19 +108,19 @@ def main() -> None:
     instrument()
     trainer, cuda = Trainer(cfg), cuda_available()
     off = partial(recompute_disabled, trainer.chunks, trainer.config)
-    with ItemWaits() as waits:
-        for _ in range(3):
-            step_host_ms(trainer, cuda, waits)
-            with off():
-                step_host_ms(trainer, cuda, waits)
-        TIMES.clear()
-        on, without = [], []
-        for _ in range(args.steps):
-            on.append(step_host_ms(trainer, cuda, waits))
-            with off():
-                PHASE[0] = "off"
-                without.append(step_host_ms(trainer, cuda, waits))
-                PHASE[0] = "on"
+    bench_paired._waits = ItemWaits().__enter__()  # this process measures and exits: never left
+    for _ in range(3):
+        step_host_ms(trainer, cuda)
+        with off():
+            step_host_ms(trainer, cuda)
+    TIMES.clear()
+    on, without = [], []
+    for _ in range(args.steps):
+        on.append(step_host_ms(trainer, cuda))
+        with off():
+            PHASE[0] = "off"
+            without.append(step_host_ms(trainer, cuda))
+            PHASE[0] = "on"
     trainer.close()
     regions = len(TIMES.get("discard output, register hook", [])) / args.steps
     print(f"{' '.join(overrides)}; {args.steps} steps each way; {regions:.0f} regions a step")
