@@ -83,19 +83,16 @@ def run(cfg: dict, variant: str, warmup: int, steps: int) -> dict:
 
 def run_variant(overrides: list[str], variant: str, warmup: int, steps: int) -> dict:
     """One variant in this process (``--variant``): a row, or the error it ended with."""
-    from launch.torchrun import free_port
     from recipes.config import compose_config
-    from recipes.run.worker import init_distributed
+    from recipes.run.worker import init_one_rank
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
-                      LOCAL_RANK="0")
     try:
         if variant == "cudagraphs":
             cfg = compose_config([*overrides, "+model.cuda_graph_impl=local"])
             warmup += 2
         else:  # no validation: the benchmark also runs what train.py refuses (a compiled MoE layer)
             cfg = compose_config([*overrides, *([f"model.compile={SCOPES[variant]}"] if variant in SCOPES else [])])
-        init_distributed(cfg)
+        init_one_rank(cfg)
         row = run(cfg, variant, warmup, steps)
         row["breaks"] = dict(row["breaks"])
         return row

@@ -113,16 +113,13 @@ def layer_mode(args) -> None:
 
 
 def step_mode(overrides: list[str]) -> None:
-    from launch.torchrun import free_port
     from recipes.build.compat import seed_model_parallel_rng
     from recipes.config import compose_config
-    from recipes.run.worker import Trainer, init_distributed
+    from recipes.run.worker import Trainer, init_one_rank
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
-                      LOCAL_RANK="0")
     base = overrides if any(o.startswith("model=") for o in overrides) else ["model=moe", *overrides]
     cfg = compose_config(base)
-    init_distributed(cfg)
+    init_one_rank(cfg)
     from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
 
     moe = bool(cfg["model"].get("num_moe_experts"))

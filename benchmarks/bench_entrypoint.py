@@ -24,7 +24,6 @@ so a 2% claim needs the median over pairs.
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -44,11 +43,9 @@ def bare_loop(cfg: dict, steps: int, warmup: int, kernels: bool = False,
               compile_rope: bool = False) -> tuple[float, float]:
     """(median, fastest) step seconds of the plainest megatron-core training loop of this model (and, with
     ``kernels``, the GPU kernel time per step by kind, printed)."""
-    from launch.torchrun import free_port
+    from launch.torchrun import set_one_rank_env
 
-    # A port of its own, as the entrypoint's controller does: an inherited MASTER_PORT may be a
-    # parent's live rendezvous (a test session, a torchrun) and is never reused here.
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    set_one_rank_env()
     from megatron.core import parallel_state
 
     from recipes.build import compat, upstream

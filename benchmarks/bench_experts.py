@@ -36,12 +36,11 @@ def init_single_process() -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from launch.torchrun import free_port
+    from launch.torchrun import set_one_rank_env
     from recipes.build import upstream
     from recipes.build.compat import install_cpu_compat, seed_model_parallel_rng
 
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(free_port()))
+    set_one_rank_env()
     dist.init_process_group("gloo", rank=0, world_size=1)
     if torch.cuda.is_available():
         torch.cuda.set_device(0)

@@ -35,17 +35,14 @@ sys.path.insert(0, REPO)
 def measure(overrides: list[str]) -> dict:
     import torch
 
-    from launch.torchrun import free_port
     from recipes.build.compat import seed_model_parallel_rng
     from recipes.config import compose_config
     from recipes.measure.syncs import ItemWaits
     from recipes.run.trainer import Trainer
-    from recipes.run.worker import init_distributed
+    from recipes.run.worker import init_one_rank
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
-                      LOCAL_RANK="0")
     cfg = compose_config(defaults(overrides))
-    init_distributed(cfg)
+    init_one_rank(cfg)
     seed_model_parallel_rng(cfg["train"]["seed"])
     trainer = Trainer(cfg)
     try:

@@ -18,11 +18,10 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from launch.torchrun import free_port  # noqa: E402
 from recipes.build.compat import seed_model_parallel_rng  # noqa: E402
 from recipes.config import compose_config  # noqa: E402
 from recipes.run.trainer import Trainer  # noqa: E402
-from recipes.run.worker import init_distributed  # noqa: E402
+from recipes.run.worker import init_one_rank  # noqa: E402
 
 
 def _top_level(event) -> bool:
@@ -44,10 +43,8 @@ def _autograd_node(event) -> str | None:
 
 
 def main() -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
-                      LOCAL_RANK="0")
     cfg = compose_config(sys.argv[1:])
-    init_distributed(cfg)
+    init_one_rank(cfg)
     seed_model_parallel_rng(cfg["train"]["seed"])
     trainer = Trainer(cfg)
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)

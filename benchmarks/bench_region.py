@@ -92,18 +92,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6, help="timed steps each way (default 6)")
     args, overrides = parser.parse_known_args()
 
-    from launch.torchrun import free_port
     from recipes.build.compat import cuda_available, seed_model_parallel_rng
     from recipes.config import compose_config
     from recipes.measure.labels import recompute_disabled
     from recipes.measure.syncs import ItemWaits
     from recipes.run.trainer import Trainer
-    from recipes.run.worker import init_distributed
+    from recipes.run.worker import init_one_rank
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
-                      LOCAL_RANK="0")
     cfg = compose_config(overrides)
-    init_distributed(cfg)
+    init_one_rank(cfg)
     seed_model_parallel_rng(cfg["train"]["seed"])
     instrument()
     trainer, cuda = Trainer(cfg), cuda_available()

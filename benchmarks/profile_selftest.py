@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -54,16 +53,6 @@ FAMILIES = [("dense unfused", ["model=standard_attn", "attention=unfused"]),
 #: The guide's architecture default, run when the advisor says recompute is not the lever.
 
 
-def init_world(cfg: dict) -> None:
-    from launch.torchrun import free_port
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
-                      LOCAL_RANK="0")
-    from recipes.run.worker import init_distributed
-
-    init_distributed(cfg)
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="results/profile")
@@ -76,11 +65,12 @@ def main() -> int:
     on_gpu = torch.cuda.is_available()
     shape = (SMALL if args.size == "small" else ["size=h200"]) if on_gpu else []
     common = shape + ["profile=peak", "train.train_iters=5", "measure.start_step=3"] + extra
-    init_world(compose_config(common))
+    from recipes.run.worker import init_one_rank, train_and_measure
+
+    init_one_rank(compose_config(common))
     from recipes.build.compat import seed_model_parallel_rng
     from recipes.measure.profile import first_label_to_try, plot_timelines, top_contributors, write_timeline_pngs
     from recipes.recompute import GUIDE_FIRST_LABEL
-    from recipes.run.worker import train_and_measure
 
     failures, results = [], []
     queue = list(CHECKS) if args.runs == "checks" else [

@@ -9,6 +9,7 @@ out node by node (rank = node_rank * nproc_per_node + local_rank), as megatron's
 
 from __future__ import annotations
 
+import os
 import socket
 import sys
 from dataclasses import dataclass
@@ -29,6 +30,13 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def set_one_rank_env() -> None:
+    """torchrun's environment for a world of one rank in this process, on a port free now."""
+    # a port of its own: an inherited MASTER_PORT may be a parent's live rendezvous (a test session, a torchrun)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
+                      LOCAL_RANK="0")
 
 
 def torchrun_command(launcher: dict, program: list[str], rendezvous: Rendezvous | None = None) -> list[str]:

@@ -4,6 +4,7 @@ the failure is injected where the real one would surface, inside the measurement
 from __future__ import annotations
 
 import json
+import os
 
 import torch
 from conftest import compose
@@ -170,3 +171,19 @@ def test_a_one_process_worker_that_exits_next_leaves_its_group_to_the_exit(tmp_p
     calls.clear()
     world["size"] = 2
     assert worker.main(str(tmp_path), exiting=True) == 0 and calls == ["barrier", "destroy"]
+
+
+def test_a_one_rank_world_takes_a_port_of_its_own(monkeypatch):
+    """init_one_rank (the benchmarks' world): torchrun's variables for rank 0 of 1, and never an
+    inherited MASTER_PORT, which may be a parent's live rendezvous."""
+    for name, value in (("MASTER_ADDR", "gpu01"), ("MASTER_PORT", "1"), ("RANK", "3"), ("WORLD_SIZE", "8"),
+                        ("LOCAL_RANK", "3")):
+        monkeypatch.setenv(name, value)  # restored after the test
+    seen = []
+    monkeypatch.setattr(worker, "init_distributed", lambda cfg, marks=None: seen.append(cfg))
+    cfg = compose()
+    worker.init_one_rank(cfg)
+    assert seen == [cfg]
+    env = {k: os.environ[k] for k in ("MASTER_ADDR", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    assert env == {"MASTER_ADDR": "127.0.0.1", "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
+    assert os.environ["MASTER_PORT"] != "1"

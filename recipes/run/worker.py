@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from launch.affinity import pin_worker
+from launch.torchrun import set_one_rank_env
 from recipes.analyze.logger import NullRun, WandbRun, open_run, read_identity
 from recipes.build import compat, upstream
 from recipes.build.model import num_parameters
@@ -96,6 +97,12 @@ def init_distributed(cfg: dict, marks: dict | None = None) -> None:
     # As Megatron-LM does: each pipeline stage draws its own weights (seed + 100 * pp rank).
     compat.seed_model_parallel_rng(cfg["train"]["seed"] + 100 * parallel_state.get_pipeline_model_parallel_rank(),
                                    cudagraphable=cfg["model"].get("cuda_graph_impl", "none") == "local")
+
+
+def init_one_rank(cfg: dict) -> None:
+    """A one-rank world in this process, for benchmarks and tests that build a Trainer without a launcher."""
+    set_one_rank_env()
+    init_distributed(cfg)
 
 
 def rank_coordinates() -> dict:
