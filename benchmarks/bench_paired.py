@@ -1,15 +1,21 @@
-"""What a recompute option adds to a step, measured against itself switched off in the same process,
-next to the planner's price from that process's own timeline.
+"""What a recompute or offload option adds to a step, measured against itself switched off in the same
+process, next to the planner's price from that process's own timeline.
 
     python benchmarks/bench_paired.py --processes 3 model=moe size=h200 --options full,selective/moe
     python benchmarks/bench_paired.py --processes 1 model=standard_attn size=h200 --options full,selective/mlp
+    python benchmarks/bench_paired.py --processes 1 model=standard_attn size=h200 \
+      --options "offload=core_attn,recompute=selective/layernorm offload=attn_norm-mlp_norm"
+
+An option is a recompute option (``full``, ``selective/moe``), or overrides separated by spaces
+(``offload=core_attn``, ``recompute=selective/moe_act offload=moe_act offload.activation_offload_fraction=0.75``).
 
 A label sweep measures each option in its own processes, so an option's cost is the difference of two
 sets of processes; where the host's speed moves between processes (an MoE step's wall time follows it:
 docs/speed.md), that difference moves with it. Here each process builds the worker's ``Trainer`` with
 the option and, after 2 warm-up steps each way, alternates steps with the option on and switched off
 (``recipes.measure.labels.recompute_disabled``: the model as ``recompute=none`` builds it, same
-weights, same allocator), ``--rounds`` of each, in the order on/off, off/on, ... Before those it
+weights, same allocator; and megatron's offload manager paused, ``recipes.build.offload.offload_paused``:
+its points stay in the graph and move nothing), ``--rounds`` of each, in the order on/off, off/on, ... Before those it
 records the module times and step timeline with the option off (``recipes.measure.moduletime``, what a
 sweep's ``none`` point records) and prices the option on them as the planner does
 (``recipes.analyze.plan.price_config``). Both figures then belong to one process at one host pace.
@@ -17,12 +23,16 @@ sweep's ``none`` point records) and prices the option on them as the planner doe
 Per process and option: the median off and on step (ms, each step timed from a drained stream to
 its end), the added ms (the median of the rounds' on-minus-off differences; in brackets the middle half
 of them), and the price (``timeline`` where the pass recorded a step timeline, on a GPU, else from the
-module times). On a CPU it runs, for tests, at whatever size is given; times mean nothing there.
+module times): the replays' and the copies' together, the copies priced at the host link this process
+measured (``recipes.measure.offload.host_link_bandwidth``, the slower direction). An offload option also
+runs one profiled step after its rounds: the copies' time with no kernel beside them (``exposed ms``),
+against the price's stall. On a CPU it runs, for tests, at whatever size is given; times mean nothing there.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import gzip
 import json
@@ -32,6 +42,7 @@ import subprocess
 import sys
 import time
 from functools import partial
+from pathlib import Path
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
@@ -41,13 +52,15 @@ from benchmarks.bench_hostbound import defaults  # noqa: E402  (model=moe size=h
 _waits = None  # recipes.measure.syncs.ItemWaits, entered for a measuring process's lifetime (measure)
 
 
-def _timed_step(trainer, cuda: bool, host: list | None = None) -> float:
+def _timed_step(trainer, cuda: bool, host: list | None = None, allocs: list | None = None) -> float:
     """The step's ms from a drained stream to its end; with ``host``, also appends the host's own
-    ms: until ``step()`` returned, less its waits in ``Tensor.item`` (megatron's grad-norm read)."""
+    ms: until ``step()`` returned, less its waits in ``Tensor.item`` (megatron's grad-norm read); with
+    ``allocs`` (a GPU), the step's ``cudaMalloc`` and ``cudaFree`` calls (each free waits for the device)."""
     import torch
 
     if cuda:
         torch.cuda.synchronize()
+        counts = _device_allocs() if allocs is not None else None
     if _waits is not None:
         _waits.seconds = 0.0
     start = time.perf_counter()
@@ -55,77 +68,122 @@ def _timed_step(trainer, cuda: bool, host: list | None = None) -> float:
     returned = time.perf_counter()
     if cuda:
         torch.cuda.synchronize()
+        if counts is not None:
+            allocs.append([b - a for a, b in zip(counts, _device_allocs())])
     if host is not None:
         host.append((returned - start - (_waits.seconds if _waits is not None else 0.0)) * 1e3)
     return (time.perf_counter() - start) * 1e3
 
 
-def measure_option(overrides: list[str], option: str, rounds: int, passes: int = 1) -> dict:
-    """One option in this process: the paired steps and its price on this process's timeline."""
+def _device_allocs() -> tuple[int, int]:
+    import torch
+
+    stats = torch.cuda.memory_stats()
+    return stats.get("num_device_alloc", 0), stats.get("num_device_free", 0)
+
+
+def option_overrides(option: str) -> list[str]:
+    """``full`` -> ``recompute=full``; ``offload=core_attn recompute=selective/layernorm`` -> its overrides."""
+    return option.split() if "=" in option else [f"recompute={option}"]
+
+
+@contextlib.contextmanager
+def switched_off(trainer):
+    """The trainer's recompute and offload both off for the block: it runs as ``recompute=none
+    offload=none`` builds the model, with the same weights and allocator."""
+    from recipes.build.offload import offload_paused
+    from recipes.measure.labels import recompute_disabled
+
+    with recompute_disabled(trainer.chunks, trainer.config), offload_paused(trainer.offloading):
+        yield
+
+
+def _price(cfg: dict, module_times: dict, link_gb_s: float | None) -> dict:
+    """The planner's price of ``cfg`` (replays and copies together, ms) on a pass's module times."""
+    from recipes.analyze.plan import price_config, rates
+
+    tflops, link = rates(cfg, None, link_gb_s)
+    # priced for a GPU, as the planner prices; a CPU test's emulated copies stand for its copies
+    p = price_config({**cfg, "offload": {**cfg["offload"], "emulate_on_cpu": False}}, tflops, link, module_times)
+    return {"priced_ms": p["cost_s"] * 1e3, "priced_recompute_ms": p["recompute_s"] * 1e3,
+            "priced_stall_ms": p["offload_stall_s"] * 1e3, "priced_overhead_ms": p["offload_overhead_s"] * 1e3,
+            "priced_copy_ms": p["offload_copy_s"] * 1e3}
+
+
+def measure_option(overrides: list[str], option: str, rounds: int, passes: int = 1, run_length: int = 1,
+                   trace: str | None = None) -> dict:
+    """One option in this process: the paired steps and its price on this process's timeline.
+    ``run_length``: steps in a row each way (1: on/off, off/on, ...; 4: 4 on, 4 off, 4 off, 4 on, ...);
+    ``trace``: where an offload option's profiled step's trace is kept (gzipped)."""
     from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
 
-    from recipes.analyze.plan import price_config, rates
     from recipes.build.compat import cuda_available, seed_model_parallel_rng
     from recipes.config import compose_config
-    from recipes.measure.labels import recompute_disabled
     from recipes.measure.moduletime import time_modules
+    from recipes.measure.offload import copy_overlap, host_link_bandwidth
     from recipes.run.trainer import Trainer
 
-    cfg = compose_config([*overrides, f"recompute={option}"])
+    cfg = compose_config([*overrides, *option_overrides(option)])
     destroy_moe_metrics_tracker()  # a process global sized by the first MoE model (see tests/conftest.py)
     seed_model_parallel_rng(cfg["train"]["seed"])
     trainer, cuda = Trainer(cfg), cuda_available()
     try:
-        off = partial(recompute_disabled, trainer.chunks, trainer.config)
+        off = partial(switched_off, trainer)
         for _ in range(2):
             _timed_step(trainer, cuda)
             with off():
                 _timed_step(trainer, cuda)
         with off():
             before = [time_modules(trainer) for _ in range(passes)]
-        on_ms, off_ms, on_host, off_host = [], [], [], []
-        for r in range(rounds):
+        on_ms, off_ms, on_host, off_host, on_allocs, off_allocs = [], [], [], [], [], []
+        for r in range(max(1, rounds // run_length)):
             for on in ((True, False) if r % 2 == 0 else (False, True)):
-                if on:
-                    on_ms.append(_timed_step(trainer, cuda, on_host))
-                else:
-                    with off():
-                        off_ms.append(_timed_step(trainer, cuda, off_host))
+                for _ in range(run_length):
+                    if on:
+                        on_ms.append(_timed_step(trainer, cuda, on_host, on_allocs))
+                    else:
+                        with off():
+                            off_ms.append(_timed_step(trainer, cuda, off_host, off_allocs))
         with off():
             after = [time_modules(trainer) for _ in range(passes - 1)]
+        exposed = None
+        keep = Path(trace) if trace and trainer.offloading else None
+        if trainer.offloading and (overlap := copy_overlap(trainer.step, keep)) is not None:
+            exposed = overlap[0]["exposed_s"] * 1e3
+        link = host_link_bandwidth() if trainer.offloading else None
+        link_gb_s = min(link["d2h_gb_s"], link["h2d_gb_s"]) if link else None
         added = sorted(a - b for a, b in zip(on_ms, off_ms))
         module_times = before[0]  # what a sweep's base point records: one pass after its steps
-        priced = price_config(cfg, *rates(cfg), module_times)
         marks = module_times.get("marks")
         return {"option": option, "off_ms": statistics.median(off_ms), "on_ms": statistics.median(on_ms),
                 "added_ms": statistics.median(added),
                 "added_iqr_ms": [added[len(added) // 4], added[(3 * len(added)) // 4]],
                 "host_added_ms": statistics.median(a - b for a, b in zip(on_host, off_host)),
-                "priced_ms": priced["recompute_s"] * 1e3,
+                **_price(cfg, module_times, link_gb_s), "exposed_ms": exposed, "link_gb_s": link_gb_s,
                 "priced_on": "timeline" if isinstance(marks, dict) and "names" in marks else "module times",
                 "host_pass_ms": marks.get("pass_ms") if isinstance(marks, dict) else None,
                 "raw": {"cfg": cfg, "on_ms": on_ms, "off_ms": off_ms, "on_host_ms": on_host, "off_host_ms": off_host,
+                        "on_allocs": on_allocs, "off_allocs": off_allocs, "run_length": run_length,
                         "module_times": before + after}}
     finally:
         trainer.close()
 
 
-def measure(overrides: list[str], options: list[str], rounds: int, passes: int) -> list[dict]:
-    from launch.torchrun import free_port
+def measure(overrides: list[str], options: list[str], rounds: int, passes: int, run_length: int = 1,
+            traces: str | None = None) -> list[dict]:
     from recipes.config import compose_config
     from recipes.measure.syncs import ItemWaits
-    from recipes.run.worker import init_distributed
+    from recipes.run.worker import init_one_rank
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
-                      LOCAL_RANK="0")
     global _waits
-    init_distributed(compose_config(overrides))
+    init_one_rank(compose_config(overrides))
     _waits = ItemWaits().__enter__()  # this process measures and exits: never left
     import torch
 
     results = []
-    for option in options:
-        results.append(measure_option(overrides, option, rounds, passes))
+    for i, option in enumerate(options):
+        trace = os.path.join(traces, f"trace-option-{i}.json.gz") if traces else None
+        results.append(measure_option(overrides, option, rounds, passes, run_length, trace))
         gc.collect()  # the option's model and optimizer, before the next one's are built
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -144,13 +202,10 @@ def load(path: str) -> list[dict]:
 
 
 def reprice(r: dict) -> dict:
-    """A saved option's price from its module times with this code: ``priced_ms`` from the first pass
-    (what a sweep's base point records), ``passes_ms`` from each."""
-    from recipes.analyze.plan import price_config, rates
-
-    cfg = r["raw"]["cfg"]
-    passes = [price_config(cfg, *rates(cfg), mt)["recompute_s"] * 1e3 for mt in r["raw"]["module_times"]]
-    return {**r, "priced_ms": passes[0], "passes_ms": passes}
+    """A saved option's price from its module times with this code: ``priced_ms`` (and its parts) from
+    the first pass (what a sweep's base point records), ``passes_ms`` from each."""
+    passes = [_price(r["raw"]["cfg"], mt, r.get("link_gb_s")) for mt in r["raw"]["module_times"]]
+    return {**r, **passes[0], "passes_ms": [p["priced_ms"] for p in passes]}
 
 
 ROW_HEADER = ("| process | option | off ms | on ms | added ms (middle half) | host added ms | priced ms "
@@ -164,6 +219,26 @@ def row(n: int, r: dict) -> str:
     return (f"| {n} | {r['option']} | {r['off_ms']:.1f} | {r['on_ms']:.1f} | {r['added_ms']:+.1f} "
             f"({lo:+.1f} to {hi:+.1f}) | {host_added} | {r['priced_ms']:+.1f} | {error(r['priced_ms'], r['added_ms'])} "
             f"| {r['priced_on']} | {host} |")
+
+
+COPY_HEADER = ("| process | option | link GB/s | copies ms (priced) | stall ms (priced) | overhead ms (priced) "
+               "| exposed ms (profiled step) | added ms | cudaMalloc, cudaFree a step: on / off |\n"
+               "|---|---|---|---|---|---|---|---|---|")
+
+
+def copy_rows(rows: list[tuple[int, dict]]) -> list[str]:
+    """The offload options' copies: the price's parts beside the profiled step's exposed copy time."""
+    out = []
+    for n, r in rows:
+        if r.get("priced_copy_ms"):
+            link = f"{r['link_gb_s']:.1f}" if r.get("link_gb_s") else "-"
+            exposed = f"{r['exposed_ms']:.1f}" if r.get("exposed_ms") is not None else "-"
+            calls = [[statistics.median(c[i] for c in r["raw"][k]) for i in (0, 1)] if r["raw"].get(k) else None
+                     for k in ("on_allocs", "off_allocs")]
+            calls = " / ".join(f"{c[0]:g}, {c[1]:g}" for c in calls) if all(calls) else "-"  # not recorded before 20:55
+            out.append(f"| {n} | {r['option']} | {link} | {r['priced_copy_ms']:.1f} | {r['priced_stall_ms']:.1f} "
+                       f"| {r['priced_overhead_ms']:.1f} | {exposed} | {r['added_ms']:+.1f} | {calls} |")
+    return [COPY_HEADER, *out, ""] if out else []
 
 
 def summary(rows: dict[tuple[str, str], list[dict]]) -> list[str]:
@@ -186,11 +261,15 @@ def table(dirs: list[str]) -> None:
     for d in dirs:
         files = sorted(f for f in os.listdir(d) if f.startswith("process-"))
         print(f"{d} ({len(files)} processes)\n\n{ROW_HEADER}")
+        numbered = []
         for f in files:
             for r in map(reprice, load(os.path.join(d, f))):
                 rows.setdefault((r["raw"]["cfg"]["model"]["family"], r["option"]), []).append(r)
-                print(row(int(f.split("-")[1].split(".")[0]), r))
+                numbered.append((int(f.split("-")[1].split(".")[0]), r))
+                print(row(*numbered[-1]))
         print()
+        for line in copy_rows(numbered):
+            print(line)
     print("\n".join(summary(rows)))
 
 
@@ -198,21 +277,28 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      epilog="Everything else is a Hydra override, as train.py takes them.")
     parser.add_argument("--processes", type=int, default=3, help="fresh processes, one after another (default 3)")
-    parser.add_argument("--options", default="full", help="recompute options, comma-separated (default full)")
+    parser.add_argument("--options", default="full", help="options, comma-separated: recompute options, or overrides separated by spaces "
+                        "(\"offload=core_attn\"; default full)")
     parser.add_argument("--rounds", type=int, default=8, help="on/off pairs of steps per option (default 8)")
     parser.add_argument("--passes", type=int, default=1,
                         help="module-time passes before the steps (and one fewer after); the price reads the first")
+    parser.add_argument("--run-length", type=int, default=1,
+                        help="steps in a row each way (default 1: on/off, off/on, ...)")
+    parser.add_argument("--keep-traces", action="store_true",
+                        help="with --save: keep each offload option's profiled step's trace beside its process")
     parser.add_argument("--save", help="write each process's steps, config and module times to SAVE/process-N.json.gz")
     parser.add_argument("--table", nargs="+", metavar="DIR", help="no run: price the processes saved in DIRs with "
                         "this code and print their rows and the summary over them all")
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # a child: measure, print JSON
+    parser.add_argument("--traces", help=argparse.SUPPRESS)  # a child: where its offload options' traces go
     args, overrides = parser.parse_known_args()
     if args.table:
         table(args.table)
         return
     overrides, options = defaults(overrides), args.options.split(",")
     if args.one:
-        print("RESULT " + json.dumps(measure(overrides, options, args.rounds, args.passes)), flush=True)
+        print("RESULT " + json.dumps(measure(overrides, options, args.rounds, args.passes, args.run_length,
+                                             args.traces)), flush=True)
         return
     import torch
 
@@ -220,9 +306,14 @@ def main() -> None:
     print(f"{' '.join(overrides)}; {args.processes} processes, {args.rounds} rounds; {device}; "
           f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}\n\n{ROW_HEADER}")
     rows: dict[tuple[str, str], list[dict]] = {}
+    numbered = []
     for n in range(args.processes):
+        traces = [f"--traces={os.path.join(args.save, f'process-{n}')}"] if args.save and args.keep_traces else []
+        if traces:
+            os.makedirs(traces[0].split("=", 1)[1], exist_ok=True)
         done = subprocess.run([sys.executable, __file__, "--one", f"--options={args.options}", f"--rounds={args.rounds}",
-                               f"--passes={args.passes}", *overrides], cwd=REPO, capture_output=True, text=True)
+                               f"--passes={args.passes}", f"--run-length={args.run_length}", *traces, *overrides],
+                              cwd=REPO, capture_output=True, text=True)
         line = next((x for x in done.stdout.splitlines() if x.startswith("RESULT ")), None)
         if line is None:
             print(f"| {n} | failed (exit {done.returncode}): {done.stderr.strip().splitlines()[-1:]} | | | | | | | | |")
@@ -234,8 +325,11 @@ def main() -> None:
                 json.dump(results, f)
         for r in results:
             rows.setdefault((r["raw"]["cfg"]["model"]["family"], r["option"]), []).append(r)
+            numbered.append((n, r))
             print(row(n, r), flush=True)
     print()
+    for line in copy_rows(numbered):
+        print(line)
     print("\n".join(summary(rows)))
 
 

@@ -4,12 +4,14 @@ process re-prices to the same figure with this code, and the table reads saved p
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import importlib.util
 import json
 import statistics
 
-from conftest import REPO
+import pytest
+from conftest import REPO, build_trainer, compose
 
 
 def _bench():
@@ -34,3 +36,53 @@ def test_an_option_is_timed_against_itself_switched_off_and_priced_on_its_own_pa
     bench.table([str(saved)])
     out = capsys.readouterr().out
     assert "| 0 | selective/moe |" in out and "| moe | selective/moe | 1 |" in out
+
+
+def test_switched_off_pauses_offload_for_the_step_and_it_moves_again_after(megatron_world):
+    """An offload option's "off" step (``switched_off``) moves nothing and its gradients are the run's
+    without offload, bit for bit; the steps around it, before and after, move the same bytes."""
+    import torch
+
+    bench = _bench()
+    base = ["model=standard_attn", "profile=none"]
+
+    def steps(cfg, off_at=None):
+        trainer, out = build_trainer(cfg), []
+        try:
+            for i in range(3):
+                before = trainer.offload_meter.snapshot() if trainer.offload_meter else None
+                with bench.switched_off(trainer) if i == off_at else contextlib.nullcontext():
+                    trainer.compute_gradients()
+                grads = {n: p.grad.detach().clone() for c in trainer.chunks for n, p in c.named_parameters()
+                         if p.grad is not None}
+                out.append((grads, trainer.offload_meter.since(before)["d2h_bytes"] if before else 0))
+                trainer.optimizer.step()
+        finally:
+            trainer.close()
+        return out
+
+    plain = steps(compose(*base))
+    paired = steps(compose(*base, *bench.option_overrides("offload=core_attn-attn_proj"),
+                           "offload.emulate_on_cpu=true", "offload.min_offloaded_tensor_size=0"), off_at=1)
+    moved = [m for _, m in paired]
+    assert moved[0] > 0 and moved[1] == 0 and moved[2] > 0, moved
+    for (g, _), (h, _) in zip(plain, paired):
+        assert all(torch.equal(g[n], h[n]) for n in g), "offload or its pause changed a gradient"
+
+
+def test_an_option_is_recompute_or_overrides():
+    bench = _bench()
+    assert bench.option_overrides("selective/moe") == ["recompute=selective/moe"]
+    assert bench.option_overrides("recompute=full offload=core_attn") == ["recompute=full", "offload=core_attn"]
+
+
+def test_an_offload_option_is_priced_with_its_copies_and_listed_apart(megatron_world, capsys):
+    bench = _bench()
+    option = "offload=core_attn-attn_proj offload.emulate_on_cpu=true offload.min_offloaded_tensor_size=0"
+    r = bench.measure_option(["model=standard_attn", "size=tiny", "profile=none"], option, rounds=1)
+    assert r["priced_copy_ms"] > 0 and r["priced_ms"] == pytest.approx(
+        r["priced_recompute_ms"] + r["priced_stall_ms"] + r["priced_overhead_ms"])
+    assert r["exposed_ms"] is None and r["link_gb_s"] is None  # a CPU profiles no copy stream, has no link
+    assert bench.reprice(r)["priced_ms"] == r["priced_ms"]
+    lines = bench.copy_rows([(0, r)])
+    assert lines[0] == bench.COPY_HEADER and lines[1].startswith(f"| 0 | {option} | - |")
