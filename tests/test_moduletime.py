@@ -383,6 +383,40 @@ def test_a_region_costs_the_host_what_the_pass_measured_for_its_kind_and_its_fun
     assert cost("selective/moe", before) == pytest.approx(2 * (est["replay_region_ms"] + 3.0))
 
 
+def test_offload_groups_cost_the_host_what_the_pass_measured_where_the_host_does_not_lead():
+    """timeline_offload_costs: each moved group's measured host cost (a group's plus a tensor's each)
+    is inserted half at its module's forward end and half at its backward start, every micro-batch: on
+    a host-bound timeline it is all step time, on one where the host leads the GPU by more, none; a
+    point whose pass did not measure it has no such price. ``price`` adds it to the copies' fitted
+    rates (what a step that hides it pays)."""
+    from recipes.analyze.plan import price
+    from recipes.predict.estimate import predict
+    from recipes.predict.offload import timeline_offload_costs
+
+    measured = {"offload_ms": {"group": 0.4, "tensor": 0.1}}
+    tensors = [{"moe_act": 3, "expert_fc1": 1}, {}]  # layer 1 moves two groups, layer 2 (kept) none
+    bound = _region_marks([1, 2], measured)
+    cost = timeline_offload_costs(tensors, {"layers": [1, 2], "marks": bound})
+    assert cost == [pytest.approx(((0.4 + 3 * 0.1) + (0.4 + 0.1)) / 1e3)]
+    ahead = {**bound, "host_ms": [0.001 * j for j in range(len(bound["names"]))], "gpu_ms": [0.0] + [1.0] * (
+        len(bound["names"]) - 1)}
+    assert timeline_offload_costs(tensors, {"layers": [1, 2], "marks": ahead}) == [pytest.approx(0.0)]
+    assert timeline_offload_costs(tensors, {"layers": [1, 2], "marks": _region_marks([1, 2], None)}) is None
+    # a module the pass did not mark (this one has no norm backward marks): no price
+    assert timeline_offload_costs([{"attn_norm": 1}, {}], {"layers": [1, 2], "marks": bound}) is None
+
+    cfg = compose("model=moe", "size=h200", "offload=moe_act", "model.num_layers=2")
+    p = predict(cfg, "cuda")
+    moved = p["host_terms_per_layer"]
+    assert moved[0] == {"moe_act": 1} and moved[1] == {}  # the manager keeps the last layer's group
+    with_host = price(cfg, p, 400.0, 50.0, module_times={"layers": [1, 2], "marks": bound})
+    without = price(cfg, p, 400.0, 50.0, module_times={"layers": [1, 2], "marks": _region_marks([1, 2], None)})
+    assert with_host["offload_host_s"] == pytest.approx((0.4 + 0.1) / 1e3)  # the synthetic pass: 1 micro-batch
+    assert "offload_host_s" not in without
+    assert with_host["offload_overhead_s"] == pytest.approx(without["offload_overhead_s"] + with_host["offload_host_s"])
+    assert with_host["cost_s"] == pytest.approx(without["cost_s"] + with_host["offload_host_s"])
+
+
 def test_the_gpu_pass_is_read_at_the_pace_the_stream_pass_measured_for_its_gpu_bound_kernels():
     """stream_pace: the module-time pass's stream time over the GPU pass's time for the same forwards,
     where the host was far ahead (the GPU pass's sleeps let the same kernels run about a tenth faster
@@ -479,4 +513,6 @@ def test_on_a_gpu_the_timeline_replays_to_the_pass_it_was_measured_in(megatron_w
     kinds = {"checkpoint"} | ({"without_output"} if share_storage_built() is not False else set())
     assert set(marks["region_ms"]) == kinds
     assert all(0.0 < ms < 5.0 for ms in marks["region_ms"].values()), marks["region_ms"]
+    # what an offload group costs the host through megatron's manager (this point offloads nothing)
+    assert 0.0 < marks["offload_ms"]["group"] < 5.0 and 0.0 <= marks["offload_ms"]["tensor"] < 1.0, marks["offload_ms"]
     assert 0.0 < marks["region_function_ms"]["moe_act"] < 5.0

@@ -98,3 +98,33 @@ def test_bench_region_times_every_part_of_each_region():
                  "experts' activation, grad (off steps)"):
         assert calls[part] == regions, (part, done.stdout)
     assert calls["replayed function"] == 2 * regions and "step ms:" in done.stdout
+
+
+def test_offload_host_ms_moves_groups_through_megatrons_manager(megatron_world, monkeypatch):
+    """The synthetic step really offloads: after its warm-up each timed repetition commits
+    OFFLOAD_GROUPS groups to the copy stream and reloads them, with 1 and then 4 tensors each; the
+    model's own manager is back after; a machine without copy streams gives None."""
+    from megatron.core.pipeline_parallel import fine_grained_activation_offload as fgo
+
+    from recipes.build.offload import emulate_copy_streams_on_cpu
+    from recipes.measure import regions
+
+    emulate_copy_streams_on_cpu()
+    tensors = []
+    offload = fgo.ChunkOffloadHandler.bulk_offload_group
+
+    def counted(self, group):
+        offload(self, group)
+        tensors.append(sum(isinstance(s, tuple) for s in group._tensors.values()))  # (device, host copy, pool)
+
+    monkeypatch.setattr(fgo.ChunkOffloadHandler, "bulk_offload_group", counted)
+    model_manager = fgo.PipelineOffloadManager.get_instance()
+    ms = regions.offload_host_ms(torch.device("cpu"), repeats=2)
+    assert fgo.PipelineOffloadManager.OFFLOAD_MGR is model_manager
+    assert set(ms) == {"group", "tensor"} and all(0.0 <= v < 50.0 for v in ms.values())
+    few, many = regions.OFFLOAD_TENSORS
+    warm = regions.OFFLOAD_GROUPS + 1  # the warm-up step moves every group, the last one too
+    per_variant = warm + (2 + 3) * regions.OFFLOAD_GROUPS  # then 3 untimed and 2 timed repetitions
+    assert tensors == [few] * per_variant + [many] * per_variant
+    monkeypatch.setattr("recipes.build.offload.copy_streams_ready", lambda device: False)
+    assert regions.offload_host_ms(torch.device("cpu"), repeats=2) is None

@@ -32,6 +32,7 @@ from recipes.predict.offload import (
     layer_forward_s,
     offload_overhead,
     recompute_by_process_s,
+    timeline_offload_costs,
 )
 from recipes.recompute import is_full, option_of, options_for, recompute_config, recompute_order, selective_labels
 from recipes.validate import layers_per_chunk
@@ -103,15 +104,21 @@ def price(cfg: dict, p: dict, tflops: float, link_gb_s: float, remat_bytes: int 
     replay, by_process = recompute_by_process_s(cfg, tflops, layers, m, remat_bytes, hbm, module_times)
     # the base point's processes price it apart where their host pace differs: shown beside the median
     spread = (by_process[0], by_process[-1]) if by_process and by_process[-1] - by_process[0] > 1e-6 else None
+    # the rates are what a step that hides the manager's host work pays (fitted to dense steps); where
+    # the base point measured that work, its timeline adds what the step does not hide (MoE's)
+    host = (timeline_offload_costs(p.get("host_terms_per_layer") or [], module_times)
+            if any(p["host_bytes_per_layer"]) else None)
     copies = exposed_transfer_s(p["host_bytes_per_layer"], layer_forward_s(cfg, tflops, module_times), link_gb_s, m,
                                 p.get("host_groups_per_layer"), *offload_overhead(cfg.get("estimate") or {}))
-    return {"recompute_s": replay, "offload_s": copies["exposed_s"] + copies["overhead_s"],
+    overhead = copies["overhead_s"] + (host[len(host) // 2] if host else 0.0)
+    return {"recompute_s": replay, "offload_s": copies["exposed_s"] + overhead,
             "offload_copy_s": copies["copy_s"], "offload_stall_s": copies["exposed_s"],
-            "offload_overhead_s": copies["overhead_s"],
+            "offload_overhead_s": overhead,
             "offload_groups": m * sum(p.get("host_groups_per_layer") or []),
             "offload_gib": m * sum(p["host_bytes_per_layer"]) / GIB,
-            "cost_s": replay + copies["exposed_s"] + copies["overhead_s"],
-            **({"recompute_spread_s": spread} if spread else {})}
+            "cost_s": replay + copies["exposed_s"] + overhead,
+            **({"recompute_spread_s": spread} if spread else {}),
+            **({"offload_host_s": host[len(host) // 2]} if host else {})}
 
 
 def price_config(cfg: dict, tflops: float, link_gb_s: float, module_times: dict | None = None) -> dict:

@@ -48,6 +48,12 @@ def reset_offload_manager() -> None:
     PipelineOffloadManager.reset_instance()
 
 
+def copy_streams_ready(device: torch.device) -> bool:
+    """Whether megatron's offload manager can copy here: a GPU, or a CPU with the stand-in streams
+    installed (``emulate_copy_streams_on_cpu``)."""
+    return device.type == "cuda" or bool(_INSTALLED)
+
+
 @contextlib.contextmanager
 def offload_paused(on: bool) -> Iterator[None]:
     """Forward-only passes (evaluation) with the manager's offload switched off: megatron's manager

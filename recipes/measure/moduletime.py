@@ -36,7 +36,7 @@ from collections import defaultdict
 import torch
 
 from recipes.measure.collections import collector_off
-from recipes.measure.regions import function_host_ms, region_host_ms
+from recipes.measure.regions import function_host_ms, offload_host_ms, region_host_ms
 
 #: The modules timed, by name relative to their layer ("" the layer; a name a layer lacks is skipped).
 TIMED = ("", "input_layernorm", "pre_mlp_layernorm", "self_attention", "self_attention.core_attention",
@@ -238,6 +238,14 @@ def _regions() -> dict | None:
         return None
 
 
+def _offload_groups() -> dict | None:
+    """``offload_host_ms`` on this GPU; None where it failed (offload is priced without it)."""
+    try:
+        return offload_host_ms(torch.device("cuda"))
+    except Exception:
+        return None
+
+
 def timeline(trainer) -> dict:
     """The marks of a host pass and a GPU pass (``ModuleTimer``): ``names``; ``host_ms`` the host's
     clock at each since the pass began; ``pass_ms`` the host pass from its start to the end of its
@@ -247,9 +255,9 @@ def timeline(trainer) -> dict:
     hooks cost the host (``recipes.predict.replay`` takes it off); ``nograd_names`` and
     ``nograd_host_ms`` the forwards' marks and host clock in a forward-only pass under no_grad (after
     one unmarked: a process's first no-grad forward took 2-3x as long on the H200); ``region_ms`` what
-    a checkpoint region of each kind costs this host beyond its function, and ``region_function_ms``
-    the median host ms of each elementwise region's function in the host pass
-    (``recipes.measure.regions``)."""
+    a checkpoint region of each kind costs this host beyond its function, ``region_function_ms``
+    the median host ms of each elementwise region's function in the host pass, and ``offload_ms`` what
+    an offload group costs this host, a group and a tensor (``recipes.measure.regions``)."""
     light = ModuleTimer(trainer.chunks, True, marks="light")
     l0 = _pass(trainer, light)
     host = ModuleTimer(trainer.chunks, True, marks="host")
@@ -285,4 +293,5 @@ def timeline(trainer) -> dict:
             "nograd_names": [m[0] for m in nograd.marks],
             "nograd_host_ms": [round((m[1] - n0) * 1e3, 4) for m in nograd.marks],
             "region_ms": _regions(),
-            "region_function_ms": {label: round(sorted(ms)[len(ms) // 2], 4) for label, ms in functions.items() if ms}}
+            "region_function_ms": {label: round(sorted(ms)[len(ms) // 2], 4) for label, ms in functions.items() if ms},
+            "offload_ms": _offload_groups()}

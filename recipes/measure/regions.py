@@ -16,6 +16,13 @@ A kind that cannot be measured without building megatron's C++ extension first i
 ``function_host_ms`` times the functions an elementwise region replays that are not timed modules
 (``REGION_FUNCTIONS``). The module-time pass records both (``recipes.measure.moduletime.timeline``)
 and ``recipes.predict.offload`` prices a region from them.
+
+An offload group is the same kind of cost: megatron's fine-grained offload manager runs Python for each
+group it commits in the forward (its saved-tensor hooks, a pinned buffer from its pool, a copy issued
+on its device-to-host stream, events) and reloads in the backward. Under torch's profiler on one H200
+(2026-12-04, dense h200, ``offload=core_attn-attn_proj``) a commit took about 0.4 ms of host and a
+reload 0.2; in the dense forward, where the host is barely ahead, the GPU waited for it.
+``offload_host_ms`` measures a group's host cost through the manager itself.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import statistics
 import time
 from collections import defaultdict
 from contextlib import contextmanager
+from functools import partial
 from importlib import import_module
 
 import torch
@@ -92,6 +100,60 @@ def _without_output_ready(device: torch.device) -> bool:
     from recipes.validate import share_storage_built
 
     return device.type == "cpu" or share_storage_built() is not False
+
+
+#: Offload groups a measured synthetic step moves (the manager keeps each chunk's last group of a name).
+OFFLOAD_GROUPS = 3
+#: Tensors each group of the two measured variants saves: their difference gives the cost a tensor.
+OFFLOAD_TENSORS = (1, 4)
+
+
+def offload_host_ms(device: torch.device, repeats: int = REPEATS) -> dict[str, float] | None:
+    """Host ms megatron's fine-grained offload costs, forward commit and backward reload together:
+    ``group`` (a group's fixed cost) and ``tensor`` (each tensor it moves), from a synthetic step of
+    ``OFFLOAD_GROUPS`` + 1 groups (each a chain of sigmoids saving 1, then 4, tensors of 1 MiB) run
+    through the manager, against the same step without offload. The step's copies are issued, not
+    waited for: the stream is drained before each repetition. Uses a manager of its own and puts the
+    model's back after; None where this machine has no copy streams (a CPU without the emulation,
+    ``recipes.build.offload``)."""
+    from megatron.core.pipeline_parallel.fine_grained_activation_offload import (
+        FineGrainedActivationOffloadingInterface as off_interface,
+    )
+    from megatron.core.pipeline_parallel.fine_grained_activation_offload import PipelineOffloadManager
+
+    from recipes.build.offload import copy_streams_ready
+
+    if not copy_streams_ready(device):
+        return None
+    x = torch.randn(512, 512, device=device, requires_grad=True)  # 1 MiB fp32: above any size floor
+
+    def step(offload: bool, tensors: int) -> None:
+        off_interface.init_chunk_handler(pp_rank=0, vp_size=None, vp_stage=None, min_offloaded_tensor_size=0,
+                                         delta_offload_bytes_across_pp_ranks=0, activation_offload_fraction=1.0)
+        h = x
+        for _ in range(OFFLOAD_GROUPS + 1):
+            group = off_interface(offload, h, "core_attn")
+            with group as h:
+                for _ in range(tensors):
+                    h = torch.sigmoid(h)  # saves its output
+            h = group.group_offload(h, forced_released_tensors=[])
+        h.sum().backward()
+        off_interface.reset()
+
+    model_manager = PipelineOffloadManager.OFFLOAD_MGR
+    PipelineOffloadManager.reset_instance()
+    try:
+        per_group = {}
+        for tensors in OFFLOAD_TENSORS:
+            step(True, tensors)  # the manager's warm-up step plans its groups
+            moved = _host_ms(partial(step, True, tensors), device, repeats)
+            per_group[tensors] = (moved - _host_ms(partial(step, False, tensors), device, repeats)) / OFFLOAD_GROUPS
+            PipelineOffloadManager.reset_instance()  # each variant plans afresh
+    finally:
+        PipelineOffloadManager.OFFLOAD_MGR = model_manager
+    few, many = OFFLOAD_TENSORS
+    tensor = max((per_group[many] - per_group[few]) / (many - few), 0.0)
+    return {"group": round(max(per_group[few] - few * tensor, 0.0), 4), "tensor": round(tensor, 4)}
 
 
 @contextmanager

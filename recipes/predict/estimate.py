@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections import Counter
 from dataclasses import dataclass, field, replace
 from fractions import Fraction
 
@@ -314,6 +315,9 @@ def predict(cfg: dict, device: str = "auto", stage: int | None = None,
             "in_flight_host_bytes": sum(host_chunk[v] for v in order),
             "host_bytes_per_layer": host_layers,
             "host_groups_per_layer": [len({t[4] for t in layer if t[3] > 0}) for c in chunks for layer in c.host],
+            # each layer's copied ledger terms by offload point (a term is a saved tensor, or a few saved
+            # together, as the SwiGLU's): what the manager's host work scales with
+            "host_terms_per_layer": [dict(Counter(t[4] for t in layer if t[3] > 0)) for c in chunks for layer in c.host],
         })
     pick = stages[stage] if stage is not None else max(stages, key=lambda s: s["peak_bytes"])
     if pick["host_bytes"]:  # the copies' time per step at the assumed rate and link (estimate.*)

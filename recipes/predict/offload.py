@@ -344,6 +344,17 @@ def has_timeline(module_times: dict | None) -> bool:
     return bool(_timelines(module_times))
 
 
+def _paced_timelines(module_times: dict | None, numbers: list[int]) -> list[Timeline]:
+    """The point's timelines, each with its GPU work read at the pace its stream times give
+    (``replay.stream_pace``; a process without one takes its point's others')."""
+    timelines = _timelines(module_times)
+    forward_ms = (module_times or {}).get("forward_ms") or {}
+    paces = [stream_pace(tl, forward_ms, numbers) for tl in timelines]
+    known = sorted(p for p in paces if p is not None)
+    fallback = known[len(known) // 2] if known else 1.0
+    return [tl.scaled(fallback if p is None else p) for tl, p in zip(timelines, paces)]
+
+
 def timeline_recompute_costs(cfg: dict, module_times: dict, elementwise_s: float = 0.0) -> list[float] | None:
     """Seconds per step the run's recompute adds, from the base point's timeline
     (``recipes.predict.replay``): each replayed forward (its modules' host and GPU time in that layer)
@@ -355,19 +366,14 @@ def timeline_recompute_costs(cfg: dict, module_times: dict, elementwise_s: float
     (``replay.stream_pace``; a process without one takes its point's others'). One price a process
     whose timeline the point kept, sorted; None where the point has no timeline or a label has no
     place on it."""
-    timelines = _timelines(module_times)
     pieces, numbers = _placements(cfg), module_times.get("layers") or []
+    timelines = _paced_timelines(module_times, numbers)
     if not timelines or pieces is None or not numbers:
         return None
     est, default = cfg.get("estimate") or {}, EstimateConfig()
     region_ms = est.get("replay_region_ms", default.replay_region_ms)
     launch_ms = est.get("launch_us", default.launch_us) / 1e3
     act = activation_kernels(cfg["model"])
-    forward_ms = module_times.get("forward_ms") or {}
-    paces = [stream_pace(tl, forward_ms, numbers) for tl in timelines]
-    known = sorted(p for p in paces if p is not None)
-    fallback = known[len(known) // 2] if known else 1.0  # a process without one: its point's others'
-    timelines = [tl.scaled(fallback if p is None else p) for tl, p in zip(timelines, paces)]
     costs = []
     for tl in timelines:
         inserted: dict[int, list[float]] = {}
@@ -402,6 +408,43 @@ def timeline_recompute_costs(cfg: dict, module_times: dict, elementwise_s: float
         for j in elementwise:
             inserted[j][1] += elementwise_s * 1e3 * microbatches / len(elementwise)
         costs.append((tl.finish({j: (h, g) for j, (h, g) in inserted.items()}) - tl.finish()) / 1e3)
+    return sorted(costs)
+
+
+#: The timed module at whose marks each offload point's group commits (its forward's end) and reloads
+#: (its backward's start).
+OFFLOAD_MARKS = {"qkv_linear": "self_attention.linear_qkv", "core_attn": "self_attention.core_attention",
+                 "attn_proj": "self_attention.linear_proj", "attn_norm": "input_layernorm",
+                 "mlp_norm": "pre_mlp_layernorm", "expert_fc1": "mlp.experts", "moe_act": "mlp.experts"}
+
+
+def timeline_offload_costs(terms_per_layer: list[dict[str, int]], module_times: dict | None) -> list[float] | None:
+    """Seconds per step the offload manager's host work adds, from the base point's timeline: each
+    moved group's host cost as the pass measured it (``offload_ms``: a group's and each of its
+    tensors', ``recipes.measure.regions.offload_host_ms``; a copied ledger term counts as a tensor), half where its module's forward ends (the
+    commit) and half where its backward begins (the reload), in every micro-batch. It costs step time
+    where the host does not lead the GPU: in a dense h200 step's forward, and an MoE step's.
+    ``terms_per_layer``: the prediction's ``host_terms_per_layer`` for this rank's layers. One
+    price a process, sorted; None where the point did not measure it (before 2026-12-04, 22:00 UTC)
+    or a point has no mark on the timeline."""
+    numbers = (module_times or {}).get("layers") or []
+    timelines = _paced_timelines(module_times, numbers)
+    if not timelines or len(numbers) != len(terms_per_layer) or any(tl.offload_ms is None for tl in timelines):
+        return None
+    costs = []
+    for tl in timelines:
+        group, tensor = tl.offload_ms["group"], tl.offload_ms["tensor"]
+        inserted: dict[int, tuple[float, float]] = {}
+        for number, points in zip(numbers, terms_per_layer):
+            for point, n in points.items():
+                at = OFFLOAD_MARKS.get(point)
+                ends, starts = (tl.where(number, at, "end"), tl.where(number, at, "bwd")) if at else ([], [])
+                if not ends or len(ends) != len(starts):
+                    return None
+                spots = ends + starts
+                for j in spots:
+                    inserted[j] = (inserted.get(j, (0.0, 0.0))[0] + (group + n * tensor) / 2, 0.0)
+        costs.append((tl.finish(inserted) - tl.finish()) / 1e3)
     return sorted(costs)
 
 

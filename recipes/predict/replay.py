@@ -49,6 +49,9 @@ class Timeline:
     #: region's function (``recipes.measure.regions``); None where the pass did not record them
     region_ms: dict | None = None
     region_function_ms: dict | None = None
+    #: host ms an offload group costs, fixed and a tensor, forward and backward together
+    #: (``recipes.measure.regions.offload_host_ms``); None where the pass did not record it
+    offload_ms: dict | None = None
 
     @classmethod
     def of(cls, marks: dict | None) -> Timeline | None:
@@ -74,7 +77,7 @@ class Timeline:
             nograd = cls(list(nograd), [h - cost * j for j, h in enumerate(marks["nograd_host_ms"])],
                          [0.0] * len(nograd))
         return cls(list(names), [h - cost * j for j, h in enumerate(marks["host_ms"])], work, nograd or None,
-                   marks.get("region_ms"), marks.get("region_function_ms") or {})
+                   marks.get("region_ms"), marks.get("region_function_ms") or {}, marks.get("offload_ms"))
 
     @cached_property
     def _index(self) -> dict[str, list[int]]:
