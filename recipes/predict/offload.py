@@ -25,7 +25,9 @@ time (its FLOPs at an achieved rate; backward twice that), for the stall no comp
 it adds what the copies cost a step that hides them: a time per group moved (a layer's module: the
 manager's Python, event records and stream waits each group commit and reload) and per GiB moved
 (``estimate.offload_ms_per_group``, ``estimate.offload_ms_per_gib``; fitted to the dense offload points
-one H200 measured, docs/offload.md), which also lengthens the layers the copies hide under.
+one H200 measured, docs/offload.md), which also lengthens the layers the copies hide under. Where
+the base point measured the manager's host work (``offload_ms``), ``timeline_offload_costs`` adds what
+the step's timeline does not hide of it (an MoE step's host does not lead its GPU).
 ``recompute_s`` prices recompute in the same unit: the forward FLOPs it replays, at the same rate,
 and an elementwise replay's bytes, checkpoint regions and (host-bound step) kernel launches. A GPU
 point that timed its layers' modules (``recipes.measure.moduletime``) prices its matmul labels and
