@@ -281,6 +281,25 @@ def test_the_label_sweeps_of_2026_12_04_regenerate_identically():
     assert "| +70.5 | +108.2 |" in table and "| +34.1 | +61.9 |" in table  # MoE full and moe
 
 
+def test_the_paired_offload_runs_of_2026_12_04_regenerate_identically():
+    """docs/offload-h200/paired_offload_2026-12-04{,_2117}.md: offload options timed against themselves
+    paused in one process (benchmarks/bench_paired.py), priced with today's time model; the processes
+    from 21:17 UTC measured the offload manager's host cost in their pass (docs/offload.md)."""
+    import subprocess
+
+    runs = REPO / "docs" / "offload-h200" / "paired_offload_2026-12-04"
+    every = ("2050_standard_attn", "2056_moe", "2058_standard_attn_runs4", "2059_standard_attn_a",
+             "2100_standard_attn_runs4_a", "2100_standard_attn_b", "2101_standard_attn_runs4_b", "2102_moe_runs4",
+             "2105_standard_attn_runs4", "2106_moe_runs4", "2117_moe", "2119_standard_attn")
+    for name, dirs, row in (("paired_offload_2026-12-04", every, "| standard_attn | offload=core_attn-attn_proj | 9 |"),
+                            ("paired_offload_2026-12-04_2117", ("2119_standard_attn", "2117_moe"),
+                             "| moe | offload=expert_fc1-moe_act | 1 |")):
+        done = subprocess.run([sys.executable, "benchmarks/bench_paired.py", "--table",
+                               *(str((runs / d).relative_to(REPO)) for d in dirs)],
+                              cwd=REPO, capture_output=True, text=True, timeout=300, check=True)
+        assert done.stdout == (OFFLOAD / f"{name}.md").read_text() and row in done.stdout, name
+
+
 def test_the_paired_runs_of_2026_12_04_regenerate_identically():
     """docs/offload-h200/paired_2026-12-04{,_1713,_1925}.md: benchmarks/bench_paired.py's saved processes
     (each option timed against itself switched off in one process) priced with today's time model; the
