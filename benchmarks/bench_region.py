@@ -10,8 +10,8 @@ region under enable_grad (RNG states forked and restored) and a nested ``torch.a
 runs the region's backward. Each of those is host work the step pays where its host is behind the
 GPU. This builds the worker's ``Trainer`` for the overrides, runs 3 steps, then ``--steps`` steps with
 every part wrapped in a host timer (no synchronisation inside a step), and prints each part's host
-microseconds a region, and the step's host ms (its own: less its waits for the GPU in ``Tensor.item``) against the same steps with the option switched off
-(``recipes.measure.labels.recompute_disabled``). A CPU runs it; its figures mean something on a GPU's
+microseconds a region, and the step's host ms (its own: less its waits for the GPU in ``Tensor.item``)
+against the same steps with the option switched off (``bench_paired.switched_off``). A CPU runs it; its figures mean something on a GPU's
 host.
 """
 
@@ -28,7 +28,7 @@ from functools import partial, wraps
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks import bench_paired  # noqa: E402  (_timed_step: a step's host and wall ms)
+from benchmarks import bench_paired  # noqa: E402  (a step's host and wall ms; the option switched off)
 
 TIMES: dict[str, list[float]] = collections.defaultdict(list)
 PHASE = ["on"]  # which steps a part's time belongs to: "on" (the option) or "off" (switched off)
@@ -94,7 +94,6 @@ def main() -> None:
 
     from recipes.build.compat import cuda_available, seed_model_parallel_rng
     from recipes.config import compose_config
-    from recipes.measure.labels import recompute_disabled
     from recipes.measure.syncs import ItemWaits
     from recipes.run.trainer import Trainer
     from recipes.run.worker import init_one_rank
@@ -104,7 +103,7 @@ def main() -> None:
     seed_model_parallel_rng(cfg["train"]["seed"])
     instrument()
     trainer, cuda = Trainer(cfg), cuda_available()
-    off = partial(recompute_disabled, trainer.chunks, trainer.config)
+    off = partial(bench_paired.switched_off, trainer)
     bench_paired._waits = ItemWaits().__enter__()  # this process measures and exits: never left
     for _ in range(3):
         step_host_ms(trainer, cuda)

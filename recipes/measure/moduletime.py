@@ -229,19 +229,12 @@ def _time_modules(trainer, marks: bool) -> dict:
     return out
 
 
-def _regions() -> dict | None:
-    """``region_host_ms`` on this GPU; None where it failed (the timeline stands: the price takes
-    ``estimate.replay_region_ms`` instead)."""
+def _host_cost(measure) -> dict | None:
+    """``measure`` (a host cost of ``recipes.measure.regions``) on this GPU; None where it failed: the
+    timeline stands, and the price takes the settings instead (``estimate.replay_region_ms``, the
+    offload rates)."""
     try:
-        return region_host_ms(torch.device("cuda"))
-    except Exception:
-        return None
-
-
-def _offload_groups() -> dict | None:
-    """``offload_host_ms`` on this GPU; None where it failed (offload is priced without it)."""
-    try:
-        return offload_host_ms(torch.device("cuda"))
+        return measure(torch.device("cuda"))
     except Exception:
         return None
 
@@ -292,6 +285,6 @@ def timeline(trainer) -> dict:
             "pass_ms": round(pass_ms, 4), "mark_cost_ms": round(cost, 5), "gpu_ms": work, "gpu_clean": clean,
             "nograd_names": [m[0] for m in nograd.marks],
             "nograd_host_ms": [round((m[1] - n0) * 1e3, 4) for m in nograd.marks],
-            "region_ms": _regions(),
+            "region_ms": _host_cost(region_host_ms),
             "region_function_ms": {label: round(sorted(ms)[len(ms) // 2], 4) for label, ms in functions.items() if ms},
-            "offload_ms": _offload_groups()}
+            "offload_ms": _host_cost(offload_host_ms)}

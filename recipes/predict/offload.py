@@ -41,6 +41,8 @@ time where the GPU waits for the host, and between the two where the lead is sho
 
 from __future__ import annotations
 
+from collections import defaultdict
+
 from recipes.build.model import resolve_swiglu_fusion
 from recipes.config import EstimateConfig
 from recipes.measure.flops import layer_forward_flops, mlp_replays_fc2, replayed_layer_flops
@@ -423,12 +425,12 @@ OFFLOAD_MARKS = {"qkv_linear": "self_attention.linear_qkv", "core_attn": "self_a
 def timeline_offload_costs(terms_per_layer: list[dict[str, int]], module_times: dict | None) -> list[float] | None:
     """Seconds per step the offload manager's host work adds, from the base point's timeline: each
     moved group's host cost as the pass measured it (``offload_ms``: a group's and each of its
-    tensors', ``recipes.measure.regions.offload_host_ms``; a copied ledger term counts as a tensor), half where its module's forward ends (the
-    commit) and half where its backward begins (the reload), in every micro-batch. It costs step time
-    where the host does not lead the GPU: in a dense h200 step's forward, and an MoE step's.
-    ``terms_per_layer``: the prediction's ``host_terms_per_layer`` for this rank's layers. One
-    price a process, sorted; None where the point did not measure it (before 2026-12-04, 22:00 UTC)
-    or a point has no mark on the timeline."""
+    tensors', ``recipes.measure.regions.offload_host_ms``; a copied ledger term counts as a tensor),
+    half where its module's forward ends (the commit) and half where its backward begins (the reload),
+    in every micro-batch. It costs step time where the host does not lead the GPU: in a dense h200
+    step's forward, and an MoE step's. ``terms_per_layer``: the prediction's ``host_terms_per_layer``
+    for this rank's layers. One price a process, sorted; None where the point did not measure it
+    (before 2026-12-04, 21:10 UTC) or a point has no mark on the timeline."""
     numbers = (module_times or {}).get("layers") or []
     timelines = _paced_timelines(module_times, numbers)
     if not timelines or len(numbers) != len(terms_per_layer) or any(tl.offload_ms is None for tl in timelines):
@@ -436,17 +438,16 @@ def timeline_offload_costs(terms_per_layer: list[dict[str, int]], module_times: 
     costs = []
     for tl in timelines:
         group, tensor = tl.offload_ms["group"], tl.offload_ms["tensor"]
-        inserted: dict[int, tuple[float, float]] = {}
+        host: dict[int, float] = defaultdict(float)  # ms after each mark
         for number, points in zip(numbers, terms_per_layer):
             for point, n in points.items():
                 at = OFFLOAD_MARKS.get(point)
                 ends, starts = (tl.where(number, at, "end"), tl.where(number, at, "bwd")) if at else ([], [])
                 if not ends or len(ends) != len(starts):
                     return None
-                spots = ends + starts
-                for j in spots:
-                    inserted[j] = (inserted.get(j, (0.0, 0.0))[0] + (group + n * tensor) / 2, 0.0)
-        costs.append((tl.finish(inserted) - tl.finish()) / 1e3)
+                for j in ends + starts:
+                    host[j] += (group + n * tensor) / 2
+        costs.append((tl.finish({j: (ms, 0.0) for j, ms in host.items()}) - tl.finish()) / 1e3)
     return sorted(costs)
 
 
