@@ -259,7 +259,7 @@ def table(dirs: list[str]) -> None:
     """Every saved process under ``dirs``, priced with this code, and the summary over them all."""
     rows: dict[tuple[str, str], list[dict]] = {}
     for d in dirs:
-        files = sorted(f for f in os.listdir(d) if f.startswith("process-"))
+        files = sorted(f for f in os.listdir(d) if f.startswith("process-") and f.endswith(".json.gz"))  # not traces
         print(f"{d} ({len(files)} processes)\n\n{ROW_HEADER}")
         numbered = []
         for f in files:

@@ -33,6 +33,8 @@ def test_an_option_is_timed_against_itself_switched_off_and_priced_on_its_own_pa
     saved.mkdir()
     with gzip.open(saved / "process-0.json.gz", "wt") as f:
         json.dump([r], f)
+    (saved / "process-0").mkdir()  # where --keep-traces puts the process's traces: not a process
+    (saved / "process-0" / "trace-option-0.json.gz").write_bytes(b"")
     bench.table([str(saved)])
     out = capsys.readouterr().out
     assert "| 0 | selective/moe |" in out and "| moe | selective/moe | 1 |" in out
