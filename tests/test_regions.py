@@ -1,8 +1,7 @@
 """recipes.measure.regions: a checkpoint region's host cost, measured on regions that really replay."""
 
 import torch
-
-from tests.conftest import build_trainer, compose
+from conftest import REPO, build_trainer, compose
 
 
 def test_region_host_ms_replays_each_kind_of_region(megatron_world, monkeypatch):
@@ -73,8 +72,6 @@ def test_region_functions_name_real_labels_and_methods():
         assert callable(getattr(getattr(import_module(module), cls), method))
 
 
-
-
 def test_bench_region_times_every_part_of_each_region():
     """benchmarks/bench_region.py on a CPU (times mean nothing here): each region ran its first forward
     under no_grad, its replay from the hook and its nested backward once a step and region, and the
@@ -83,8 +80,6 @@ def test_bench_region_times_every_part_of_each_region():
     import re
     import subprocess
     import sys
-
-    from conftest import REPO
 
     done = subprocess.run([sys.executable, "benchmarks/bench_region.py", "--steps", "2", "model=moe", "size=tiny",
                            "recompute=selective/moe_act"], cwd=REPO, capture_output=True, text=True, timeout=300)
