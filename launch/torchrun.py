@@ -32,11 +32,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+#: torchrun's variables for a world of one rank. Port 0: the one process's store binds a free port
+#: itself (nothing else has to find it); a port picked beforehand could be taken by another process
+#: before the store binds it (a test's subprocess lost that race on a 2-core CI machine, 2026-12-04).
+ONE_RANK_ENV = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0"}
+
+
 def set_one_rank_env() -> None:
-    """torchrun's environment for a world of one rank in this process, on a port free now."""
-    # a port of its own: an inherited MASTER_PORT may be a parent's live rendezvous (a test session, a torchrun)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
-                      LOCAL_RANK="0")
+    """``ONE_RANK_ENV`` in this process's environment, over what it inherited: an inherited
+    MASTER_PORT may be a parent's live rendezvous (a test session, a torchrun)."""
+    os.environ.update(ONE_RANK_ENV)
 
 
 def torchrun_command(launcher: dict, program: list[str], rendezvous: Rendezvous | None = None) -> list[str]:

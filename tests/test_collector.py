@@ -22,12 +22,11 @@ TINY = ("size=tiny", "attention=unfused", "profile=none", "train.train_iters=3",
 #: model.compile tests) leaves torch's compiled-function machinery building graphs in every eager step
 #: after it (seen on CPU, torch 2.14), garbage no training process of this project makes.
 CYCLE_CHECK = """
-import gc, os, sys
+import gc, sys
 sys.path.insert(0, {tests!r})
-from conftest import build_trainer, compose, free_port
-os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
-from recipes.run.worker import init_distributed
-init_distributed(compose())
+from conftest import build_trainer, compose
+from recipes.run.worker import init_one_rank
+init_one_rank(compose())
 trainer = build_trainer(compose(*{overrides!r}))
 trainer.train_step()
 gc.collect()

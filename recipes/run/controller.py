@@ -20,7 +20,7 @@ from launch.affinity import usable_cores
 from launch.forkserver import ForkServer, env_key
 from launch.process import end_group, start_group
 from launch.slurm import node_rank, slurm_rendezvous, wait_for_rank_files
-from launch.torchrun import torchrun_command
+from launch.torchrun import ONE_RANK_ENV, torchrun_command
 from recipes.analyze.logger import close_unfinished, usable_logger, write_identity
 from recipes.build.upstream import start_share_storage_build
 from recipes.data.indexed import validate_data
@@ -204,10 +204,7 @@ def worker_environment(cfg: dict) -> dict[str, str]:
     if cfg["measure"]["expandable_segments"]:
         env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
     if env.get("RANK") is None and cfg["launcher"]["nproc_per_node"] * cfg["launcher"]["nnodes"] == 1:
-        # port 0: the one process's store binds a free port itself (nothing else has to find it); a
-        # port picked here could be taken by another process's connection before the worker binds it
-        env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT="0")
+        env.update(ONE_RANK_ENV)  # its port 0: the worker's store binds a free one itself
     return env
 
 
