@@ -278,8 +278,8 @@ class EstimateConfig:
     # moved (one layer's module: the manager's Python, events and stream waits at each group commit
     # and reload) and per GiB moved (out and back). Fitted to the five dense offload points one H200
     # measured at the h200 size (benchmarks/offload_table.py --fit; docs/offload.md).
-    offload_ms_per_group: float = 0.130
-    offload_ms_per_gib: float = 1.92
+    offload_ms_per_group: float = 0.136
+    offload_ms_per_gib: float = 1.95
     # Elementwise replays (moe_act, layernorm, gdn_norm_out) are memory traffic: GB/s of device
     # memory they run at (the H200's HBM3e peaks at 4800).
     hbm_gb_s: float = 3000.0

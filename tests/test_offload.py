@@ -237,33 +237,67 @@ def test_estimator_predicts_device_and_host_bytes(megatron_world, model, recompu
 
 
 def test_exposed_transfer_model():
-    """Compute never waits for a copy out; a layer's backward waits for its reload, issued as the
-    backward of the layer above starts and started once its copy out is done. The overhead is per
-    group and per GiB moved, whatever the link."""
+    """megatron's manager played per group: a copy out is ready at its module's forward end and queues;
+    compute never waits for it. Each group's backward end, moved or kept, issues the next reload (the
+    last group moved first), which starts once the link is free and its copy out is done; the module's
+    backward (the mirror of its forward span) waits for it. The overhead is per group and per GiB moved."""
     from recipes.predict.offload import exposed_transfer_s
 
-    # 20 ms a copy each way; the kept top layer's backward (2 x 50 ms) hides the reload
-    hidden = exposed_transfer_s([10**9, 0], forward_s=0.05, link_gb_s=50.0, microbatches=1)
+    half = {"x": (0.0, 0.5)}  # a module over the first half of its layer's forward
+    # 20 ms a copy each way: ready at 25 ms, back at 220 (issued as the kept layer's backward ends, at
+    # 200), due at 250 (the module's backward begins halfway through its layer's): hidden
+    hidden = exposed_transfer_s([[("x", 10**9)], [("x", 0)]], 0.05, 50.0, 1, half)
     assert hidden == {"copy_s": pytest.approx(0.04), "exposed_s": 0.0, "overhead_s": 0.0}
-    # 5 ms layers: layer 0's copy out (from 2.5 ms) is done at 22.5 ms, its reload (issued at 10 ms, as
-    # the backward of layer 1 starts) at 42.5 ms; layer 0's backward was due at 20 ms
-    slow = exposed_transfer_s([10**9, 0], forward_s=0.005, link_gb_s=50.0, microbatches=2)
-    assert slow["exposed_s"] == pytest.approx(2 * 0.0225)
+    # 5 ms layers: out done at 22.5 ms, reload 22.5-42.5 (issued at 20), due at 25: 17.5 ms a micro-batch
+    slow = exposed_transfer_s([[("x", 10**9)], [("x", 0)]], 0.005, 50.0, 2, half)
+    assert slow["exposed_s"] == pytest.approx(2 * 0.0175)
+    # a module early in the forward is ready sooner and needed later in backward: out done at 21,
+    # reload 21-41, due at 28
+    early = exposed_transfer_s([[("x", 10**9)], [("x", 0)]], 0.005, 50.0, 1, {"x": (0.0, 0.2)})
+    assert early["exposed_s"] == pytest.approx(0.013)
+    # two groups a layer (a over the first half, m the second): outs a 2.5-22.5, m 22.5-42.5 ms. The
+    # kept layer's m hook (15) reloads m (42.5-62.5), its a hook (20) reloads a (62.5-82.5); layer 0's
+    # m is due at 20 (waits 42.5), its a at 67.5 (waits 15)
+    both = {"a": (0.0, 0.5), "m": (0.5, 1.0)}
+    two = exposed_transfer_s([[("a", 10**9), ("m", 10**9)], [("a", 0), ("m", 0)]], 0.005, 50.0, 1, both)
+    assert two["exposed_s"] == pytest.approx(0.0425 + 0.015)
+    # no hook issues it (the layer above has no group): the tensors reload as they are unpacked, at 20
+    # after the copy out (5-25): 25-45
+    unhooked = exposed_transfer_s([[("m", 10**9)], []], 0.005, 50.0, 1, both)
+    assert unhooked["exposed_s"] == pytest.approx(0.025)
     # the overhead (h = half of it a pass) lengthens layer 0's forward and backward: its copy out is
-    # ready h/2 later, the reload is issued h later and due h later, so h/2 more of it is hidden
+    # done h/2 later, and its module's backward is due 1.5 h later, so h more of it is hidden
     h = 2e-3 * 10**9 / 2**30 / 2
-    lengthened = exposed_transfer_s([10**9, 0], 0.005, 50.0, 2, s_per_gib=2e-3)
-    assert lengthened["exposed_s"] == pytest.approx(2 * (0.0225 - h / 2))
+    lengthened = exposed_transfer_s([[("x", 10**9)], [("x", 0)]], 0.005, 50.0, 2, half, s_per_gib=2e-3)
+    assert lengthened["exposed_s"] == pytest.approx(2 * (0.0175 - h))
     assert lengthened["overhead_s"] == pytest.approx(2 * 2 * h)
-    # the reloads queue on one link: two layers' copies, the second waits for the first's reload
-    two = exposed_transfer_s([10**9, 10**9, 0], forward_s=0.005, link_gb_s=50.0, microbatches=1)
-    # outs: layer 0 done 22.5 ms, layer 1 42.5; backward from 15 ms: layer 2 to 25, layer 1 reload
-    # 42.5-62.5 (waits 37.5), layer 0 reload issued at 62.5, done 82.5, due 72.5 (waits 10)
-    assert two["exposed_s"] == pytest.approx(0.0375 + 0.010)
     # the overhead: per group moved and per GiB moved, per micro-batch
-    over = exposed_transfer_s([2**30, 2**30, 0], 0.05, 50.0, 2, groups_per_layer=[3, 1, 0],
-                              s_per_group=1e-4, s_per_gib=2e-3)
-    assert over["overhead_s"] == pytest.approx(2 * (4 * 1e-4 + 2 * 2e-3)) and over["exposed_s"] == 0.0
+    groups = [[("a", 2**29), ("m", 2**29), ("x", 0)], [("x", 2**30)], [("a", 0), ("m", 0), ("x", 0)]]
+    over = exposed_transfer_s(groups, 0.05, 50.0, 2, {**half, **both}, s_per_group=1e-4, s_per_gib=2e-3)
+    assert over["overhead_s"] == pytest.approx(2 * (3 * 1e-4 + 2 * 2e-3)) and over["exposed_s"] == 0.0
+
+
+def test_offload_groups_and_where_they_sit():
+    """The estimator's groups: every offload point a layer has, in forward order, with the bytes it
+    copies; the kept last layer's copy nothing; fused attention's projection is a group of its own.
+    Their places in the layer come from the FLOPs, or from a base point's step timeline."""
+    from recipes.predict.estimate import predict
+    from recipes.predict.offload import flop_positions, offload_positions
+
+    cfg = compose("model=standard_attn", "offload=qkv_linear-core_attn-attn_proj", *EMULATED)
+    groups = predict(cfg, "cpu")["offload_groups_per_layer"]
+    assert [[point for point, _ in layer] for layer in groups] == [["qkv_linear", "core_attn", "attn_proj"]] * len(groups)
+    assert all(n > 0 for layer in groups[:-1] for _, n in layer) and all(n == 0 for _, n in groups[-1])
+    assert sum(n for layer in groups for _, n in layer) == sum(predict(cfg, "cpu")["host_bytes_per_layer"])
+    flops = flop_positions(cfg)
+    order = ["attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm", "expert_fc1", "moe_act"]
+    assert [flops[p] for p in order] == sorted(flops.values()) and flops["moe_act"][1] == 1.0
+    assert flops["qkv_linear"][1] == flops["core_attn"][0] > 0 and flops["attn_proj"][1] < 0.5  # the MLP is most
+    # a layer of 10 ms the GPU reaches core attention's start at 2 and its end at 6 (the host far ahead)
+    names = ["1::pre", "1:self_attention.core_attention:pre", "1:self_attention.core_attention:end", "1::end"]
+    marks = {"names": names, "host_ms": [0.0] * 4, "gpu_ms": [0.0, 2.0, 4.0, 4.0]}
+    placed = offload_positions(cfg, {"layers": [1], "forward_ms": {}, "marks": marks})
+    assert placed["core_attn"] == pytest.approx((0.2, 0.6)) and placed["qkv_linear"] == flops["qkv_linear"]
 
 
 def test_host_memory_is_checked_against_the_prediction(megatron_world):

@@ -31,6 +31,7 @@ from recipes.predict.offload import (
     has_timeline,
     layer_forward_s,
     offload_overhead,
+    offload_positions,
     recompute_by_process_s,
     timeline_offload_costs,
 )
@@ -108,8 +109,8 @@ def price(cfg: dict, p: dict, tflops: float, link_gb_s: float, remat_bytes: int 
     # the base point measured that work, its timeline adds what the step does not hide (MoE's)
     host = (timeline_offload_costs(p.get("host_terms_per_layer") or [], module_times)
             if any(p["host_bytes_per_layer"]) else None)
-    copies = exposed_transfer_s(p["host_bytes_per_layer"], layer_forward_s(cfg, tflops, module_times), link_gb_s, m,
-                                p.get("host_groups_per_layer"), *offload_overhead(cfg.get("estimate") or {}))
+    copies = exposed_transfer_s(p["offload_groups_per_layer"], layer_forward_s(cfg, tflops, module_times), link_gb_s,
+                                m, offload_positions(cfg, module_times), *offload_overhead(cfg.get("estimate") or {}))
     overhead = copies["overhead_s"] + (host[len(host) // 2] if host else 0.0)
     return {"recompute_s": replay, "offload_s": copies["exposed_s"] + overhead,
             "offload_copy_s": copies["copy_s"], "offload_stall_s": copies["exposed_s"],

@@ -78,6 +78,15 @@ def attention_layer_forward_flops(cfg: Any) -> dict[str, float]:
     return out
 
 
+def output_projection_flops(cfg: Any) -> float:
+    """Forward FLOPs of an attention layer's output projection (``linear_proj``) for one micro-batch:
+    the part of ``attn_proj`` after core attention."""
+    m, t = cfg["model"], cfg["train"]
+    heads = m["num_attention_heads"]
+    dv = m["v_head_dim"] if ATTENTION_KIND[m["family"]] == "mla" else m["kv_channels"] or m["hidden_size"] // heads
+    return 2 * t["micro_batch_size"] * t["seq_length"] * heads * dv * m["hidden_size"]
+
+
 def gdn_layer_forward_flops(cfg: Any) -> float:
     """Forward FLOPs of one GatedDeltaNet layer's mixer (family=gdn), in place of attention.
 

@@ -41,7 +41,14 @@ from recipes.predict.activations import (
     validate_for,
 )
 from recipes.predict.fit import ALLOCATOR_SLACK, FITS, OVER, TIGHT, slack_for, verdict, with_slack
-from recipes.predict.offload import HostTerm, chunk_offload, exposed_transfer_s, layer_forward_s, offload_overhead
+from recipes.predict.offload import (
+    HostTerm,
+    chunk_offload,
+    exposed_transfer_s,
+    flop_positions,
+    layer_forward_s,
+    offload_overhead,
+)
 from recipes.recipe import GPU_BUDGET_GIB, at_full_depth, compose_recipe
 from recipes.recompute import (
     ATTENTION_KIND,
@@ -65,6 +72,12 @@ class Chunk:
     layers: list[list[Term]]  # what stays on the device
     extra: list[Term]
     host: list[list[HostTerm]] = field(default_factory=list)  # per layer: what offload copied to the host
+    groups: list[list[str]] = field(default_factory=list)  # per layer: its offload groups' points, in order
+
+    def offload_groups(self) -> list[list[tuple[str, int]]]:
+        """Per layer, each offload group's point and the bytes it copies (0: kept on the device)."""
+        return [[(point, sum(t[3] for t in host if t[4] == point)) for point in points]
+                for points, host in zip(self.groups or [[] for _ in self.layers], self.host or [[] for _ in self.layers])]
 
     def host_by_kind(self) -> dict[str, int]:
         totals = dict.fromkeys(KINDS, 0)
@@ -91,9 +104,10 @@ def build_chunk(cfg: dict, d: Dims, index: int, shares: list | None = None) -> C
     per = [d] * n if shares is None else [replace(d, routed_share=f if d.ep > 1 else 1) for f in shares]
     extra = embedding_terms(d) if index == 0 else []
     host: list[list[HostTerm]] = []
+    groups: list[list[str]] = []
     if not d.full:
         layers = [global_layer_terms(per[i], mine[i]) for i in range(n)]
-        layers, host = chunk_offload(cfg, d, layers, list(mine), gdn_pattern(cfg["model"]))
+        layers, host, groups = chunk_offload(cfg, d, layers, list(mine), gdn_pattern(cfg["model"]))
     else:  # a checkpoint keeps its chunk's input (1/tp of it when distributed over TP)
         k = rc["recompute_num_layers"]
         hidden = d.e * d.s_sp * d.b * d.h // (d.tp if rc["distribute_saved_activations"] else 1)
@@ -106,7 +120,7 @@ def build_chunk(cfg: dict, d: Dims, index: int, shares: list | None = None) -> C
             extra.append(("other", "rotary freqs (fp32, checkpoint input)", 4 * d.s * d.rope))
     if index == num_chunks - 1:
         extra += head_terms(d)
-    return Chunk(index, layers, extra, host)
+    return Chunk(index, layers, extra, host, groups)
 
 
 # --- parameters, gradients, optimizer state ----------------------------------------------------------
@@ -318,14 +332,16 @@ def predict(cfg: dict, device: str = "auto", stage: int | None = None,
             # each layer's copied ledger terms by offload point (a term is a saved tensor, or a few saved
             # together, as the SwiGLU's): what the manager's host work scales with
             "host_terms_per_layer": [dict(Counter(t[4] for t in layer if t[3] > 0)) for c in chunks for layer in c.host],
+            # each layer's offload groups in forward order, moved or kept: what the copies queue by
+            "offload_groups_per_layer": [g for c in chunks for g in c.offload_groups()],
         })
     pick = stages[stage] if stage is not None else max(stages, key=lambda s: s["peak_bytes"])
     if pick["host_bytes"]:  # the copies' time per step at the assumed rate and link (estimate.*)
         est = cfg.get("estimate") or {}
         tflops, link = est.get("mfu", 0.38) * cfg["measure"]["peak_tflops"], est.get("host_link_gb_s", 50.0)
         overhead = offload_overhead(est)
-        pick = {**pick, "offload_transfer": {**exposed_transfer_s(pick["host_bytes_per_layer"], layer_forward_s(
-            cfg, tflops), link, m_count, pick["host_groups_per_layer"], *overhead), "tflops": tflops,
+        pick = {**pick, "offload_transfer": {**exposed_transfer_s(pick["offload_groups_per_layer"], layer_forward_s(
+            cfg, tflops), link, m_count, flop_positions(cfg), *overhead), "tflops": tflops,
             "host_link_gb_s": link, "s_per_group": overhead[0], "s_per_gib": overhead[1]}}
     ep = par["expert_model_parallel_size"] > 1 and MLP_KIND.get(cfg["model"]["family"]) == "moe"
     share = None if not ep else [float(f) for f in routed_share] if per_layer else float(routed_share)

@@ -17,11 +17,14 @@ layer's group of each module on the device, so that the first backward does not 
 chunk moves its other layers' groups (modeled per model chunk, as measured for one pipeline stage).
 
 Time. Copies run on their own streams beside compute. Compute never waits for a copy out (megatron's
-d2h stream waits for compute, not the reverse): a layer's copy out queues behind the earlier ones.
-A reload is issued one group ahead in backward (when the group after it, in backward order, is done)
-and cannot start before its copy out has finished; the layer's backward waits for it.
-``exposed_transfer_s`` plays that queue per micro-batch, from a link bandwidth and each layer's forward
-time (its FLOPs at an achieved rate; backward twice that), for the stall no compute hides. To that
+d2h stream waits for compute, not the reverse): a group's copy out, ready where its module's forward
+ends, queues behind the earlier ones. In backward each group's end (moved or kept) issues the next
+reload, the last group moved first, which cannot start before its copy out has finished; the group's
+module waits for it where its backward begins (attention's after the MLP's, in the same layer).
+``exposed_transfer_s`` plays those queues per micro-batch and group, from a link bandwidth, each
+layer's forward time (its FLOPs at an achieved rate, or as measured; backward twice that) and where
+each group's module sits in it (``offload_positions``: by FLOPs, or on the base point's step
+timeline), for the stall no compute hides. To that
 it adds what the copies cost a step that hides them: a time per group moved (a layer's module: the
 manager's Python, event records and stream waits each group commit and reload) and per GiB moved
 (``estimate.offload_ms_per_group``, ``estimate.offload_ms_per_gib``; fitted to the dense offload points
@@ -41,11 +44,12 @@ time where the GPU waits for the host, and between the two where the lead is sho
 
 from __future__ import annotations
 
+import statistics
 from collections import defaultdict
 
 from recipes.build.model import resolve_swiglu_fusion
 from recipes.config import EstimateConfig
-from recipes.measure.flops import layer_forward_flops, mlp_replays_fc2, replayed_layer_flops
+from recipes.measure.flops import layer_forward_flops, mlp_replays_fc2, output_projection_flops, replayed_layer_flops
 from recipes.offload import modules_of
 from recipes.predict.activations import Dims, Term
 from recipes.predict.replay import Timeline, stream_pace
@@ -177,22 +181,44 @@ def offload_layers(d: Dims, layers: list[list[Term]], gdn: list[bool], modules: 
     return out_layers, hosts
 
 
+#: The offload points in the order a layer's forward reaches them.
+POINT_ORDER = ("attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm", "expert_fc1", "moe_act")
+
+
+def group_points(d: Dims, layers: list[list[Term]], gdn: list[bool], modules: list[str]) -> list[list[str]]:
+    """Per layer, the offload points of ``modules`` it has, in forward order: each is a group of
+    megatron's manager (hooks that commit and reload it), moved or kept. Fused attention saves no
+    projection input of its own, yet its projection is a group."""
+    out = []
+    for i, layer in enumerate(layers):
+        has = {point_of(t, d, gdn[i]) for t in layer}
+        if "core_attn" in has and _context_copied(layer):
+            has.add("attn_proj")
+        out.append([p for p in POINT_ORDER if p in modules and p in has])
+    return out
+
+
 def chunk_offload(cfg: dict, d: Dims, layers: list[list[Term]], global_layers: list[int],
-                  gdn_pattern: list[int]) -> tuple[list[list[Term]], list[list[HostTerm]]]:
-    """``offload_layers`` for a run config's ``offload`` group (the layers unchanged without it)."""
+                  gdn_pattern: list[int]) -> tuple[list[list[Term]], list[list[HostTerm]], list[list[str]]]:
+    """``offload_layers`` for a run config's ``offload`` group (the layers unchanged without it), and
+    each layer's groups (``group_points``)."""
     modules = modules_of(cfg)
     if not modules:
-        return layers, [[] for _ in layers]
+        return layers, [[] for _ in layers], [[] for _ in layers]
     gdn = [bool(gdn_pattern[g]) for g in global_layers]
-    return offload_layers(d, layers, gdn, modules, cfg["offload"]["min_offloaded_tensor_size"],
-                          cfg["offload"]["activation_offload_fraction"])
+    return (*offload_layers(d, layers, gdn, modules, cfg["offload"]["min_offloaded_tensor_size"],
+                            cfg["offload"]["activation_offload_fraction"]), group_points(d, layers, gdn, modules))
 
 
 # --- time: recompute and offload in seconds per step ---------------------------------------------------
 def layer_forward_s(cfg: dict, tflops: float, module_times: dict | None = None) -> float:
     """One average layer's forward time for one micro-batch: measured, where a point timed its layers
-    (``module_times``: the mean of its layers' whole forwards), else at ``tflops`` achieved TFLOP/s per
-    GPU (its matmul FLOPs, ``recipes.measure.flops``; TP splits them)."""
+    (on its step timeline, the median of its layers' forwards as the GPU reached them,
+    ``layer_spans``; else the mean of the module-time pass's stream times), else at ``tflops``
+    achieved TFLOP/s per GPU (its matmul FLOPs, ``recipes.measure.flops``; TP splits them)."""
+    spans = layer_spans(module_times, "")
+    if spans:
+        return statistics.median(end - start for start, end, _, _ in spans) / 1e3
     measured = ((module_times or {}).get("forward_ms") or {}).get("")
     if measured:
         return sum(measured) / len(measured) / 1e3
@@ -526,36 +552,106 @@ def offload_overhead(estimate: dict) -> tuple[float, float]:
             estimate.get("offload_ms_per_gib", default.offload_ms_per_gib) / 1e3)
 
 
-def exposed_transfer_s(host_per_layer: list[int], forward_s: float, link_gb_s: float,
-                       microbatches: int, groups_per_layer: list[int] | None = None,
+def flop_positions(cfg: dict) -> dict[str, tuple[float, float]]:
+    """Where each offload point's module starts and ends in a layer's forward, as shares of it, by its
+    matmul FLOPs (``layer_forward_flops``): the norms take none; QKV, core attention, the projection,
+    then the MLP; in an MoE layer FC1 then the activation and FC2 (megatron commits ``expert_fc1``
+    after FC1 and ``moe_act`` after FC2)."""
+    layer = layer_forward_flops(cfg)
+    proj = output_projection_flops(cfg) if layer.get("core_attn") else 0.0
+    qkv, core = max(layer.get("attn_proj", 0.0) - proj, 0.0), layer.get("core_attn", 0.0)
+    mlp = layer.get("mlp", 0.0) + layer.get("moe", 0.0)
+    total = (qkv + core + proj + mlp) or 1.0
+    a, b, c = qkv / total, (qkv + core) / total, (qkv + core + proj) / total
+    glu = 2 if cfg["model"]["gated_linear_unit"] else 1
+    fc1 = c + (1 - c) * glu / (glu + 1)
+    return {"attn_norm": (0.0, 0.0), "qkv_linear": (0.0, a), "core_attn": (a, b), "attn_proj": (b, c),
+            "mlp_norm": (c, c), "expert_fc1": (c, fc1), "moe_act": (fc1, 1.0)}
+
+
+def layer_spans(module_times: dict | None, module: str) -> list[tuple[float, float, float, float]]:
+    """Each forward of ``module`` on the point's step timelines (each at its stream pace), in every
+    layer and micro-batch: when the GPU reached its layer's forward start and end, and its own start
+    and end, ms. [] without a timeline or the module's marks."""
+    numbers = (module_times or {}).get("layers") or []
+    out = []
+    for tl in _paced_timelines(module_times, numbers):
+        reached = tl.reached()
+        for n in numbers:
+            marks = zip(*(tl.where(n, name, kind) for name, kind in (("", "pre"), ("", "end"), (module, "pre"),
+                                                                    (module, "end"))))
+            out.extend(tuple(reached[j] for j in js) for js in marks)
+    return out
+
+
+def offload_positions(cfg: dict, module_times: dict | None = None) -> dict[str, tuple[float, float]]:
+    """``flop_positions``, with each point's module as the base point's step timeline has it, where it
+    has one (the median over layers and micro-batches of where the GPU reached the module's forward
+    start and end, as shares of its layer's forward, ``layer_spans``; the experts split between FC1
+    and the activation by FLOPs)."""
+    out = flop_positions(cfg)
+    measured = {}
+    for module in set(OFFLOAD_MARKS.values()):
+        shares = [((a - lo) / (hi - lo), (b - lo) / (hi - lo)) for lo, hi, a, b in layer_spans(module_times, module)
+                  if hi > lo]
+        if shares:
+            measured[module] = tuple(statistics.median(x) for x in zip(*shares))
+    for point, module in OFFLOAD_MARKS.items():
+        if module in measured:
+            out[point] = measured[module]
+    if "mlp.experts" in measured:  # FC1's share of the experts' FLOPs
+        lo, hi = measured["mlp.experts"]
+        flops = flop_positions(cfg)
+        c, fc1 = flops["expert_fc1"]
+        split = lo + (hi - lo) * (fc1 - c) / ((1.0 - c) or 1.0)
+        out["expert_fc1"], out["moe_act"] = (lo, split), (split, hi)
+    return out
+
+
+def exposed_transfer_s(groups_per_layer: list[list[tuple[str, int]]], forward_s: float, link_gb_s: float,
+                       microbatches: int, positions: dict[str, tuple[float, float]],
                        s_per_group: float = 0.0, s_per_gib: float = 0.0) -> dict:
-    """Copy time per step, the stall no compute hides, and the copies' overhead, for one chunk's layers
-    (bytes each copies to the host per micro-batch).
+    """Copy time per step, the stall no compute hides, and the copies' overhead, for one chunk's layers:
+    each layer's offload groups in forward order, (point, bytes it copies to the host per micro-batch;
+    0 for a group the manager keeps), megatron's manager played per group.
 
     Overhead: ``s_per_group`` a group moved and ``s_per_gib`` a GiB moved (out and back), whatever
-    the link; half of a layer's is spent in its forward (the group commits), half in its backward
-    (the reloads), and lengthens that layer. Stall: layer i's forward takes ``forward_s`` plus its
-    half; its copy out is ready halfway through and starts once the copy before it is done.
-    Backward runs the layers in reverse, 2 x ``forward_s`` plus the other half each, after the last
-    forward; layer i's reload is issued when the backward of the layer after it starts (megatron
-    prefetches one group ahead, kept groups included), starts once the link is free and its copy
-    out is done, and layer i's backward waits for it."""
-    copy = [n / (link_gb_s * 1e9) for n in host_per_layer]
-    groups = groups_per_layer or [0] * len(copy)
-    half = [(s_per_group * g + s_per_gib * n / 2**30) / 2 for g, n in zip(groups, host_per_layer)]
-    out_done, free, now = [], 0.0, 0.0
-    for c, h in zip(copy, half):
-        free = max(free, now + (forward_s + h) / 2) + c if c else free
-        out_done.append(free)
-        now += forward_s + h
-    stall, link, issued = 0.0, 0.0, None
-    for i in reversed(range(len(copy))):
-        if copy[i]:
-            start = issued if issued is not None else now
-            link = max(start, link, out_done[i]) + copy[i]
-            wait = max(0.0, link - now)
-            stall, now = stall + wait, now + wait
-        issued = now  # the next reload (the layer below) is issued as this layer's backward starts
-        now += 2 * forward_s + half[i]
-    return {"copy_s": 2 * sum(copy) * microbatches, "exposed_s": stall * microbatches,
+    the link; half of a layer's is spent in its forward (the commits), half in its backward (the
+    reloads), and lengthens that layer: its forward takes ``forward_s`` plus its half, its backward
+    2 x ``forward_s`` plus the other. A group's module spans ``positions[point]`` (start, end) of its
+    layer's forward and the mirror of it in backward. Its copy out is ready at the module's end and
+    queues on the device-to-host stream; compute never waits for it. Every group's backward end (moved
+    or kept) issues the next reload, the last group moved first (megatron's ``bulk_reload``, one a
+    hook); a reload starts once the host-to-device stream is free and its copy out is done, and the
+    module's backward waits for it."""
+    copy = [[n / (link_gb_s * 1e9) for _, n in layer] for layer in groups_per_layer]
+    half = [(s_per_group * sum(1 for _, n in layer if n) + s_per_gib * sum(n for _, n in layer) / 2**30) / 2
+            for layer in groups_per_layer]
+    out_done, free, now = {}, 0.0, 0.0
+    for i, layer in enumerate(groups_per_layer):
+        f = forward_s + half[i]
+        for k, (point, _) in enumerate(layer):
+            if copy[i][k]:
+                free = max(free, now + positions[point][1] * f) + copy[i][k]
+                out_done[i, k] = free
+        now += f
+    stack = [(i, k) for i, layer in enumerate(groups_per_layer) for k in range(len(layer)) if copy[i][k]]
+    stall, link, back = 0.0, 0.0, {}
+    for i in reversed(range(len(groups_per_layer))):
+        b, start, shift = 2 * forward_s + half[i], now, 0.0
+        for k in reversed(range(len(groups_per_layer[i]))):
+            lo, hi = positions[groups_per_layer[i][k][0]]
+            if copy[i][k]:  # the module's backward begins: wait for its reload
+                due = start + shift + (1 - hi) * b
+                if (i, k) not in back:  # no hook issued it yet: the tensors reload as they are unpacked
+                    stack.remove((i, k))
+                    link = back[i, k] = max(due, link, out_done[i, k]) + copy[i][k]
+                shift += max(0.0, back[i, k] - due)
+            if stack:  # the module's backward ends: the next reload is issued
+                g = stack.pop()
+                link = max(start + shift + (1 - lo) * b, link, out_done[g]) + copy[g[0]][g[1]]
+                back[g] = link
+        stall += shift
+        now = start + shift + b
+    return {"copy_s": 2 * sum(map(sum, copy)) * microbatches, "exposed_s": stall * microbatches,
             "overhead_s": 2 * sum(half) * microbatches}

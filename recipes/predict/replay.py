@@ -110,6 +110,13 @@ class Timeline:
             reached = max(self.host[min(j, n - 1)] + shift, reached + (self.work[j] if j < n else 0.0) + gpu)
         return reached
 
+    def reached(self) -> list[float]:
+        """When the GPU reaches each mark (ms), nothing inserted."""
+        out = [self.host[0]]
+        for j in range(1, len(self.names)):
+            out.append(max(self.host[j], out[-1] + self.work[j]))
+        return out
+
     def scaled(self, pace: float) -> Timeline:
         """The same timeline with the GPU's work ``pace`` times as long (``stream_pace``)."""
         return replace(self, work=[w * pace for w in self.work])
