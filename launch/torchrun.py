@@ -10,7 +10,6 @@ out node by node (rank = node_rank * nproc_per_node + local_rank), as megatron's
 from __future__ import annotations
 
 import os
-import socket
 import sys
 from dataclasses import dataclass
 
@@ -23,13 +22,6 @@ class Rendezvous:
     node_rank: int
     master_addr: str
     master_port: int
-
-
-def free_port() -> int:
-    """A TCP port that is free on this machine now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 #: torchrun's variables for a world of one rank. Port 0: the one process's store binds a free port

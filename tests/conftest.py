@@ -36,7 +36,7 @@ sys.path.insert(0, str(REPO))
 
 CONF = str(REPO / "conf")
 
-from launch.torchrun import free_port  # noqa: E402  (after the repo is on sys.path)
+from launch.torchrun import ONE_RANK_ENV  # noqa: E402  (after the repo is on sys.path)
 
 
 def pytest_collection_modifyitems(items: list) -> None:
@@ -60,10 +60,8 @@ def compose(*overrides: str) -> dict:
 @pytest.fixture(scope="session")
 def megatron_world():
     """A single-process gloo world with megatron's parallel state (all sizes 1)."""
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(free_port()))
-    os.environ.setdefault("RANK", "0")
-    os.environ.setdefault("WORLD_SIZE", "1")
+    for key, value in ONE_RANK_ENV.items():  # MASTER_PORT 0: the store binds a free port itself
+        os.environ.setdefault(key, value)
     from recipes.run.worker import init_distributed
 
     init_distributed(compose())

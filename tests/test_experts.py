@@ -37,9 +37,9 @@ def model_parallel():
     """Single-process gloo group + megatron model-parallel state, torn down after the module."""
     created = not dist.is_initialized()
     if created:
-        from launch.torchrun import free_port
+        from launch.torchrun import ONE_RANK_ENV
 
-        os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(free_port())
+        os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = ONE_RANK_ENV["MASTER_ADDR"], ONE_RANK_ENV["MASTER_PORT"]
         dist.init_process_group("gloo", rank=0, world_size=1)
     owns_state = not parallel_state.model_parallel_is_initialized()  # else conftest's megatron_world
     if owns_state:
