@@ -157,6 +157,13 @@ step_paired() {  # each family's recompute options timed against themselves swit
       mla) opts=full,selective/mla_up_proj,selective/mla_up_proj-core_attn;; esac
     stamp "bench_paired model=$m"; $PY benchmarks/bench_paired.py --processes $n --rounds 10 --passes 2 \
       --save results/paired_$m model=$m size=$SIZE --options $opts 2>&1 | grep "^|\|processes"; done; }
+step_paired_offload() {  # each family's offload options (and MoE's 25 GiB pick) timed against themselves paused in
+  # one process and priced on that process's timeline (docs/offload.md); 3 processes each; saved under results/
+  local fams=${1:-standard_attn,moe}; for m in ${fams//,/ }; do
+    local opts="offload=qkv_linear,offload=core_attn,offload=core_attn-attn_proj,offload=attn_norm-mlp_norm,offload=qkv_linear-core_attn-attn_proj"
+    [ "$m" = moe ] && opts="offload=expert_fc1,offload=moe_act,offload=expert_fc1-moe_act,offload=core_attn-attn_proj,recompute=selective/moe_act offload=core_attn offload.activation_offload_fraction=0.75"
+    stamp "bench_paired offload model=$m"; $PY benchmarks/bench_paired.py --processes 3 --rounds 8 --passes 2 \
+      --save results/paired_offload_$m model=$m size=$SIZE --options "$opts" 2>&1 | grep "^|\|processes"; done; }
 step_region() {  # where a checkpoint region's host time goes, part by part: MoE moe_act and layernorm, dense layernorm
   for a in "model=moe recompute=selective/moe_act" "model=moe recompute=selective/layernorm" \
       "model=standard_attn recompute=selective/layernorm"; do stamp "bench_region $a"
