@@ -453,18 +453,31 @@ def _validate_offload(cfg, num_gpus: int, te_available: bool, planned_host_bytes
         _check(cfg["train"]["train_iters"] >= 3, "train.train_iters", "with offload the first step plans it "
                "(megatron's warm-up) and the second records the ledger: 2 steps measure nothing",
                "set train.train_iters>=3, or measure.ledger=false")
-    if planned_host_bytes:
-        launch = cfg["launcher"]
-        per_node = planned_host_bytes * launch["nproc_per_node"]
-        given = off["host_memory_gib"]
-        host = int(given * GIB) if given is not None else host_memory_available()
-        where = "offload.host_memory_gib" if given is not None else "this machine's available memory"
-        _check(host is None or per_node <= host, option,
-               f"the copies are predicted at {_size(per_node)} of host memory per node "
-               f"({_size(planned_host_bytes)} per rank x {launch['nproc_per_node']} "
-               f"rank{'s' if launch['nproc_per_node'] > 1 else ''}), above {where} ({_size(host or 0)})",
-               "offload fewer modules (a smaller conf/offload option), use recompute instead, free host "
-               "memory, or set offload.host_memory_gib to the nodes' memory if they are not this machine")
+    problem = host_memory_problem(cfg, planned_host_bytes)
+    if problem:
+        raise ConfigError(*problem)
+
+
+def host_memory_problem(cfg: dict, planned_host_bytes: int | None) -> tuple[str, str, str] | None:
+    """(option, problem, fix) where the host memory one rank's offload is predicted to hold
+    (``recipes.predict.estimate.planned_host_bytes``), times the ranks of a node, is above
+    ``offload.host_memory_gib`` (default: this machine's available memory); else None. The validator
+    refuses such a run before launch, and the planner such a plan."""
+    if not planned_host_bytes:
+        return None
+    launch, off = cfg["launcher"], cfg["offload"]
+    per_node = planned_host_bytes * launch["nproc_per_node"]
+    given = off["host_memory_gib"]
+    host = int(given * GIB) if given is not None else host_memory_available()
+    if host is None or per_node <= host:
+        return None
+    where = "offload.host_memory_gib" if given is not None else "this machine's available memory"
+    return (f"offload={option_of(cfg)}",
+            f"the copies are predicted at {_size(per_node)} of host memory per node "
+            f"({_size(planned_host_bytes)} per rank x {launch['nproc_per_node']} "
+            f"rank{'s' if launch['nproc_per_node'] > 1 else ''}), above {where} ({_size(host)})",
+            "offload fewer modules (a smaller conf/offload option), use recompute instead, free host "
+            "memory, or set offload.host_memory_gib to the nodes' memory if they are not this machine")
 
 
 def _size(nbytes: float) -> str:

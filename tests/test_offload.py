@@ -317,6 +317,27 @@ def test_host_memory_is_checked_against_the_prediction(megatron_world):
     assert planned_host_bytes(compose("model=standard_attn")) is None
 
 
+def test_the_planner_sets_aside_plans_the_host_cannot_hold():
+    """advise --predict: an offload plan whose copies need more host memory per node than
+    offload.host_memory_gib is not priced nor picked, and the plan's lines say why and the fix; the
+    same plans come back with room for them."""
+    from recipes.analyze.advise import explain_plan
+    from recipes.analyze.plan import plan
+    from recipes.config import compose_config
+
+    overrides = ["model=moe", "size=h200", "parallel=pp2", "launcher.nproc_per_node=2"]
+    roomy = plan(compose_config([*overrides, "offload.host_memory_gib=1024"]), 60.0)
+    assert not roomy["over_host"] and any(r["offload"] != "none" for r in roomy["rows"])
+    least = min(r["host_gib"] for r in roomy["rows"] if r["host_gib"] > 0)
+    # room for the smallest plan's copies on both ranks of a node, not for the others'
+    tight = plan(compose_config([*overrides, f"offload.host_memory_gib={2 * least * 1.01}"]), 60.0)
+    kept = [r for r in tight["rows"] if r["offload"] != "none"]
+    assert kept and all(2 * r["host_gib"] <= 2 * least * 1.01 for r in kept)
+    assert len(tight["over_host"]) == sum(r["offload"] != "none" for r in roomy["rows"]) - len(kept)
+    line = next(x for x in explain_plan(tight, " ".join(overrides)) if "set aside for the host's memory" in x)
+    assert "x 2 ranks), above offload.host_memory_gib" in line and "fix: offload fewer modules" in line
+
+
 def test_a_sweep_with_offload_end_to_end_and_its_table(tmp_path):
     """``train.py -m`` on a CPU (emulated copy streams): the point is named by its offload, records
     what it moved, and benchmarks/offload_table.py tabulates it against none."""

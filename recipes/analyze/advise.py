@@ -651,13 +651,20 @@ def explain_plan(p: dict | None, base: str, measured: frozenset = frozenset()) -
     if not p:
         return []
     fitting = sorted((r for r in p["rows"] if r["fits"]), key=lambda r: r["cost_s"])
-    lines = [f"Plan over recompute x offload ({len(p['rows'])} combinations megatron-core allows, "
+    lines = [f"Plan over recompute x offload ({len(p['rows']) + len(p.get('over_host') or [])} combinations "
+             "megatron-core allows, "
              f"{len(fitting)} fit; {len(p['refused'])} refused by its rules), added step time at "
              f"{p['tflops']:.0f} TFLOP/s" + (" (replays on the base point's measured step timeline, host "
                                               "time included)" if p.get("timeline") else
                                               " (replays at the base point's measured module times)"
                                               if p.get("module_times") else "")
              + f" and a {p['host_link_gb_s']:g} GB/s host link:"]
+    over = p.get("over_host") or []
+    if over:  # the one that needs the least host memory says what the host lacks
+        least = min(over, key=lambda r: r["host_gib"])
+        lines.append(f"  {len(over)} offload plan{'s' if len(over) > 1 else ''} set aside for the host's memory; the "
+                     f"smallest, recompute={least['recompute']} offload={least['offload']}: {least['why']}; "
+                     f"fix: {least['fix']}")
     c, runner = p["choice"], p["runner_up"]
     if c is None:
         near = min(p["rows"], key=lambda r: r["predicted_peak_gib"], default=None)

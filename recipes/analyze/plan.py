@@ -36,7 +36,7 @@ from recipes.predict.offload import (
     timeline_offload_costs,
 )
 from recipes.recompute import is_full, option_of, options_for, recompute_config, recompute_order, selective_labels
-from recipes.validate import layers_per_chunk
+from recipes.validate import host_memory_problem, layers_per_chunk
 
 #: Added step times closer than this (seconds) are a tie: the simpler plan wins.
 SAME_TIME_S = 1e-4
@@ -135,13 +135,15 @@ def plan(cfg: dict, budget_gib: float, tflops: float | None = None, link_gb_s: f
          module_times: dict | None = None) -> dict:
     """Every allowed (recompute, offload) combination for ``cfg``'s model and layout: predicted peak,
     fit, added step time; the fastest fitting combination and the runner-up. ``module_times``: a
-    measured point's (``recipes.measure.moduletime``), pricing the replays it covers."""
+    measured point's (``recipes.measure.moduletime``), pricing the replays it covers. An offload plan
+    whose host copies need more memory per node than the host has (``offload.host_memory_gib``, else
+    this machine's available memory) is set aside in ``over_host``, as the validator would refuse it."""
     cfg = upgrade(cfg)
     tflops, link_gb_s = rates(cfg, tflops, link_gb_s)
     model, pp = cfg["model"], cfg["parallel"]["pipeline_model_parallel_size"]
     keep = {k: cfg["offload"][k] for k in ("min_offloaded_tensor_size", "activation_offload_fraction",
                                             "host_memory_gib", "emulate_on_cpu")}
-    rows, refused = [], []
+    rows, refused, over_host = [], [], []
     for rc_option in options_for(model):
         labels = None if is_full(rc_option) else selective_labels(rc_option)
         remat = elementwise_bytes({**cfg, "recompute": recompute_config(rc_option)}) if labels else 0
@@ -167,17 +169,23 @@ def plan(cfg: dict, budget_gib: float, tflops: float | None = None, link_gb_s: f
                 if smaller:
                     fraction, p = smaller
                     trial["offload"] = {**trial["offload"], "activation_offload_fraction": fraction}
+            planned = max(st["in_flight_host_bytes"] for st in p["stages"])
+            host = host_memory_problem(trial, planned)
+            if host:  # the validator would refuse it at launch
+                over_host.append({"recompute": rc_option, "offload": off_option, "why": host[1], "fix": host[2],
+                                  "host_gib": planned * cfg["launcher"]["nproc_per_node"] / GIB})
+                continue
             peak, slack = p["peak_bytes"] / GIB, p["allocator_slack"]
             mark = verdict(peak, budget_gib, slack)
             rows.append({"recompute": rc_option, "offload": off_option, "predicted_peak_gib": peak,
-                         "fits": mark == FITS, "tight": mark == TIGHT, "host_gib": p["in_flight_host_bytes"] / GIB,
+                         "fits": mark == FITS, "tight": mark == TIGHT, "host_gib": planned / GIB,
                          **price(trial, p, tflops, link_gb_s, remat, module_times),
                          **({"recompute_num_layers": trial["recompute"]["recompute_num_layers"]}
                             if rc_option == "full/block" else {}),
                          **({"activation_offload_fraction": fraction} if modules and fraction < 1.0 else {})})
     return rank({"budget_gib": budget_gib, "tflops": tflops, "host_link_gb_s": link_gb_s,
                  "module_times": bool(module_times), "timeline": has_timeline(module_times),
-                 "allocator_slack": slack_for(cfg), "rows": rows, "refused": refused})
+                 "allocator_slack": slack_for(cfg), "rows": rows, "refused": refused, "over_host": over_host})
 
 
 def rank(p: dict) -> dict:
