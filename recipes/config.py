@@ -274,7 +274,7 @@ class EstimateConfig:
     # offload.link).
     mfu: float = 0.38
     host_link_gb_s: float = 50.0
-    # What activation offload's copies cost a step beyond the link (recipes.predict.offload): per group
+    # What activation offload's copies cost a step beyond the link (recipes.predict.cost): per group
     # moved (one layer's module: the manager's Python, events and stream waits at each group commit
     # and reload) and per GiB moved (out and back). Fitted to the five dense offload points one H200
     # measured at the h200 size (benchmarks/offload_table.py --fit; docs/offload.md).
@@ -283,7 +283,7 @@ class EstimateConfig:
     # Elementwise replays (moe_act, layernorm, gdn_norm_out) are memory traffic: GB/s of device
     # memory they run at (the H200's HBM3e peaks at 4800).
     hbm_gb_s: float = 3000.0
-    # What an elementwise label's replay costs beyond its bytes (recipes.predict.offload.recompute_s; on a
+    # What an elementwise label's replay costs beyond its bytes (recipes.predict.cost.recompute_s; on a
     # measured timeline, timeline_recompute_costs, both are host time, which a GPU-bound step hides; a
     # timeline recorded since 2026-12-04 19:30 UTC measured its regions and functions instead,
     # recipes.measure.regions: 0.4-0.6 ms a region on one H200):

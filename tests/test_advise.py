@@ -463,7 +463,7 @@ def test_an_elementwise_replay_costs_its_bytes_regions_and_host_bound_launches()
     layer at ``estimate.replay_region_ms``; a host-bound MoE step adds ``estimate.launch_us`` a kernel."""
     from recipes.analyze.plan import elementwise_bytes
     from recipes.config import compose_config
-    from recipes.predict.offload import elementwise_replays, recompute_s
+    from recipes.predict.cost import elementwise_replays, recompute_s
 
     def cost(overrides, **est):
         cfg = compose_config(overrides)
@@ -604,7 +604,7 @@ def test_a_sweep_whose_base_point_timed_its_modules_prices_the_replays_from_them
     """``measure.module_times`` on the base point (no recompute): the plan for what the sweep did not
     run prices the mlp label's replay at the measured forward time of the MLP less FC2, 8 layers x 4
     micro-batches, not at its FLOPs, and says so."""
-    from recipes.predict.offload import recompute_s
+    from recipes.predict.cost import recompute_s
 
     sweep = make_sweep(tmp_path / "sweep", attentions=("sdpa",))
     point = sweep / "attention=sdpa__recompute=none"

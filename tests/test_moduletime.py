@@ -1,5 +1,5 @@
 """Module times (``measure.module_times``): each layer's modules timed in one more forward and
-backward, and the recompute labels priced from them (``recipes.predict.offload.measured_replay_s``)."""
+backward, and the recompute labels priced from them (``recipes.predict.cost.measured_replay_s``)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 from conftest import build_trainer, compose, train_in_process
 
 from recipes.measure.moduletime import time_modules
-from recipes.predict.offload import measured_replay_s, recompute_s
+from recipes.predict.cost import measured_replay_s, recompute_s
 
 TINY = ("size=tiny", "attention=unfused", "profile=none", "train.train_iters=3", "measure.start_step=2")
 
@@ -128,8 +128,8 @@ def test_offload_hides_its_copies_behind_the_measured_layer_forward():
     mean of the layers'), not against the FLOPs at the step's rate: a slower measured forward hides
     more of the same copies."""
     from recipes.analyze.plan import price
+    from recipes.predict.cost import layer_forward_s
     from recipes.predict.estimate import predict
-    from recipes.predict.offload import layer_forward_s
 
     cfg = compose("size=h200", "offload=core_attn")
     p = predict(cfg, "cuda")
@@ -245,7 +245,7 @@ def test_a_replay_costs_its_gpu_time_on_a_gpu_bound_timeline_and_its_host_time_o
     the host, their host time and the checkpoint region's (``estimate.replay_region_ms``); a point run
     in several processes, the median of theirs; a label with no place on the timeline, no price (the
     module times' then)."""
-    from recipes.predict.offload import timeline_recompute_costs
+    from recipes.predict.cost import timeline_recompute_costs
 
     cfg = compose("model=moe", "size=h200", "recompute=selective/moe", "model.num_layers=2")
     region = cfg["estimate"]["replay_region_ms"]
@@ -316,7 +316,7 @@ def test_a_checkpoints_first_forward_saves_the_host_what_no_grad_saves_it_where_
     the pass recorded a no-grad forward, the replayed modules' forward costs its host time there, not
     the training pass's: on a host-bound timeline the price falls by the difference; on a GPU-bound one
     it does not move; a point recorded without it is priced as before."""
-    from recipes.predict.offload import timeline_recompute_costs
+    from recipes.predict.cost import timeline_recompute_costs
     from recipes.predict.replay import Timeline
 
     moe = compose("model=moe", "size=h200", "recompute=selective/moe", "model.num_layers=2")
@@ -360,7 +360,7 @@ def test_a_region_costs_the_host_what_the_pass_measured_for_its_kind_and_its_fun
     its forward on the timeline; a module replay the region of its kind (tensor_parallel.checkpoint for
     the whole MoE layer) plus the modules' forward. Without them, estimate.replay_region_ms and the
     kernels at estimate.launch_us, as before."""
-    from recipes.predict.offload import activation_kernels, timeline_recompute_costs
+    from recipes.predict.cost import activation_kernels, timeline_recompute_costs
 
     regions = {"region_ms": {"without_output": 0.3, "checkpoint": 0.2}, "region_function_ms": {"moe_act": 0.25}}
 
@@ -390,8 +390,8 @@ def test_offload_groups_cost_the_host_what_the_pass_measured_where_the_host_does
     point whose pass did not measure it has no such price. ``price`` adds it to the copies' fitted
     rates (what a step that hides it pays)."""
     from recipes.analyze.plan import price
+    from recipes.predict.cost import timeline_offload_costs
     from recipes.predict.estimate import predict
-    from recipes.predict.offload import timeline_offload_costs
 
     measured = {"offload_ms": {"group": 0.4, "tensor": 0.1}}
     tensors = [{"moe_act": 3, "expert_fc1": 1}, {}]  # layer 1 moves two groups, layer 2 (kept) none
@@ -422,7 +422,7 @@ def test_the_gpu_pass_is_read_at_the_pace_the_stream_pass_measured_for_its_gpu_b
     where the host was far ahead (the GPU pass's sleeps let the same kernels run about a tenth faster
     on an H200); forwards the host was slow to issue do not count, and the ratio is kept within
     PACE_RANGE. A replay is then priced at that pace: a GPU-bound MoE replay costs its GPU time 1.2x."""
-    from recipes.predict.offload import timeline_recompute_costs
+    from recipes.predict.cost import timeline_recompute_costs
     from recipes.predict.replay import PACE_RANGE, Timeline, stream_pace
 
     names = ["start", "1:mlp.experts:pre", "1:mlp.experts:end", "2:mlp.experts:pre", "2:mlp.experts:end"]

@@ -5,7 +5,7 @@ run beside compute. ``plan`` predicts, for a per-rank budget, every recompute op
 option megatron-core allows together (``recipes.offload.rule_problem``: no expert offload inside a
 whole-``moe`` recompute, no offload with full recompute, ...), its peak with the allocator's slack
 (``recipes.predict.fit``), and its added step time in one unit: the replayed FLOPs at the achieved
-rate, plus the copy time compute does not hide (``recipes.predict.offload``). The choice is the
+rate, plus the copy time compute does not hide (``recipes.predict.cost``). The choice is the
 fitting combination predicted fastest (ties: no offload, the guide's recompute order, fewer
 modules); the runner-up is the next one, and both are worth one sweep to confirm.
 
@@ -23,9 +23,7 @@ from recipes.errors import ConfigError
 from recipes.files import GIB
 from recipes.offload import offload_config, option_modules, rule_problem
 from recipes.offload import options_for as offload_options
-from recipes.predict.estimate import num_microbatches, predict
-from recipes.predict.fit import FITS, TIGHT, fits, slack_for, verdict
-from recipes.predict.offload import (
+from recipes.predict.cost import (
     ELEMENTWISE_REPLAYS,
     exposed_transfer_s,
     has_timeline,
@@ -35,6 +33,8 @@ from recipes.predict.offload import (
     recompute_by_process_s,
     timeline_offload_costs,
 )
+from recipes.predict.estimate import num_microbatches, predict
+from recipes.predict.fit import FITS, TIGHT, fits, slack_for, verdict
 from recipes.recompute import is_full, option_of, options_for, recompute_config, recompute_order, selective_labels
 from recipes.validate import host_memory_problem, layers_per_chunk
 

@@ -11,7 +11,7 @@ a CPU (tests) the wall clock. Calls inside backward are a recompute's replays, k
 
 The result (``result.json`` ranks[*].module_times): per module name (relative to its layer, "" the
 layer itself), the forward ms of one micro-batch in each of the rank's layers (``layers``: megatron's
-1-based layer numbers), and the same for replays. ``recipes.predict.offload.measured_replay_s``
+1-based layer numbers), and the same for replays. ``recipes.predict.cost.measured_replay_s``
 prices the recompute labels from a no-recompute point's forward times.
 
 Where the step is host-bound (MoE, MLA), a replay costs neither its stream time nor its GPU time but

@@ -15,7 +15,7 @@ two kinds of region: ``CheckpointWithoutOutput`` (``without_output``: the elemen
 A kind that cannot be measured without building megatron's C++ extension first is left out.
 ``function_host_ms`` times the functions an elementwise region replays that are not timed modules
 (``REGION_FUNCTIONS``). The module-time pass records both (``recipes.measure.moduletime.timeline``)
-and ``recipes.predict.offload`` prices a region from them.
+and ``recipes.predict.cost`` prices a region from them.
 
 An offload group is the same kind of cost: megatron's fine-grained offload manager runs Python for each
 group it commits in the forward (its saved-tensor hooks, a pinned buffer from its pool, a copy issued

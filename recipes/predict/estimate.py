@@ -40,15 +40,9 @@ from recipes.predict.activations import (
     layer_terms,
     validate_for,
 )
+from recipes.predict.cost import exposed_transfer_s, flop_positions, layer_forward_s, offload_overhead
 from recipes.predict.fit import ALLOCATOR_SLACK, FITS, OVER, TIGHT, slack_for, verdict, with_slack
-from recipes.predict.offload import (
-    HostTerm,
-    chunk_offload,
-    exposed_transfer_s,
-    flop_positions,
-    layer_forward_s,
-    offload_overhead,
-)
+from recipes.predict.offload import HostTerm, chunk_offload
 from recipes.recipe import GPU_BUDGET_GIB, at_full_depth, compose_recipe
 from recipes.recompute import (
     ATTENTION_KIND,
