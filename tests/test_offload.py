@@ -281,7 +281,7 @@ def test_offload_groups_and_where_they_sit():
     """The estimator's groups: every offload point a layer has, in forward order, with the bytes it
     copies; the kept last layer's copy nothing; fused attention's projection is a group of its own.
     Their places in the layer come from the FLOPs, or from a base point's step timeline."""
-    from recipes.predict.cost import flop_positions, offload_positions
+    from recipes.predict.cost import flop_positions, layer_forward_s, offload_positions
     from recipes.predict.estimate import predict
 
     cfg = compose("model=standard_attn", "offload=qkv_linear-core_attn-attn_proj", *EMULATED)
@@ -296,8 +296,12 @@ def test_offload_groups_and_where_they_sit():
     # a layer of 10 ms the GPU reaches core attention's start at 2 and its end at 6 (the host far ahead)
     names = ["1::pre", "1:self_attention.core_attention:pre", "1:self_attention.core_attention:end", "1::end"]
     marks = {"names": names, "host_ms": [0.0] * 4, "gpu_ms": [0.0, 2.0, 4.0, 4.0]}
-    placed = offload_positions(cfg, {"layers": [1], "forward_ms": {}, "marks": marks})
+    timed = {"layers": [1], "forward_ms": {"": [25.0]}, "marks": marks}
+    placed = offload_positions(cfg, timed)
     assert placed["core_attn"] == pytest.approx((0.2, 0.6)) and placed["qkv_linear"] == flops["qkv_linear"]
+    # the layer forward the copies hide under is the timeline's, not the module-time pass's stream time
+    assert layer_forward_s(cfg, 400.0, timed) == pytest.approx(0.010)
+    assert layer_forward_s(cfg, 400.0, {**timed, "marks": None}) == pytest.approx(0.025)
 
 
 def test_host_memory_is_checked_against_the_prediction(megatron_world):
