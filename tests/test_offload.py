@@ -299,6 +299,14 @@ def test_offload_groups_and_where_they_sit():
     timed = {"layers": [1], "forward_ms": {"": [25.0]}, "marks": marks}
     placed = offload_positions(cfg, timed)
     assert placed["core_attn"] == pytest.approx((0.2, 0.6)) and placed["qkv_linear"] == flops["qkv_linear"]
+    # one mark for both expert points: FC1 commits where its share of the experts' FLOPs ends (SwiGLU:
+    # FC1 is 2 of 3 parts), moe_act at the experts' end
+    moe = compose("model=moe", "offload=expert_fc1-moe_act", *EMULATED)
+    names = ["1::pre", "1:mlp.experts:pre", "1:mlp.experts:end", "1::end"]
+    experts = {"layers": [1], "forward_ms": {}, "marks": {"names": names, "host_ms": [0.0] * 4,
+                                                          "gpu_ms": [0.0, 4.0, 3.0, 3.0]}}
+    split = offload_positions(moe, experts)
+    assert split["expert_fc1"] == pytest.approx((0.4, 0.6)) and split["moe_act"] == pytest.approx((0.6, 0.7))
     # the layer forward the copies hide under is the timeline's, not the module-time pass's stream time
     assert layer_forward_s(cfg, 400.0, timed) == pytest.approx(0.010)
     assert layer_forward_s(cfg, 400.0, {**timed, "marks": None}) == pytest.approx(0.025)
