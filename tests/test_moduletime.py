@@ -467,6 +467,25 @@ def test_recompute_s_prices_on_the_timeline_where_the_point_recorded_one():
     assert recompute_s(cfg, 400.0, 2, 1, 0, 3000.0, failed) == pytest.approx(2 * 7e-3)
 
 
+def test_a_host_cost_measurement_notes_what_it_took_and_a_failed_one_gives_none():
+    """The pass's host-cost measurements (recipes.measure.regions) note the seconds each took, kept in
+    the marks as host_cost_s; one that fails leaves None, and its time is noted too."""
+    import time
+
+    from recipes.measure.moduletime import _host_cost
+
+    def slow(device):
+        time.sleep(0.05)
+        return {"group": 0.4}
+
+    def broken(device):
+        raise RuntimeError("no copy streams")
+
+    spent = {}
+    assert _host_cost(slow, spent, "offload") == {"group": 0.4} and _host_cost(broken, spent, "region") is None
+    assert 0.05 <= spent["offload"] < 1.0 and 0.0 <= spent["region"] < 0.05
+
+
 def test_a_repeated_point_keeps_every_processs_timeline():
     """merge_module_times: module times merge to medians, timelines do not merge (each is priced, then
     the median taken), so the merged point keeps them all."""
@@ -515,4 +534,6 @@ def test_on_a_gpu_the_timeline_replays_to_the_pass_it_was_measured_in(megatron_w
     assert all(0.0 < ms < 5.0 for ms in marks["region_ms"].values()), marks["region_ms"]
     # what an offload group costs the host through megatron's manager (this point offloads nothing)
     assert 0.0 < marks["offload_ms"]["group"] < 5.0 and 0.0 <= marks["offload_ms"]["tensor"] < 1.0, marks["offload_ms"]
+    # what the two measurements added to the pass, in seconds
+    assert set(marks["host_cost_s"]) == {"region", "offload"} and all(0.0 < s < 60 for s in marks["host_cost_s"].values())
     assert 0.0 < marks["region_function_ms"]["moe_act"] < 5.0

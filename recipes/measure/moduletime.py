@@ -229,14 +229,17 @@ def _time_modules(trainer, marks: bool) -> dict:
     return out
 
 
-def _host_cost(measure) -> dict | None:
-    """``measure`` (a host cost of ``recipes.measure.regions``) on this GPU; None where it failed: the
-    timeline stands, and the price takes the settings instead (``estimate.replay_region_ms``, the
-    offload rates)."""
+def _host_cost(measure, spent: dict[str, float], name: str) -> dict | None:
+    """``measure`` (a host cost of ``recipes.measure.regions``) on this GPU, the seconds it took noted
+    in ``spent[name]`` (what it adds to the pass); None where it failed: the timeline stands, and the
+    price takes the settings instead (``estimate.replay_region_ms``, the offload rates)."""
+    t0 = time.perf_counter()
     try:
         return measure(torch.device("cuda"))
     except Exception:
         return None
+    finally:
+        spent[name] = round(time.perf_counter() - t0, 3)
 
 
 def timeline(trainer) -> dict:
@@ -249,8 +252,9 @@ def timeline(trainer) -> dict:
     ``nograd_host_ms`` the forwards' marks and host clock in a forward-only pass under no_grad (after
     one unmarked: a process's first no-grad forward took 2-3x as long on the H200); ``region_ms`` what
     a checkpoint region of each kind costs this host beyond its function, ``region_function_ms``
-    the median host ms of each elementwise region's function in the host pass, and ``offload_ms`` what
-    an offload group costs this host, a group and a tensor (``recipes.measure.regions``)."""
+    the median host ms of each elementwise region's function in the host pass, ``offload_ms`` what
+    an offload group costs this host, a group and a tensor (``recipes.measure.regions``), and
+    ``host_cost_s`` the seconds those two measurements added to the pass."""
     light = ModuleTimer(trainer.chunks, True, marks="light")
     l0 = _pass(trainer, light)
     host = ModuleTimer(trainer.chunks, True, marks="host")
@@ -277,6 +281,7 @@ def timeline(trainer) -> dict:
         extra = (host.marks[ends[-1]][1] - t0) - light_end[-1]
         cost = min(max(extra * 1e3 / max(ends[-1] - (len(light.marks) - 1), 1), 0.0), MARK_COST_MAX_MS)
     origin = gpu.marks[0][2]  # the stream was drained: it runs as the host records it, at g0
+    spent: dict[str, float] = {}
     work, clean = [0.0], [True]
     for (_, _, _, begun), (_, noted, ended, _) in zip(gpu.marks, gpu.marks[1:]):
         work.append(round(begun.elapsed_time(ended), 4))
@@ -285,6 +290,6 @@ def timeline(trainer) -> dict:
             "pass_ms": round(pass_ms, 4), "mark_cost_ms": round(cost, 5), "gpu_ms": work, "gpu_clean": clean,
             "nograd_names": [m[0] for m in nograd.marks],
             "nograd_host_ms": [round((m[1] - n0) * 1e3, 4) for m in nograd.marks],
-            "region_ms": _host_cost(region_host_ms),
+            "region_ms": _host_cost(region_host_ms, spent, "region"),
             "region_function_ms": {label: round(sorted(ms)[len(ms) // 2], 4) for label, ms in functions.items() if ms},
-            "offload_ms": _host_cost(offload_host_ms)}
+            "offload_ms": _host_cost(offload_host_ms, spent, "offload"), "host_cost_s": spent}
