@@ -45,7 +45,7 @@ def layer_forward_s(cfg: dict, tflops: float, module_times: dict | None = None) 
     (on its step timeline, the median of its layers' forwards as the GPU reached them,
     ``layer_spans``; else the mean of the module-time pass's stream times), else at ``tflops``
     achieved TFLOP/s per GPU (its matmul FLOPs, ``recipes.measure.flops``; TP splits them)."""
-    spans = layer_spans(module_times, "")
+    spans = layer_spans(module_times, ("",))[""]
     if spans:
         return statistics.median(end - start for start, end, _, _ in spans) / 1e3
     measured = ((module_times or {}).get("forward_ms") or {}).get("")
@@ -398,18 +398,19 @@ def flop_positions(cfg: dict) -> dict[str, tuple[float, float]]:
             "mlp_norm": (c, c), "expert_fc1": (c, fc1), "moe_act": (fc1, 1.0)}
 
 
-def layer_spans(module_times: dict | None, module: str) -> list[tuple[float, float, float, float]]:
-    """Each forward of ``module`` on the point's step timelines (each at its stream pace), in every
-    layer and micro-batch: when the GPU reached its layer's forward start and end, and its own start
-    and end, ms. [] without a timeline or the module's marks."""
+def layer_spans(module_times: dict | None, modules: tuple[str, ...]) -> dict[str, list[tuple[float, float, float, float]]]:
+    """Each forward of each of ``modules`` on the point's step timelines (each at its stream pace), in
+    every layer and micro-batch: when the GPU reached its layer's forward start and end, and its own
+    start and end, ms. Empty lists without a timeline or the module's marks."""
     numbers = (module_times or {}).get("layers") or []
-    out = []
+    out: dict[str, list] = {module: [] for module in modules}
     for tl in _paced_timelines(module_times, numbers):
         reached = tl.reached()
-        for n in numbers:
-            marks = zip(*(tl.where(n, name, kind) for name, kind in (("", "pre"), ("", "end"), (module, "pre"),
-                                                                    (module, "end"))))
-            out.extend(tuple(reached[j] for j in js) for js in marks)
+        for module in modules:
+            for n in numbers:
+                marks = zip(*(tl.where(n, name, kind) for name, kind in (("", "pre"), ("", "end"), (module, "pre"),
+                                                                        (module, "end"))))
+                out[module].extend(tuple(reached[j] for j in js) for js in marks)
     return out
 
 
@@ -420,9 +421,8 @@ def offload_positions(cfg: dict, module_times: dict | None = None) -> dict[str, 
     and the activation by FLOPs)."""
     out = flop_positions(cfg)
     measured = {}
-    for module in set(OFFLOAD_MARKS.values()):
-        shares = [((a - lo) / (hi - lo), (b - lo) / (hi - lo)) for lo, hi, a, b in layer_spans(module_times, module)
-                  if hi > lo]
+    for module, spans in layer_spans(module_times, tuple(sorted(set(OFFLOAD_MARKS.values())))).items():
+        shares = [((a - lo) / (hi - lo), (b - lo) / (hi - lo)) for lo, hi, a, b in spans if hi > lo]
         if shares:
             measured[module] = tuple(statistics.median(x) for x in zip(*shares))
     for point, module in OFFLOAD_MARKS.items():
