@@ -25,8 +25,11 @@ its end), the added ms (the median of the rounds' on-minus-off differences; in b
 of them), and the price (``timeline`` where the pass recorded a step timeline, on a GPU, else from the
 module times): the replays' and the copies' together, the copies priced at the host link this process
 measured (``recipes.measure.offload.host_link_bandwidth``, the slower direction). An offload option also
-runs one profiled step after its rounds: the copies' time with no kernel beside them (``exposed ms``),
-against the price's stall. On a CPU it runs, for tests, at whatever size is given; times mean nothing there.
+runs two more steps after its rounds: one timing where compute waits for each reload
+(``recipes.measure.offload.ReloadWaits``: ``reload waits ms``, against the price's stall), and one
+profiled, the copies' time with no kernel beside them (``exposed ms``; the profiler slows the host, and
+with it the forward the copies hide under). On a CPU it runs, for tests, at whatever size is given;
+times mean nothing there.
 """
 
 from __future__ import annotations
@@ -120,7 +123,7 @@ def measure_option(overrides: list[str], option: str, rounds: int, passes: int =
     from recipes.build.compat import cuda_available, seed_model_parallel_rng
     from recipes.config import compose_config
     from recipes.measure.moduletime import time_modules
-    from recipes.measure.offload import copy_overlap, host_link_bandwidth
+    from recipes.measure.offload import ReloadWaits, copy_overlap, host_link_bandwidth
     from recipes.run.trainer import Trainer
 
     cfg = compose_config([*overrides, *option_overrides(option)])
@@ -146,6 +149,10 @@ def measure_option(overrides: list[str], option: str, rounds: int, passes: int =
                             off_ms.append(_timed_step(trainer, cuda, off_host, off_allocs))
         with off():
             after = [time_modules(trainer) for _ in range(passes - 1)]
+        waits = None
+        if trainer.offloading:  # one more step, unprofiled: the time compute stood still for reloads
+            with ReloadWaits() as waits:
+                _timed_step(trainer, cuda)
         exposed = None
         keep = Path(trace) if trace and trainer.offloading else None
         if trainer.offloading and (overlap := copy_overlap(trainer.step, keep)) is not None:
@@ -160,6 +167,8 @@ def measure_option(overrides: list[str], option: str, rounds: int, passes: int =
                 "added_iqr_ms": [added[len(added) // 4], added[(3 * len(added)) // 4]],
                 "host_added_ms": statistics.median(a - b for a, b in zip(on_host, off_host)),
                 **_price(cfg, module_times, link_gb_s), "exposed_ms": exposed, "link_gb_s": link_gb_s,
+                **({"reload_waits": waits.count, "reload_wait_ms": None if (w := waits.seconds()) is None else w * 1e3}
+                   if waits else {}),
                 "priced_on": "timeline" if isinstance(marks, dict) and "names" in marks else "module times",
                 "host_pass_ms": marks.get("pass_ms") if isinstance(marks, dict) else None,
                 "raw": {"cfg": cfg, "on_ms": on_ms, "off_ms": off_ms, "on_host_ms": on_host, "off_host_ms": off_host,
@@ -221,13 +230,15 @@ def row(n: int, r: dict) -> str:
             f"| {r['priced_on']} | {host} |")
 
 
-COPY_HEADER = ("| process | option | link GB/s | copies ms (priced) | stall ms (priced) | overhead ms (priced) "
-               "| exposed ms (profiled step) | added ms | cudaMalloc, cudaFree a step: on / off |\n"
-               "|---|---|---|---|---|---|---|---|---|")
+COPY_HEADER = ("| process | option | link GB/s | copies ms (priced) | stall ms (priced) | reload waits ms (measured) "
+               "| overhead ms (priced) | exposed ms (profiled step) | added ms | cudaMalloc, cudaFree a step: on / off |\n"
+               "|---|---|---|---|---|---|---|---|---|---|")
 
 
 def copy_rows(rows: list[tuple[int, dict]]) -> list[str]:
-    """The offload options' copies: the price's parts beside the profiled step's exposed copy time."""
+    """The offload options' copies: the price's parts beside what was measured: the time compute waited
+    for reloads in an unprofiled step (``ReloadWaits``, beside the priced stall), and the profiled
+    step's exposed copy time."""
     out = []
     for n, r in rows:
         if r.get("priced_copy_ms"):
@@ -236,8 +247,9 @@ def copy_rows(rows: list[tuple[int, dict]]) -> list[str]:
             calls = [[statistics.median(c[i] for c in r["raw"][k]) for i in (0, 1)] if r["raw"].get(k) else None
                      for k in ("on_allocs", "off_allocs")]
             calls = " / ".join(f"{c[0]:g}, {c[1]:g}" for c in calls) if all(calls) else "-"  # not recorded before 20:55
+            waited = f"{r['reload_wait_ms']:.1f}" if r.get("reload_wait_ms") is not None else "-"  # since 23:40 UTC
             out.append(f"| {n} | {r['option']} | {link} | {r['priced_copy_ms']:.1f} | {r['priced_stall_ms']:.1f} "
-                       f"| {r['priced_overhead_ms']:.1f} | {exposed} | {r['added_ms']:+.1f} | {calls} |")
+                       f"| {waited} | {r['priced_overhead_ms']:.1f} | {exposed} | {r['added_ms']:+.1f} | {calls} |")
     return [COPY_HEADER, *out, ""] if out else []
 
 

@@ -85,6 +85,12 @@ def test_an_offload_option_is_priced_with_its_copies_and_listed_apart(megatron_w
     assert r["priced_copy_ms"] > 0 and r["priced_ms"] == pytest.approx(
         r["priced_recompute_ms"] + r["priced_stall_ms"] + r["priced_overhead_ms"])
     assert r["exposed_ms"] is None and r["link_gb_s"] is None  # a CPU profiles no copy stream, has no link
+    # one more step counted each moved group's wait for its reload, each micro-batch; untimed on a CPU
+    from recipes.predict.estimate import num_microbatches, predict
+
+    cfg = r["raw"]["cfg"]
+    moved = sum(predict(cfg, "cpu")["host_groups_per_layer"]) * num_microbatches(cfg)
+    assert r["reload_waits"] == moved > 0 and r["reload_wait_ms"] is None
     assert bench.reprice(r)["priced_ms"] == r["priced_ms"]
     lines = bench.copy_rows([(0, r)])
     assert lines[0] == bench.COPY_HEADER and lines[1].startswith(f"| 0 | {option} | - |")

@@ -131,6 +131,30 @@ def test_a_run_records_what_offload_moved(megatron_world):
     assert "link" not in off  # GPU only
 
 
+def test_reload_waits_are_counted_where_each_moved_group_is_needed(megatron_world):
+    """ReloadWaits: in a planned step each moved group's module waits once for its reload (the tiny
+    size's first layer moves core_attn and attn_proj: 2 waits a micro-batch); the kept groups never
+    wait; a CPU has no clock for them; megatron's method is back afterwards."""
+    from megatron.core.pipeline_parallel.fine_grained_activation_offload import OffloadTensorGroup
+
+    from recipes.measure.offload import ReloadWaits
+    from recipes.predict.estimate import predict
+
+    original = OffloadTensorGroup.wait_reload_event
+    cfg = compose("model=standard_attn", "offload=core_attn-attn_proj", *EMULATED, "train.micro_batch_size=1",
+                  "train.global_batch_size=2")
+    trainer = build_trainer(cfg)
+    try:
+        trainer.compute_gradients()  # the manager's warm-up: it plans after this step
+        with ReloadWaits() as waits:
+            trainer.compute_gradients()
+    finally:
+        trainer.close()
+    moved = sum(predict(cfg, "cpu")["host_groups_per_layer"])
+    assert moved == 2 and waits.count == moved * trainer.num_microbatches == 4 and waits.seconds() is None
+    assert OffloadTensorGroup.wait_reload_event is original
+
+
 def test_evaluation_passes_leave_the_offload_plan_alone(megatron_world):
     """Forward-only evaluation runs with the manager's offload off; training after it stays exact."""
     base = ["model=standard_attn", "train.train_iters=4", "data.eval_interval=2", "profile=none",

@@ -9,6 +9,8 @@
 - ``copy_overlap`` reads one profiled step's trace (``recipes.measure.steptrace``): the time the copy
   streams were busy, and the part of it with no compute kernel running (the exposed transfer time).
   GPU only.
+- ``ReloadWaits`` times where compute waits for a reload (the stall ``recipes.predict.cost`` prices),
+  with no profiler to slow the step.
 """
 
 from __future__ import annotations
@@ -97,6 +99,45 @@ class OffloadMeter:
                                       for k, v in now["d2h_bytes_by_module"].items()
                                       if v - before["d2h_bytes_by_module"].get(k, 0)}
         return out
+
+
+class ReloadWaits:
+    """While entered, each wait of megatron's manager for a group's reload
+    (``OffloadTensorGroup.wait_reload_event``, where the group's module begins its backward) is counted
+    and, on a GPU, bracketed by two timing events on the waiting stream: the second runs once the wait
+    is over, so their difference is the time compute stood still for that copy. ``seconds()`` sums them
+    after the step (None on a CPU, whose emulated streams have no clock)."""
+
+    def __enter__(self) -> ReloadWaits:
+        from megatron.core.pipeline_parallel.fine_grained_activation_offload import OffloadTensorGroup
+
+        self.count, self._events, self._original = 0, [], OffloadTensorGroup.wait_reload_event
+        original, waits = self._original, self
+
+        def wait_reload_event(group, stream):
+            waits.count += 1
+            if not isinstance(stream, torch.cuda.Stream):  # the CPU's emulated stream
+                return original(group, stream)
+            before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            before.record(stream)
+            original(group, stream)
+            after.record(stream)
+            waits._events.append((before, after))
+
+        OffloadTensorGroup.wait_reload_event = wait_reload_event
+        return self
+
+    def __exit__(self, *exc) -> None:
+        from megatron.core.pipeline_parallel.fine_grained_activation_offload import OffloadTensorGroup
+
+        OffloadTensorGroup.wait_reload_event = self._original
+
+    def seconds(self) -> float | None:
+        """Seconds compute waited for reloads in all, once the step is done; None without a GPU."""
+        if len(self._events) < self.count or not torch.cuda.is_available():
+            return None  # an emulated stream's waits have no clock
+        torch.cuda.synchronize()
+        return sum(a.elapsed_time(b) for a, b in self._events) / 1e3
 
 
 def plan_summary() -> dict:
