@@ -217,6 +217,31 @@ def test_host_link_bandwidth_on_a_gpu():
     assert link["d2h_gb_s"] > 1 and link["h2d_gb_s"] > 1
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: CUDA events on the compute stream")
+def test_reload_waits_are_timed_on_a_gpu(megatron_world):
+    """On a GPU each wait for a reload is timed: one a moved group and micro-batch, each at least 0 s,
+    and a run's result records them (recipes.run.worker.offload_measurements)."""
+    from recipes.measure.offload import ReloadWaits
+    from recipes.predict.estimate import predict
+
+    cfg = compose("model=standard_attn", "offload=core_attn-attn_proj", "offload.min_offloaded_tensor_size=0",
+                  "train.micro_batch_size=1", "train.global_batch_size=2")
+    trainer = build_trainer(cfg)
+    try:
+        trainer.compute_gradients()  # the manager's warm-up
+        with ReloadWaits() as waits:
+            trainer.compute_gradients()
+        seconds = waits.seconds()
+    finally:
+        trainer.close()
+    assert waits.count == sum(predict(cfg, "cuda")["host_groups_per_layer"]) * 2 > 0
+    assert seconds is not None and 0.0 <= seconds < 1.0
+    result = train_in_process(compose("model=standard_attn", "offload=core_attn-attn_proj",
+                                      "offload.min_offloaded_tensor_size=0", "train.train_iters=4", "profile=none"))
+    assert result["offload"]["reload_waits"] > 0 and 0.0 <= result["offload"]["reload_wait_s"] < 1.0
+
+
 #: (model overrides, recompute, offload, whether the host bytes are modeled exactly too)
 ESTIMATED = [
     (["model=standard_attn"], "none", "core_attn-attn_proj", True),

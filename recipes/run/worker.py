@@ -44,7 +44,7 @@ from recipes.measure.collections import collection_findings, window_record
 from recipes.measure.flops import step_flops
 from recipes.measure.labels import LabelError, check_resolved, label_findings, resolve_labels
 from recipes.measure.moduletime import time_modules
-from recipes.measure.offload import copy_overlap, host_link_bandwidth, plan_summary
+from recipes.measure.offload import ReloadWaits, copy_overlap, host_link_bandwidth, plan_summary
 from recipes.measure.profile import profile_step
 from recipes.measure.routing import RoutingRecorder
 from recipes.measure.steptrace import trace_step
@@ -477,11 +477,20 @@ def trace_path(run_dir: Path, rank: int) -> Path:
 def offload_measurements(trainer: Trainer, window: Window, step_time_s: float, result: dict,
                          keep: Path | None = None) -> dict:
     """What offload moved per measured step (the median step's counts) and, on a GPU, the host link's
-    bandwidth and one extra step profiled for how much of the copying compute did not hide (its whole
+    bandwidth, one extra step timing where compute waited for each reload (``reload_wait_s``, the
+    stall; ``ReloadWaits``) and one profiled for how much of the copying compute did not hide (its whole
     step summary into ``result["trace"]``)."""
     moved = window.moved[len(window.moved) // 2] if window.moved else {}
     out = {"moved_per_step": moved, "moved_steps_equal": all(m == moved for m in window.moved)}
     if trainer.on_gpu:  # measurements about the run, not of it: a failure is recorded, not raised
+        try:  # one more step, off the step count, unprofiled: the profiler slows the forward copies hide under
+            with ReloadWaits() as waits:
+                trainer.step()
+            out["reload_waits"], out["reload_wait_s"] = waits.count, waits.seconds()
+        except Exception as err:  # e.g. an OOM in the extra step
+            out["reload_wait_s"] = failed_measurement(err)
+        finally:
+            trainer.optimizer.zero_grad()
         try:  # first: the link test empties the allocator's cache, which the traced step would refill
             overlap, result["trace"] = copy_overlap(trainer.step, keep)  # one more step, off the step count
             overlap["step_time_s"] = step_time_s
