@@ -247,7 +247,7 @@ def copy_rows(rows: list[tuple[int, dict]]) -> list[str]:
             calls = [[statistics.median(c[i] for c in r["raw"][k]) for i in (0, 1)] if r["raw"].get(k) else None
                      for k in ("on_allocs", "off_allocs")]
             calls = " / ".join(f"{c[0]:g}, {c[1]:g}" for c in calls) if all(calls) else "-"  # not recorded before 20:55
-            waited = f"{r['reload_wait_ms']:.1f}" if r.get("reload_wait_ms") is not None else "-"  # since 23:40 UTC
+            waited = f"{r['reload_wait_ms']:.1f}" if r.get("reload_wait_ms") is not None else "-"  # saved before it: -
             out.append(f"| {n} | {r['option']} | {link} | {r['priced_copy_ms']:.1f} | {r['priced_stall_ms']:.1f} "
                        f"| {waited} | {r['priced_overhead_ms']:.1f} | {exposed} | {r['added_ms']:+.1f} | {calls} |")
     return [COPY_HEADER, *out, ""] if out else []
