@@ -102,19 +102,20 @@ class Timeline:
     def finish(self, inserted: dict[int, tuple[float, float]] | None = None) -> float:
         """When the GPU reaches the last mark (ms), with (host ms, GPU ms) of work ``inserted`` right
         after some marks: the host issues it there, and the GPU runs it before the next mark's work."""
-        inserted = inserted or {}
-        shift, reached, n = 0.0, self.host[0], len(self.names)
-        for j in range(1, n + 1):  # n: after the last mark, where work inserted there ends
-            host, gpu = inserted.get(j - 1, (0.0, 0.0))
-            shift += host
-            reached = max(self.host[min(j, n - 1)] + shift, reached + (self.work[j] if j < n else 0.0) + gpu)
-        return reached
+        return self._reach(inserted)[-1]
 
     def reached(self) -> list[float]:
         """When the GPU reaches each mark (ms), nothing inserted."""
-        out = [self.host[0]]
-        for j in range(1, len(self.names)):
-            out.append(max(self.host[j], out[-1] + self.work[j]))
+        return self._reach(None)[:-1]
+
+    def _reach(self, inserted: dict[int, tuple[float, float]] | None) -> list[float]:
+        """When the GPU reaches each mark, and last where the work inserted after the last mark ends."""
+        inserted = inserted or {}
+        shift, out, n = 0.0, [self.host[0]], len(self.names)
+        for j in range(1, n + 1):  # n: after the last mark, where work inserted there ends
+            host, gpu = inserted.get(j - 1, (0.0, 0.0))
+            shift += host
+            out.append(max(self.host[min(j, n - 1)] + shift, out[-1] + (self.work[j] if j < n else 0.0) + gpu))
         return out
 
     def scaled(self, pace: float) -> Timeline:
