@@ -33,7 +33,7 @@ from recipes.predict.cost import (
     recompute_by_process_s,
     timeline_offload_costs,
 )
-from recipes.predict.estimate import num_microbatches, predict
+from recipes.predict.estimate import held_host_bytes, num_microbatches, predict
 from recipes.predict.fit import FITS, TIGHT, fits, slack_for, verdict
 from recipes.recompute import is_full, option_of, options_for, recompute_config, recompute_order, selective_labels
 from recipes.validate import host_memory_problem, layers_per_chunk
@@ -169,7 +169,7 @@ def plan(cfg: dict, budget_gib: float, tflops: float | None = None, link_gb_s: f
                 if smaller:
                     fraction, p = smaller
                     trial["offload"] = {**trial["offload"], "activation_offload_fraction": fraction}
-            planned = max(st["in_flight_host_bytes"] for st in p["stages"])
+            planned = held_host_bytes(p)
             host = host_memory_problem(trial, planned)
             if host:  # the validator would refuse it at launch
                 over_host.append({"recompute": rc_option, "offload": off_option, "why": host[1], "fix": host[2],

@@ -419,7 +419,8 @@ def offload_positions(cfg: dict, module_times: dict | None = None) -> dict[str, 
     has one (the median over layers and micro-batches of where the GPU reached the module's forward
     start and end, as shares of its layer's forward, ``layer_spans``; the experts split between FC1
     and the activation by FLOPs)."""
-    out = flop_positions(cfg)
+    flops = flop_positions(cfg)
+    out = dict(flops)
     measured = {}
     for module, spans in layer_spans(module_times, tuple(sorted(set(OFFLOAD_MARKS.values())))).items():
         shares = [((a - lo) / (hi - lo), (b - lo) / (hi - lo)) for lo, hi, a, b in spans if hi > lo]
@@ -430,7 +431,6 @@ def offload_positions(cfg: dict, module_times: dict | None = None) -> dict[str, 
             out[point] = measured[module]
     if "mlp.experts" in measured:  # FC1's share of the experts' FLOPs
         lo, hi = measured["mlp.experts"]
-        flops = flop_positions(cfg)
         c, fc1 = flops["expert_fc1"]
         split = lo + (hi - lo) * (fc1 - c) / ((1.0 - c) or 1.0)
         out["expert_fc1"], out["moe_act"] = (lo, split), (split, hi)

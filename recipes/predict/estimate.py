@@ -71,7 +71,7 @@ class Chunk:
     def offload_groups(self) -> list[list[tuple[str, int]]]:
         """Per layer, each offload group's point and the bytes it copies (0: kept on the device)."""
         return [[(point, sum(t[3] for t in host if t[4] == point)) for point in points]
-                for points, host in zip(self.groups or [[] for _ in self.layers], self.host or [[] for _ in self.layers])]
+                for points, host in zip(self.groups, self.host)]
 
     def host_by_kind(self) -> dict[str, int]:
         totals = dict.fromkeys(KINDS, 0)
@@ -356,6 +356,12 @@ def planned_host_bytes(cfg: dict, device: str = "auto") -> int | None:
         p = predict(cfg, device)
     except ConfigError:
         return None
+    return held_host_bytes(p)
+
+
+def held_host_bytes(p: dict) -> int:
+    """The host memory one rank of a prediction holds for offload: its worst pipeline stage's
+    micro-batches in flight."""
     return max(st["in_flight_host_bytes"] for st in p["stages"])
 
 
