@@ -483,7 +483,7 @@ def test_a_host_cost_measurement_notes_what_it_took_and_a_failed_one_gives_none(
 
     spent = {}
     assert _host_cost(slow, spent, "offload") == {"group": 0.4} and _host_cost(broken, spent, "region") is None
-    assert 0.05 <= spent["offload"] < 1.0 and 0.0 <= spent["region"] < 0.05
+    assert 0.05 <= spent["offload"] < 5.0 and spent["region"] >= 0.0  # no wall-clock ceiling on a loaded machine
 
 
 def test_a_repeated_point_keeps_every_processs_timeline():
