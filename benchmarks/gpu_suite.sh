@@ -111,7 +111,7 @@ step_wgrad() {  # megatron's gradient-accumulation fusion (recipes/build/wgrad.p
       model.gradient_accumulation_fusion=false,true hydra.sweep.dir=results/wgrad_$m 2>&1 | quiet 6; done; }
 step_gc() {  # train.manual_gc (recipes/run/collector.py) off and on, recompute=none, alternating in fresh
   # processes: 6 each for MoE (its spread between processes is what it addresses), 2 each otherwise; then
-  # MoE's label sweep with it on, 3 processes a point (the labels priced from module times: docs/offload.md)
+  # MoE's label sweep with it on, 3 processes a point (the labels priced from module times: docs/offload-log.md)
   for m in ${1//,/ }; do stamp "gc model=$m"; local r=0,1; [ "$m" = moe ] && r=0,1,2,3,4,5
     $PY train.py -m model=$m size=$SIZE $SWEEP_ARGS recompute=none measure.repeat=$r \
       train.manual_gc=false,true hydra.sweep.dir=results/gc_$m 2>&1 | quiet 6
@@ -151,14 +151,14 @@ step_peer() {  # Megatron-LM's pretrain_gpt.py side by side (MEGATRON_LM: benchm
   stamp "bench_peer"; $PY benchmarks/bench_peer.py --megatron-lm "$MEGATRON_LM" --repeats 2 --iters 8 model=standard_attn \
     size=$SIZE attention=unfused recompute=none 2>&1 | grep -v "Warning\|warn(" | tail -32; }
 step_paired() {  # each family's recompute options timed against themselves switched off in one process, and
-  # priced on that process's timeline (docs/offload.md); MoE 3 processes, the others 1; saved under results/paired_*
+  # priced on that process's timeline (docs/offload-log.md); MoE 3 processes, the others 1; saved under results/paired_*
   local fams=${1:-moe,standard_attn,mla}; for m in ${fams//,/ }; do local n=1 opts=full,selective/core_attn
     case $m in moe) n=3 opts=full,selective/moe,selective/moe_act;; standard_attn) opts=full,selective/mlp,selective/core_attn;;
       mla) opts=full,selective/mla_up_proj,selective/mla_up_proj-core_attn;; esac
     stamp "bench_paired model=$m"; $PY benchmarks/bench_paired.py --processes $n --rounds 10 --passes 2 \
       --save results/paired_$m model=$m size=$SIZE --options $opts 2>&1 | grep "^|\|processes"; done; }
 step_paired_offload() {  # each family's offload options (and MoE's 25 GiB pick) timed against themselves paused in
-  # one process and priced on that process's timeline (docs/offload.md); 3 processes each; saved under results/
+  # one process and priced on that process's timeline (docs/offload-log.md); 3 processes each; saved under results/
   local fams=${1:-standard_attn,moe}; for m in ${fams//,/ }; do
     local opts="offload=qkv_linear,offload=core_attn,offload=core_attn-attn_proj,offload=attn_norm-mlp_norm,offload=qkv_linear-core_attn-attn_proj"
     [ "$m" = moe ] && opts="offload=expert_fc1,offload=moe_act,offload=expert_fc1-moe_act,offload=core_attn-attn_proj,recompute=selective/moe_act offload=core_attn offload.activation_offload_fraction=0.75"

@@ -200,7 +200,7 @@ def _offload_table(*args: str) -> str:
 
 def test_the_offload_table_regenerates_identically():
     """docs/offload-h200/table.md is benchmarks/offload_table.py over the committed sweeps, with today's
-    time model: a change to the model or its rates rewrites it (and docs/offload.md's numbers)."""
+    time model: a change to the model or its rates rewrites it (and the numbers in docs/offload.md and docs/offload-log.md)."""
     assert _offload_table(*map(str, OFFLOAD_SWEEPS)) == (OFFLOAD / "table.md").read_text()
 
 
@@ -225,7 +225,7 @@ def test_the_recompute_time_table_at_the_defaults_regenerates_identically():
 
 def test_the_module_time_table_regenerates_identically():
     """docs/offload-h200/moduletimes.md: the label sweeps of 2026-12-03 whose points timed their modules,
-    priced from them (docs/offload.md)."""
+    priced from them (docs/offload-log.md)."""
     sweeps = [OFFLOAD / f"moduletimes_{m}" for m in ("standard_attn", "mla", "moe")]
     sweeps += [OFFLOAD / f"moduletimes_{m}_h200_long" for m in ("standard_attn", "moe")]
     table = _offload_table(*map(str, sweeps))
@@ -235,7 +235,7 @@ def test_the_module_time_table_regenerates_identically():
 
 def test_the_module_timed_offload_table_regenerates_identically():
     """docs/offload-h200/moduletimes_offload.md (the dense and MoE offload sweeps) and moduletimes_moe_again.md
-    (MoE's labels), whose points timed their modules, priced from them (docs/offload.md, the later
+    (MoE's labels), whose points timed their modules, priced from them (docs/offload-log.md, the later
     section of 2026-12-03)."""
     table = _offload_table(str(OFFLOAD / "moduletimes_offload_standard_attn"), str(OFFLOAD / "moduletimes_offload_moe"))
     assert table == (OFFLOAD / "moduletimes_offload.md").read_text()
@@ -247,7 +247,7 @@ def test_the_module_timed_offload_table_regenerates_identically():
 def test_the_timeline_sweeps_of_2026_12_04_regenerate_identically():
     """docs/offload-h200/timeline_2026-12-04{,_first,_1545}.md: the label sweeps whose base points
     recorded their timeline (``module_times.marks``), priced on it at the stream pass's pace
-    (recipes.predict.replay; docs/offload.md); _1551, _1947 (its base points measured their checkpoint
+    (recipes.predict.replay; docs/offload-log.md); _1551, _1947 (its base points measured their checkpoint
     regions' host cost) and interleaved_2026-12-04 are MoE alone."""
     for name, moe_full in (("timeline_2026-12-04", "| +92.3 | +86.0 |"), ("timeline_2026-12-04_first", "| +87.1 | +101.2 |"),
                            ("timeline_2026-12-04_1545", "| +62.3 | +117.8 |")):
@@ -262,7 +262,7 @@ def test_the_timeline_sweeps_of_2026_12_04_regenerate_identically():
 
 def test_the_offload_overhead_rates_are_the_fit_of_the_dense_points():
     """estimate.offload_ms_per_group and offload_ms_per_gib are what --fit finds in the dense h200 sweep,
-    and that fit is within 20% of each dense offload-only point (docs/offload.md)."""
+    and that fit is within 20% of each dense offload-only point (docs/offload-log.md)."""
     from recipes.config import EstimateConfig
 
     out = _offload_table("--fit", str(OFFLOAD / "standard_attn_h200")).splitlines()
@@ -274,7 +274,7 @@ def test_the_offload_overhead_rates_are_the_fit_of_the_dense_points():
 
 def test_the_label_sweeps_of_2026_12_04_regenerate_identically():
     """docs/speed-h200/labels_2026-12-04.md: the label sweeps at the defaults of 2026-12-04 (fused RoPE),
-    priced from their base points' module times, MoE's the median of its three processes' (docs/offload.md)."""
+    priced from their base points' module times, MoE's the median of its three processes' (docs/offload-log.md)."""
     sweeps = [REPO / "docs" / "speed-h200" / f"labels_2026-12-04_{m}" for m in ("standard_attn", "mla", "moe")]
     table = _offload_table(*map(str, sweeps))
     assert table == (REPO / "docs" / "speed-h200" / "labels_2026-12-04.md").read_text()
@@ -284,7 +284,7 @@ def test_the_label_sweeps_of_2026_12_04_regenerate_identically():
 def test_the_paired_offload_runs_of_2026_12_04_regenerate_identically():
     """docs/offload-h200/paired_offload_2026-12-04{,_2117}.md: offload options timed against themselves
     paused in one process (benchmarks/bench_paired.py), priced with today's time model; the processes
-    from 21:17 UTC measured the offload manager's host cost in their pass (docs/offload.md)."""
+    from 21:17 UTC measured the offload manager's host cost in their pass (docs/offload-log.md)."""
     import subprocess
 
     runs = REPO / "docs" / "offload-h200" / "paired_offload_2026-12-04"
@@ -304,7 +304,7 @@ def test_the_paired_runs_of_2026_12_04_regenerate_identically():
     """docs/offload-h200/paired_2026-12-04{,_1713,_1925}.md: benchmarks/bench_paired.py's saved processes
     (each option timed against itself switched off in one process) priced with today's time model; the
     first with the no-grad forward pass recorded, _1713 from before it, _1925 with the checkpoint
-    regions' host cost measured too (docs/offload.md)."""
+    regions' host cost measured too (docs/offload-log.md)."""
     import subprocess
 
     runs = REPO / "docs" / "offload-h200" / "paired_2026-12-04"

@@ -277,7 +277,7 @@ class EstimateConfig:
     # What activation offload's copies cost a step beyond the link (recipes.predict.cost): per group
     # moved (one layer's module: the manager's Python, events and stream waits at each group commit
     # and reload) and per GiB moved (out and back). Fitted to the five dense offload points one H200
-    # measured at the h200 size (benchmarks/offload_table.py --fit; docs/offload.md).
+    # measured at the h200 size (benchmarks/offload_table.py --fit; docs/offload-log.md).
     offload_ms_per_group: float = 0.136
     offload_ms_per_gib: float = 1.95
     # Elementwise replays (moe_act, layernorm, gdn_norm_out) are memory traffic: GB/s of device
@@ -289,7 +289,7 @@ class EstimateConfig:
     # recipes.measure.regions: 0.4-0.6 ms a region on one H200):
     # per checkpoint region replayed (megatron's CheckpointWithoutOutput: RNG states saved and
     # restored, a nested autograd backward), fitted to the one robust row, dense selective/layernorm
-    # at the h200 size on one H200 (+10.5 ms in two processes, 64 regions a step; docs/offload.md);
+    # at the h200 size on one H200 (+10.5 ms in two processes, 64 regions a step; docs/offload-log.md);
     # and, where the step is host-bound (MoE, MLA), per kernel replayed: an eager op's host cost
     # (dispatch and launch), an order of magnitude, not fitted.
     replay_region_ms: float = 0.142

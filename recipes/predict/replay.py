@@ -12,7 +12,7 @@ again (its host time, which moves every later mark) and the GPU runs it again (i
 mark). Its cost to the step is how much later the last mark is reached: the GPU time where the host
 was ahead by more than the replay adds to it, the host time where the GPU was waiting for the host,
 and between the two elsewhere. That is why one label costs an MoE step its module's stream time on
-one day and its GPU time on another (docs/offload.md): the host's lead differs, and this reads it.
+one day and its GPU time on another (docs/offload-log.md): the host's lead differs, and this reads it.
 The GPU pass's sleeps let its kernels run faster than a step's; ``stream_pace`` says by how much, from
 the module-time pass, and the GPU work is read at the step's pace (``Timeline.scaled``). A checkpoint
 also runs its region's first forward under no_grad, which costs the host less (``Timeline.nograd``,

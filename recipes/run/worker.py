@@ -420,7 +420,7 @@ def _measure(trainer: Trainer, cfg: dict, result: dict, window: Window, labels: 
             # the reserved peak measures the memory there was, not what the run needed
             "alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries", 0),
         }
-    if not trainer.offloading:  # before the profiled step: after it, the host passes read slower (docs/offload.md)
+    if not trainer.offloading:  # before the profiled step: after it, the host passes read slower (docs/offload-log.md)
         _record_module_times(trainer, cfg, result, marks)
     keep = trace_path(run_dir, torch.distributed.get_rank()) if cfg["measure"]["trace_step"] and run_dir else None
     if trainer.offloading:
