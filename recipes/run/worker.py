@@ -61,7 +61,7 @@ from recipes.run.trainer import Trainer
 #: What the measured window put into a rank's result: a checkpoint taken after the window carries
 #: it, so a run resumed past the window still writes the same result.json.
 MEASURED_KEYS = ("window", "setup_s", "ledger", "pipeline", "checkpoints", "timing", "memory", "profile",
-                 "_ledger_warnings")
+                 "trace", "offload", "module_times", "moe_routing", "_ledger_warnings")
 
 
 def init_distributed(cfg: dict, marks: dict | None = None) -> None:
