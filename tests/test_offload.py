@@ -131,6 +131,21 @@ def test_a_run_records_what_offload_moved(megatron_world):
     assert "link" not in off  # GPU only
 
 
+def test_each_micro_batch_keeps_its_last_layer_on_the_device(megatron_world):
+    """With several micro-batches and no pipeline parallel, megatron's plan flags only the step's very
+    last group of a module as kept, but each micro-batch's backward follows its forward, so the manager
+    also keeps every micro-batch's last layer (``should_bulk_offload``). The groups recorded are the
+    ones the step moved: 4 micro-batches of 2 layers move 4 groups a module, not the 7 the flags say,
+    and the bytes are the ledger's micro-batch times 4."""
+    cfg = compose("model=standard_attn", "offload=core_attn-attn_proj", *EMULATED, "train.train_iters=5",
+                  "measure.start_step=2", "profile=none", "train.micro_batch_size=1", "train.global_batch_size=4")
+    result = train_in_process(cfg)
+    off = result["offload"]
+    assert off["groups_moved"] == {"core_attn": 4, "attn_proj": 4}
+    assert off["groups_kept"] == {"core_attn": 4, "attn_proj": 4}
+    assert off["moved_per_step"]["d2h_bytes"] == 4 * result["ledger"]["host_total_bytes"] > 0
+
+
 def test_reload_waits_are_counted_where_each_moved_group_is_needed(megatron_world):
     """ReloadWaits: in a planned step each moved group's module waits once for its reload (the tiny
     size's first layer moves core_attn and attn_proj: 2 waits a micro-batch); the kept groups never

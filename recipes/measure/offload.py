@@ -35,10 +35,16 @@ def _nbytes(tensor: torch.Tensor) -> int:
 
 
 class OffloadMeter:
-    """Bytes and tensors the offload manager copied, cumulative; ``snapshot()`` and ``since()`` per step."""
+    """Bytes, tensors and groups the offload manager copied, cumulative; ``snapshot()`` and ``since()``
+    per step. A group is one offload module of one layer of one micro-batch: ``groups_moved`` counts
+    those copied out, ``groups_kept`` those committed and left on the device, which is what megatron's
+    plan flags and its per-step rule together decide (it also keeps each micro-batch's last group of a
+    module when that micro-batch's backward comes next, as without pipeline parallel)."""
 
     def __init__(self) -> None:
         self.d2h_bytes: Counter = Counter()  # per offload module
+        self.groups_moved: Counter = Counter()  # per offload module
+        self.groups_committed: Counter = Counter()
         self.h2d_bytes = 0
         self.d2h_tensors = 0
         self.h2d_tensors = 0
@@ -51,9 +57,15 @@ class OffloadMeter:
 
         meter, cls = self, fgo.ChunkOffloadHandler
         offload, reload, bulk, push = cls.offload, cls.reload, cls.bulk_offload_group, cls.tensor_push
+        commit = cls.bulk_offload
 
-        def bulk_offload_group(self_, group):
+        def bulk_offload(self_, name, *args, **kwargs):  # every group's forward commit, moved or kept
+            meter.groups_committed[name] += 1
+            return commit(self_, name, *args, **kwargs)
+
+        def bulk_offload_group(self_, group):  # only the groups megatron copies out
             meter._group = group._name
+            meter.groups_moved[group._name] += 1
             return bulk(self_, group)
 
         def offload_(self_, src_tensor, *args, **kwargs):
@@ -75,9 +87,9 @@ class OffloadMeter:
             return push(self_, tensor)
 
         self._undo = [(cls, "offload", offload), (cls, "reload", reload), (cls, "bulk_offload_group", bulk),
-                      (cls, "tensor_push", push)]
-        cls.offload, cls.reload, cls.bulk_offload_group, cls.tensor_push = (
-            offload_, reload_, bulk_offload_group, tensor_push)
+                      (cls, "tensor_push", push), (cls, "bulk_offload", commit)]
+        cls.offload, cls.reload, cls.bulk_offload_group, cls.tensor_push, cls.bulk_offload = (
+            offload_, reload_, bulk_offload_group, tensor_push, bulk_offload)
         return self
 
     def uninstall(self) -> None:
@@ -89,15 +101,15 @@ class OffloadMeter:
         """The counts so far."""
         return {"d2h_bytes": sum(self.d2h_bytes.values()), "h2d_bytes": self.h2d_bytes,
                 "d2h_tensors": self.d2h_tensors, "h2d_tensors": self.h2d_tensors,
-                "d2h_bytes_by_module": dict(self.d2h_bytes)}
+                "d2h_bytes_by_module": dict(self.d2h_bytes), "groups_moved": dict(self.groups_moved),
+                "groups_kept": {k: n - self.groups_moved[k] for k, n in self.groups_committed.items()}}
 
     def since(self, before: dict) -> dict:
         """The counts since ``before`` (a ``snapshot()``)."""
         now = self.snapshot()
         out = {k: now[k] - before[k] for k in ("d2h_bytes", "h2d_bytes", "d2h_tensors", "h2d_tensors")}
-        out["d2h_bytes_by_module"] = {k: v - before["d2h_bytes_by_module"].get(k, 0)
-                                      for k, v in now["d2h_bytes_by_module"].items()
-                                      if v - before["d2h_bytes_by_module"].get(k, 0)}
+        for key in ("d2h_bytes_by_module", "groups_moved", "groups_kept"):
+            out[key] = {k: v - before[key].get(k, 0) for k, v in now[key].items() if v - before[key].get(k, 0)}
         return out
 
 
@@ -138,20 +150,6 @@ class ReloadWaits:
             return None  # an emulated stream's waits have no clock
         torch.cuda.synchronize()
         return sum(a.elapsed_time(b) for a, b in self._events) / 1e3
-
-
-def plan_summary() -> dict:
-    """The manager's plan after its warm-up step: the groups it moves and keeps on the device per
-    module (megatron keeps the last group of each module on the device, so that its reload does not
-    stall the first backward)."""
-    from recipes.build.offload import offload_manager
-
-    manager = offload_manager()
-    moved, kept = Counter(), Counter()
-    for chunk in manager._cached_chunks_forward:
-        for group in chunk.offload_groups:
-            (moved if group.offload else kept)[group._name] += 1
-    return {"groups_moved": dict(moved), "groups_kept": dict(kept)}
 
 
 # --- GPU: the host link and the copies' overlap with compute --------------------------------------

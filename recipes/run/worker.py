@@ -44,7 +44,7 @@ from recipes.measure.collections import collection_findings, window_record
 from recipes.measure.flops import step_flops
 from recipes.measure.labels import LabelError, check_resolved, label_findings, resolve_labels
 from recipes.measure.moduletime import time_modules
-from recipes.measure.offload import ReloadWaits, copy_overlap, host_link_bandwidth, plan_summary
+from recipes.measure.offload import ReloadWaits, copy_overlap, host_link_bandwidth
 from recipes.measure.profile import profile_step
 from recipes.measure.routing import RoutingRecorder
 from recipes.measure.steptrace import trace_step
@@ -373,7 +373,7 @@ def _record_ledger(trainer: Trainer, cfg: dict, result: dict) -> None:
     if trainer.offloading:
         result["ledger"]["host_bytes_by_kind"] = trainer.ledger.host_bytes_by_kind
         result["ledger"]["host_total_bytes"] = trainer.ledger.host_total_bytes
-        result["offload"] = {"modules": modules_of(cfg), **plan_summary()}
+        result["offload"] = {"modules": modules_of(cfg)}
     chunk_bytes = [l.total_bytes for l in trainer.chunk_ledgers] if cfg["measure"]["ledger"] else []
     result["pipeline"] = pipeline_report(trainer.chunks, trainer.num_microbatches, trainer.config,
                                          chunk_bytes)
@@ -424,7 +424,7 @@ def _measure(trainer: Trainer, cfg: dict, result: dict, window: Window, labels: 
         _record_module_times(trainer, cfg, result, marks)
     keep = trace_path(run_dir, torch.distributed.get_rank()) if cfg["measure"]["trace_step"] and run_dir else None
     if trainer.offloading:
-        result.setdefault("offload", {"modules": modules_of(cfg), **plan_summary()})
+        result.setdefault("offload", {"modules": modules_of(cfg)})
         result["offload"].update(offload_measurements(trainer, window, median, result, keep))
     elif (cfg["measure"]["trace_step"] or cfg["measure"]["gpu_time"] is not False) and trainer.on_gpu:
         try:  # one more step, off the step count; for the GPU's time alone, without the host's events
@@ -476,12 +476,15 @@ def trace_path(run_dir: Path, rank: int) -> Path:
 
 def offload_measurements(trainer: Trainer, window: Window, step_time_s: float, result: dict,
                          keep: Path | None = None) -> dict:
-    """What offload moved per measured step (the median step's counts) and, on a GPU, the host link's
+    """What offload moved per measured step (the median step's counts: bytes and tensors each way, and
+    the groups moved and kept per module, summed over the step's micro-batches) and, on a GPU, the host link's
     bandwidth, one extra step timing where compute waited for each reload (``reload_wait_s``, the
     stall; ``ReloadWaits``) and one profiled for how much of the copying compute did not hide (its whole
     step summary into ``result["trace"]``)."""
-    moved = window.moved[len(window.moved) // 2] if window.moved else {}
-    out = {"moved_per_step": moved, "moved_steps_equal": all(m == moved for m in window.moved)}
+    median = window.moved[len(window.moved) // 2] if window.moved else {}
+    moved = dict(median)
+    out = {"groups_moved": moved.pop("groups_moved", {}), "groups_kept": moved.pop("groups_kept", {}),
+           "moved_per_step": moved, "moved_steps_equal": all(m == median for m in window.moved)}
     if trainer.on_gpu:  # measurements about the run, not of it: a failure is recorded, not raised
         try:  # one more step, off the step count, unprofiled: the profiler slows the forward copies hide under
             with ReloadWaits() as waits:
