@@ -135,10 +135,23 @@ class RankRow:
     gpu_busy_spread: float | None = None  # slowest / fastest process's GPU busy time - 1 (measure.repeat)
     pipeline: dict = field(default_factory=dict)
     last_loss: float | None = None
+    # activation offload: what one micro-batch's forward copied to the host, what a measured step
+    # moved out (and back), and on a GPU the seconds compute waited for reloads in one step
+    host_bytes: int | None = None
+    moved_bytes_per_step: int | None = None
+    reload_wait_s: float | None = None
 
     @property
     def ledger_mib(self) -> float | None:
         return self.ledger_bytes / MIB if self.ledger_bytes is not None else None
+
+    @property
+    def host_mib(self) -> float | None:
+        return self.host_bytes / MIB if self.host_bytes is not None else None
+
+    @property
+    def reload_wait_ms(self) -> float | None:
+        return self.reload_wait_s * 1e3 if self.reload_wait_s is not None else None
 
     @property
     def step_ms(self) -> float | None:
@@ -166,6 +179,7 @@ def rank_row(result: dict, rank: dict) -> RankRow:
         frag = reserved - alloc
     losses = [x for x in rank.get("loss") or [] if x is not None]
     status = rank.get("status") or result.get("status")
+    offload = rank.get("offload") or {}
     return RankRow(
         point=result.get("name"), run_dir=result.get("run_dir"), point_status=result.get("status"), status=status,
         model=choices.get("model"), attention=choices.get("attention"), recompute=recompute_of(result),
@@ -183,7 +197,15 @@ def rank_row(result: dict, rank: dict) -> RankRow:
         recompute_flops_fraction=timing.get("recompute_flops_fraction"), pipeline=rank.get("pipeline") or {},
         gpu_busy_s=gpu_busy_s(rank), gpu_busy_spread=(rank.get("trace") or {}).get("gpu_busy_spread"),
         last_loss=losses[-1] if losses else None,
+        host_bytes=(rank.get("ledger") or {}).get("host_total_bytes") if offload else None,
+        moved_bytes_per_step=(offload.get("moved_per_step") or {}).get("d2h_bytes"),
+        reload_wait_s=_number(offload.get("reload_wait_s")),
     )
+
+
+def _number(value) -> float | None:
+    """A measurement's value; None where it was not taken or failed (a failure is recorded as a dict)."""
+    return value if isinstance(value, int | float) else None
 
 
 def gpu_busy_s(rank: dict) -> float | None:

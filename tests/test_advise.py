@@ -17,7 +17,7 @@ from conftest import compose
 from recipes.analyze import advise, report
 
 #: (attention, recompute): (peak allocated GiB, peak reserved GiB, step s); None = out of memory.
-from recipes.files import write_json_atomic
+from recipes.files import MIB, write_json_atomic
 from recipes.predict.fit import fits
 from recipes.results import merge_result
 
@@ -708,3 +708,46 @@ def test_a_point_s_console_line_shows_its_gpu_busy_time(capsys):
     rank = {"rank": 0, "status": "ok", "timing": {"step_time_s": 0.29}, "trace": {"gpu_busy_s": 0.2379}}
     print_run({"name": "moe sdpa selective/moe_act", "status": "ok", "config": {}, "choices": {}, "ranks": [rank]})
     assert "step 290.0 ms | GPU busy 237.9 ms" in capsys.readouterr().out
+
+
+def test_offload_points_show_their_host_copies_and_reload_waits(capsys):
+    """A sweep with activation offload: the report, its CSV, the console line and the W&B summary show
+    what a micro-batch copied to the host, what a step moved and (GPU) the seconds compute waited for
+    reloads, the median over repeated processes; a failed wait measurement is left blank. A sweep
+    without offload keeps its columns as they were."""
+    from recipes.analyze.logger import run_metrics
+    from recipes.run.console import print_run
+
+    def point(offload: str, repeat: int, wait_s) -> dict:
+        config = compose(f"offload={offload}", "model=standard_attn", "size=h200", f"measure.repeat={repeat}")
+        rank = {"rank": 0, "status": "ok", "device": "NVIDIA H200",
+                "memory": {"peak_allocated_gib": 18.0, "peak_reserved_gib": 19.0},
+                "timing": {"step_time_s": 0.30 + wait_s * (offload != "none") if isinstance(wait_s, float) else 0.3},
+                "ledger": {"total_bytes": 100 * MIB}}
+        if offload != "none":
+            rank["ledger"]["host_total_bytes"] = 896 * MIB
+            rank["offload"] = {"moved_per_step": {"d2h_bytes": 3584 * MIB}, "reload_wait_s": wait_s}
+        return {"name": f"standard_attn sdpa none offload={offload}", "status": "ok", "config": config,
+                "choices": {"model": "standard_attn"}, "run_dir": f"{offload}{repeat}", "ranks": [rank]}
+
+    results = [point("none", 0, 0.0), point("core_attn", 0, 0.004), point("core_attn", 1, 0.002),
+               point("core_attn", 2, 0.003)]
+    rows = report.rank_rows(report.merge_repeats(results))
+    off = next(r for r in rows if r["offload"] == "core_attn")
+    assert off["host_mib"] == 896 and off["moved_mib_per_step"] == 3584
+    assert off["reload_wait_ms"] == pytest.approx(3.0)  # the median of the three processes
+    md = report.format_markdown(rows)
+    assert "| host MiB |" in md and "| reload wait ms |" in md and "| 896.00 |" in md
+    keys = report.csv_keys(rows)
+    assert keys[keys.index("recompute") + 1] == "offload"
+    assert keys[-3:] == ["host_mib", "moved_mib_per_step", "reload_wait_ms"]
+    plain = report.rank_rows([results[0]])
+    assert "host MiB" not in report.format_markdown(plain) and "offload" not in report.csv_keys(plain)
+    print_run(results[1])
+    assert "ledger 100.00 MiB | host 896.00 MiB | step 304.0 ms | reload waits 4.0 ms" in capsys.readouterr().out
+    metrics = run_metrics(results[1])
+    assert metrics["offload/host_bytes"] == 896 * MIB and metrics["offload/moved_bytes_per_step"] == 3584 * MIB
+    assert metrics["offload/reload_wait_s"] == 0.004
+    failed = point("core_attn", 0, {"error": "OutOfMemoryError"})
+    assert "offload/reload_wait_s" not in run_metrics(failed)
+    assert "offload/host_bytes" not in run_metrics(results[0])

@@ -52,6 +52,9 @@ def run_metrics(result: dict) -> dict[str, Any]:
         "perf/tokens_per_s": row.tokens_per_s,
         "perf/mfu": row.mfu,
         "ledger/total_bytes": row.ledger_bytes,
+        "offload/host_bytes": row.host_bytes,
+        "offload/moved_bytes_per_step": row.moved_bytes_per_step,
+        "offload/reload_wait_s": row.reload_wait_s,
     }
     ranks = result.get("ranks") or []
     worst = next((r for r in ranks if r.get("rank") == result.get("worst_rank")), None)

@@ -51,11 +51,13 @@ COLUMNS = [
     ("d_peak", "peak vs control", "{}"),
     ("ledger_mib", "ledger MiB", "{:.2f}"),
     ("d_ledger_pct", "ledger vs control", "{:+.1f}%"),
+    ("host_mib", "host MiB", "{:.2f}"),
     ("profile_peak_mib", "profiled peak MiB", "{:.2f}"),
     ("step_ms", "step ms", "{:.1f}"),
     ("step_noise", "step noise", "{:+.0%}"),
     ("step_spread", "spread over processes", "{:+.0%}"),
     ("d_time_pct", "time vs control", "{:+.1f}%"),
+    ("reload_wait_ms", "reload wait ms", "{:.1f}"),
     ("gpu_ms", "GPU busy ms", "{:.1f}"),
     ("gpu_spread", "GPU busy spread", "{:+.1%}"),
     ("d_gpu_pct", "GPU busy vs control", "{:+.1f}%"),
@@ -66,8 +68,10 @@ CSV_KEYS = ["point", "rank", "worst", "status", "model", "attention", "recompute
             "peak_allocated_gib", "peak_reserved_gib", "fragmentation_gib", "activation_gib",
             "d_peak_gib", "d_peak_pct", "ledger_bytes", "ledger_mib", "d_ledger_pct", "profile_peak_mib",
             "step_ms", "step_noise", "repeats", "step_spread", "d_time_ms", "d_time_pct", "tokens_per_s", "mfu", "error", "run_dir"]
-#: In report.csv only when some row has them (the GPU's busy time: measure.gpu_time, traced steps).
+#: In report.csv only when some row has them (the GPU's busy time: measure.gpu_time, traced steps;
+#: activation offload's host copies, and the time compute waited for their reloads on a GPU).
 GPU_CSV_KEYS = ["gpu_ms", "gpu_spread", "d_gpu_pct"]
+OFFLOAD_CSV_KEYS = ["host_mib", "moved_mib_per_step", "reload_wait_ms"]
 #: Step noise = median / fastest timed step - 1; above this, step-time deltas are contention, not recompute.
 NOISY_STEPS = 0.25
 
@@ -180,8 +184,14 @@ def merge_repeats(results: list[dict]) -> list[dict]:
             if memory.get("peak_allocated_gib") is not None and memory.get("peak_reserved_gib") is not None:
                 memory["fragmentation_gib"] = memory["peak_reserved_gib"] - memory["peak_allocated_gib"]
             times = merge_module_times([x.get("module_times") for x in peers])
+            offload = dict(rank.get("offload") or {})
+            waits = [w for w in ((x.get("offload") or {}).get("reload_wait_s") for x in peers)
+                     if isinstance(w, int | float)]
+            if len(waits) > 1:
+                offload["reload_wait_s"] = statistics.median(waits)
             merged["ranks"].append({**rank, "timing": timing, "memory": memory or rank.get("memory"),
                                     **({"trace": trace} if trace else {}),
+                                    **({"offload": offload} if offload else {}),
                                     **({"module_times": times} if times else {})})
         out.append(merged)
     return out
@@ -221,6 +231,8 @@ def _row(r: RankRow, name: str) -> dict:
         "profile_peak_mib": r.profile_peak_bytes / MIB if r.profile_peak_bytes is not None else None,
         "step_ms": r.step_ms, "step_noise": r.step_noise, "repeats": r.repeats, "step_spread": r.step_time_spread,
         "tokens_per_s": r.tokens_per_s, "mfu": r.mfu, "gpu_ms": r.gpu_ms, "gpu_spread": r.gpu_busy_spread,
+        "host_mib": r.host_mib, "reload_wait_ms": r.reload_wait_ms,
+        "moved_mib_per_step": r.moved_bytes_per_step / MIB if r.moved_bytes_per_step is not None else None,
     }
 
 
@@ -444,8 +456,12 @@ def _notes(rows: list[dict], results: list[dict]) -> list[str]:
 
 
 def csv_keys(rows: list[dict]) -> list[str]:
-    """report.csv's and the W&B table's columns: every CSV_KEYS, then the GPU busy ones some row has."""
-    return CSV_KEYS + [k for k in GPU_CSV_KEYS if any(r.get(k) is not None for r in rows)]
+    """report.csv's and the W&B table's columns: every CSV_KEYS, then the GPU busy and offload ones
+    some row has."""
+    keys = CSV_KEYS + [k for k in GPU_CSV_KEYS + OFFLOAD_CSV_KEYS if any(r.get(k) is not None for r in rows)]
+    if any(r.get("offload", "none") != "none" for r in rows):  # the option, beside recompute's
+        keys.insert(keys.index("recompute") + 1, "offload")
+    return keys
 
 
 def write_report(sweep_dir: Path, wandb_logger: dict | None = None) -> str:

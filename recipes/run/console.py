@@ -15,6 +15,8 @@ def _numbers(row: RankRow) -> list[str]:
         parts.append(f"reserved {row.peak_reserved_gib:.2f} GiB")
     if row.ledger_mib is not None:
         parts.append(f"ledger {row.ledger_mib:.2f} MiB")
+    if row.host_mib is not None:  # activation offload: what a micro-batch's forward copied to the host
+        parts.append(f"host {row.host_mib:.2f} MiB")
     return parts
 
 
@@ -27,6 +29,8 @@ def print_run(result: dict) -> None:
         parts.append(f"step {row.step_ms:.1f} ms")
     if row.gpu_ms is not None:  # measure.gpu_time: the step's GPU work, which the host's speed does not move
         parts.append(f"GPU busy {row.gpu_ms:.1f} ms")
+    if row.reload_wait_ms is not None:  # offload on a GPU: compute waiting for its tensors to come back
+        parts.append(f"reload waits {row.reload_wait_ms:.1f} ms")
     if row.tokens_per_s is not None:
         parts.append(f"{row.tokens_per_s:.0f} tok/s")
     if row.mfu is not None:
