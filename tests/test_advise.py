@@ -498,6 +498,22 @@ def test_predicted_advice_prints_the_plan_runner_up_and_one_sweep_to_confirm_bot
     assert "python -m recipes advise multirun/confirm --budget-gib 21.5" in text
 
 
+def test_when_nothing_needs_buying_the_plan_confirms_none_alone_without_a_runner_up():
+    """A budget that none fits with the slack: every other plan only adds step time, so there is no
+    runner-up to confirm (before, the first plan not 'none plus more' was offered: one fully recomputed
+    layer). The confirm sweep runs none under the cap; recompute alone names a real label next to it,
+    not control (none with hooks)."""
+    advice = advise.advise_before_running(["model=standard_attn", "size=h200"], 100.0)
+    p = advice["plan"]
+    assert (p["choice"]["recompute"], p["choice"]["offload"]) == ("none", "none") and p["runner_up"] is None
+    text = advise.explain_prediction(advice)
+    assert "runner-up: " not in text and "no recompute or offload is needed" in text
+    commands = [line.strip() for line in text.splitlines() if line.strip().startswith("python train.py -m")]
+    assert commands == ["python train.py -m model=standard_attn size=h200 recompute=none "
+                        "measure.memory_budget_gib=100 hydra.sweep.dir=multirun/confirm"]
+    assert "Recompute alone: recompute=none" in text and "runner-up recompute=control" not in text
+
+
 def test_moe_plans_never_offload_inside_a_whole_moe_recompute():
     from recipes.analyze.plan import plan
     from recipes.config import compose_config

@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 
 from recipes.analyze.plan import (
+    buys_nothing,
     confirm_commands,
     describe,
     fewest_block_layers,
@@ -670,7 +671,13 @@ def explain_plan(p: dict | None, base: str, measured: frozenset = frozenset()) -
         near = min(p["rows"], key=lambda r: r["predicted_peak_gib"], default=None)
         return lines + ["  nothing fits" + (f"; closest {describe(near)}" if near else "")]
     lines.append(f"  choice:    {describe(c)}")
-    if runner:
+    if buys_nothing(c):  # no runner-up: every other plan only adds cost
+        lines.append(f"  recompute={c['recompute']} fits the budget with the allocator's slack: no recompute or "
+                     "offload is needed, and every other plan only adds step time")
+        if _plan_key(c) not in measured:
+            lines.append("Confirm it under the budget's cap:")
+            lines += ["  " + cmd for cmd in confirm_commands(base, [c], p["budget_gib"])]
+    elif runner:
         lines.append(f"  runner-up: {describe(runner)}")
         todo = [r for r in (c, runner) if _plan_key(r) not in measured]
         if todo:
@@ -704,7 +711,8 @@ def explain_prediction(advice: dict) -> str:
     c = advice["choice"]
     lines += explain_plan(advice.get("plan"), " ".join(advice["overrides"]))
     if c:
-        runner = min((r for r in advice["options"] if r["fits"] and r is not c),
+        runner = min((r for r in advice["options"] if r["fits"] and r is not c  # control is none with hooks
+                      and not {r["recompute"], c["recompute"]} <= set(NO_RECOMPUTE)),
                      key=lambda r: (r["replay_fraction"], recompute_order(r["recompute"])), default=None)
         lines.append(f"Recompute alone: {_option_overrides(c)} (predicted {c['predicted_peak_gib']:.2f} GiB, the "
                      "fitting option that replays the least work" + (

@@ -192,8 +192,16 @@ def rank(p: dict) -> dict:
     """``p`` with its choice (the fastest fitting row) and runner-up (the next that is not the choice and more)."""
     ranked = sorted((r for r in p["rows"] if r["fits"]), key=_order)
     p["choice"] = ranked[0] if ranked else None
-    p["runner_up"] = next((r for r in ranked[1:] if not _extends(r, p["choice"])), None)
+    if p["choice"] is not None and buys_nothing(p["choice"]):  # every other plan only adds cost
+        p["runner_up"] = None
+    else:
+        p["runner_up"] = next((r for r in ranked[1:] if not _extends(r, p["choice"])), None)
     return p
+
+
+def buys_nothing(row: dict) -> bool:
+    """A plan that neither recomputes nor offloads (``none``, or ``control`` with no labels)."""
+    return selective_labels(row["recompute"]) == frozenset() and row.get("offload", "none") == "none"
 
 
 def plan_key(row: dict) -> tuple:
