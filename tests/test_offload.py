@@ -451,18 +451,30 @@ def test_a_sweep_with_offload_end_to_end_and_its_table(tmp_path):
     assert "| ok |" in row and "| reference |" in next(line for line in lines if "| recompute=none |" in line)
 
 
+#: (layout overrides, offload option) run on two CPU ranks with gloo
+LAYOUTS = [
+    # 4 micro-batches over two stages: the ledger's micro-batch is the first to run backward, so it
+    # keeps the last group
+    (("parallel=pp2", "model.num_layers=4", "train.global_batch_size=8"), "offload=core_attn-attn_proj"),
+    # sequence parallel: each rank moves its shard of core attention's heads
+    (("parallel=tp2", "model.num_layers=2", "train.global_batch_size=4"), "offload=core_attn-attn_proj"),
+    # expert parallel: each rank moves the tokens routed to its experts, which differ by rank
+    (("parallel=ep2", "model=moe", "model.num_layers=2", "train.global_batch_size=4"), "offload=expert_fc1-moe_act"),
+]
+
+
 @pytest.mark.slow
-def test_pipeline_parallel_offload_is_exact_and_predicted_per_stage(tmp_path):
-    """Two pipeline stages (gloo), 4 micro-batches: the losses and gradient norms of every step equal
-    the run without offload; each stage's device ledger and host bytes are what the estimator says
-    for it (the ledger's micro-batch is the first to run backward, so it keeps the last group)."""
+@pytest.mark.parametrize("common,offload", LAYOUTS, ids=[c[0].split("=")[1] for c, _ in LAYOUTS])
+def test_parallel_offload_is_exact_and_predicted_per_rank(tmp_path, common, offload):
+    """Two ranks (gloo): the losses and gradient norms of every step equal the run without offload;
+    each rank's device ledger and host bytes are what the estimator says for it (under expert
+    parallel, for the tokens its experts were routed)."""
     from test_parallel import train_subprocess
 
     from recipes.predict.estimate import compare_result
 
-    common = ("parallel=pp2", "model.num_layers=4", "train.global_batch_size=8")
     plain, _ = train_subprocess(tmp_path / "plain", *common)
-    off, _ = train_subprocess(tmp_path / "off", *common, "offload=core_attn-attn_proj", *EMULATED)
+    off, _ = train_subprocess(tmp_path / "off", *common, offload, *EMULATED)
     for a, b in zip(plain["ranks"], off["ranks"]):
         assert a["loss"] == b["loss"] and a["grad_norm"] == b["grad_norm"]
         assert b["offload"]["moved_per_step"]["d2h_bytes"] > 0
