@@ -38,7 +38,7 @@ def first_option(family: str, size: str, extra: list[str]) -> str:
 
     if not torch.cuda.is_available():
         return "none"
-    from recipes.analyze.advise import advise_before_running
+    from recipes.analyze.predicted import advise_before_running
 
     budget = torch.cuda.get_device_properties(0).total_memory / 2**30 - 2.0  # context, NCCL
     advice = advise_before_running([f"model={family}", f"size={size}", *extra], budget)

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 from conftest import compose
 
-from recipes.analyze import advise, report
+from recipes.analyze import advise, predicted, report
+from recipes.analyze.plan import explain_plan
 
 #: (attention, recompute): (peak allocated GiB, peak reserved GiB, step s); None = out of memory.
 from recipes.files import MIB, write_json_atomic
@@ -207,13 +208,13 @@ def test_predicted_before_any_run_picks_the_narrowest_fitting_option():
     fitting option that replays the least work: moe_act at the h200 MoE shape for 26 GiB, with the unfused
     SwiGLU (fused, moe_act frees one [rows, ffn] tensor per layer, 0.5 GiB, as much as layernorm, which
     replays less: the advisor then picks layernorm)."""
-    advice = advise.advise_before_running(["model=moe", "size=h200", "model.bias_activation_fusion=false"], 26.0)
+    advice = predicted.advise_before_running(["model=moe", "size=h200", "model.bias_activation_fusion=false"], 26.0)
     assert advice["source"] == "predicted"
     by_option = {r["recompute"]: r for r in advice["options"]}
     assert not by_option["none"]["fits"] and by_option["full"]["fits"]
     assert by_option["full"]["predicted_peak_gib"] < by_option["selective/moe_act"]["predicted_peak_gib"]
     assert advice["choice"]["recompute"] == "selective/moe_act"
-    assert "PREDICTED" in advise.explain_prediction(advice)
+    assert "PREDICTED" in predicted.explain_prediction(advice)
 
 
 def test_sweep_advice_lists_unmeasured_options_as_predicted_and_shows_predictions(tmp_path):
@@ -349,7 +350,7 @@ def test_predicted_full_block_takes_the_fewest_layers_that_fit():
     from recipes.predict.estimate import predict
     from recipes.recompute import recompute_config
 
-    advice = advise.advise_before_running(["model=standard_attn", "size=h200_long"], 137.0)
+    advice = predicted.advise_before_running(["model=standard_attn", "size=h200_long"], 137.0)
     block = next(r for r in advice["options"] if r["recompute"] == "full/block")
     k = block["recompute_num_layers"]
     assert block["fits"] and advice["choice"] is block and 1 < k < 32
@@ -357,7 +358,7 @@ def test_predicted_full_block_takes_the_fewest_layers_that_fit():
     cfg = compose_config(["model=standard_attn", "size=h200_long"])
     fewer = predict({**cfg, "recompute": {**recompute_config("full/block"), "recompute_num_layers": k - 1}}, "cuda")
     assert not fits(fewer["peak_bytes"] / 2**30, 137.0)
-    text = advise.explain_prediction(advice)
+    text = predicted.explain_prediction(advice)
     assert f"recompute=full/block recompute.recompute_num_layers={k}" in text and "runner-up recompute=selective/mlp" in text
     # the planner over recompute x offload agrees here: no offload makes the 32 layers fit cheaper
     plan = advice["plan"]
@@ -485,8 +486,8 @@ def test_an_elementwise_replay_costs_its_bytes_regions_and_host_bound_launches()
 
 
 def test_predicted_advice_prints_the_plan_runner_up_and_one_sweep_to_confirm_both(offload_fragments_as_allocation_does):
-    advice = advise.advise_before_running(["model=standard_attn", "size=h200", UNFUSED], 21.5)
-    text = advise.explain_prediction(advice)
+    advice = predicted.advise_before_running(["model=standard_attn", "size=h200", UNFUSED], 21.5)
+    text = predicted.explain_prediction(advice)
     assert "choice:    recompute=none offload=core_attn" in text and "runner-up: " in text
     commands = [line.strip() for line in text.splitlines() if line.strip().startswith("python train.py -m")]
     # capped at the budget: a plan the allocator's fragmentation does not fit into stops as oom
@@ -503,10 +504,10 @@ def test_when_nothing_needs_buying_the_plan_confirms_none_alone_without_a_runner
     runner-up to confirm (before, the first plan not 'none plus more' was offered: one fully recomputed
     layer). The confirm sweep runs none under the cap; recompute alone names a real label next to it,
     not control (none with hooks)."""
-    advice = advise.advise_before_running(["model=standard_attn", "size=h200"], 100.0)
+    advice = predicted.advise_before_running(["model=standard_attn", "size=h200"], 100.0)
     p = advice["plan"]
     assert (p["choice"]["recompute"], p["choice"]["offload"]) == ("none", "none") and p["runner_up"] is None
-    text = advise.explain_prediction(advice)
+    text = predicted.explain_prediction(advice)
     assert "runner-up: " not in text and "no recompute or offload is needed" in text
     commands = [line.strip() for line in text.splitlines() if line.strip().startswith("python train.py -m")]
     assert commands == ["python train.py -m model=standard_attn size=h200 recompute=none "
@@ -573,8 +574,8 @@ def test_a_plan_the_sweep_ran_out_of_memory_on_is_not_chosen_again(tmp_path):
     under the budget's cap on the H200; advise on that confirm sweep must then choose among the others,
     not suggest it again, and name what did fit. (--predict now chooses what fitted: the test above.)"""
     sweep = tmp_path / "confirm"
-    predicted = advise.advise_before_running(["model=standard_attn", "size=h200"], 19.0)["plan"]["choice"]
-    assert (predicted["recompute"], predicted["offload"]) != ("none", "core_attn")
+    pick = predicted.advise_before_running(["model=standard_attn", "size=h200"], 19.0)["plan"]["choice"]
+    assert (pick["recompute"], pick["offload"]) != ("none", "core_attn")
     for recompute, offload, measured in (("none", "core_attn", None),
                                          ("selective/layernorm", "attn_norm-mlp_norm", (17.48, 18.96, 0.3086))):
         run_dir = sweep / f"recompute={recompute.replace('/', '.')}__offload={offload}"
@@ -609,7 +610,7 @@ def test_a_measured_gpu_sweep_gets_the_plan_for_what_it_did_not_run(tmp_path):
 def test_with_the_fused_swiglu_moe_act_frees_what_layernorm_does():
     """A GPU's default (fused SwiGLU) keeps the activation's input and the fc2 input only, so moe_act frees
     the fc2 input: 8 layers x 16384 rows x 2048 x 2 bytes = 0.5 GiB at the h200 MoE shape."""
-    advice = advise.advise_before_running(["model=moe", "size=h200"], 26.0)
+    advice = predicted.advise_before_running(["model=moe", "size=h200"], 26.0)
     by_option = {r["recompute"]: r for r in advice["options"]}
     saved = by_option["none"]["predicted_peak_gib"] - by_option["selective/moe_act"]["predicted_peak_gib"]
     assert abs(saved - 0.5) < 0.01
@@ -635,7 +636,7 @@ def test_a_sweep_whose_base_point_timed_its_modules_prices_the_replays_from_them
     assert row["recompute_s"] == pytest.approx(4 * 8 * 1.0e-3)
     flops = recompute_s({**cfg, "recompute": _config("sdpa", "selective/mlp")["recompute"]}, p["tflops"], 8, 4)
     assert row["recompute_s"] != pytest.approx(flops)
-    assert "(replays at the base point's measured module times)" in "\n".join(advise.explain_plan(p, p["base"]))
+    assert "(replays at the base point's measured module times)" in "\n".join(explain_plan(p, p["base"]))
     # with the step's timeline (a GPU base point's marks) every option is priced on it, and it says so:
     # here the host leads by far, so the 32 MLP forwards (less FC2) cost their GPU time, 0.5 ms each
     names = ["start"] + [f"{n}:{m}:{k}" for n in range(1, 9) for m, k in (("mlp", "pre"), ("mlp.linear_fc2", "pre"),
@@ -649,7 +650,7 @@ def test_a_sweep_whose_base_point_timed_its_modules_prices_the_replays_from_them
     # pre to end: 3 intervals less FC2's 1, read at the stream pace (FC2's stream time 0.3 ms against the
     # GPU pass's 0.5: kept at PACE_RANGE's 0.9)
     assert p["timeline"] and row["recompute_s"] == pytest.approx(4 * 8 * 2 * 0.5e-3 * 0.9)
-    assert "(replays on the base point's measured step timeline" in "\n".join(advise.explain_plan(p, p["base"]))
+    assert "(replays on the base point's measured step timeline" in "\n".join(explain_plan(p, p["base"]))
     rank.pop("module_times")
     write_point(sweep, "sdpa", "none", [rank])
     assert not advise.sweep_plan(sweep, 20.0)["module_times"]  # without them: FLOPs, as before

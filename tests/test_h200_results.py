@@ -19,12 +19,12 @@ from conftest import REPO
 
 from recipes.analyze.advise import (
     advise,
-    advise_before_running,
     explain,
     measured_candidates,
     predicted_candidates,
     predicted_next_to_measured,
 )
+from recipes.analyze.predicted import advise_before_running
 from recipes.config import upgrade_overrides
 from recipes.predict import estimate
 from recipes.predict.estimate import compare_result, predict

@@ -406,8 +406,7 @@ def test_the_planner_sets_aside_plans_the_host_cannot_hold():
     """advise --predict: an offload plan whose copies need more host memory per node than
     offload.host_memory_gib is not priced nor picked, and the plan's lines say why and the fix; the
     same plans come back with room for them."""
-    from recipes.analyze.advise import explain_plan
-    from recipes.analyze.plan import plan
+    from recipes.analyze.plan import explain_plan, plan
     from recipes.config import compose_config
 
     overrides = ["model=moe", "size=h200", "parallel=pp2", "launcher.nproc_per_node=2"]

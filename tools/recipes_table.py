@@ -22,7 +22,7 @@ sys.path.insert(0, str(ROOT))  # run as a script from anywhere: import the repos
 import generated  # noqa: E402  (tools/, beside this script)
 from generated import END, replace_section  # noqa: E402
 
-from recipes.analyze.advise import advise_before_running  # noqa: E402
+from recipes.analyze.predicted import advise_before_running  # noqa: E402
 from recipes.files import CONF_DIR, GIB  # noqa: E402
 from recipes.predict.estimate import predict_options  # noqa: E402
 from recipes.predict.fit import FITS, verdict  # noqa: E402

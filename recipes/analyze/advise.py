@@ -24,24 +24,15 @@ import json
 import sys
 from pathlib import Path
 
-from recipes.analyze.plan import (
-    buys_nothing,
-    confirm_commands,
-    describe,
-    fewest_block_layers,
-    plan,
-    plan_key,
-    without_measured_ooms,
-)
+from recipes.analyze.plan import explain_plan, fewest_block_layers, overrides_of, plan, without_measured_ooms
+from recipes.analyze.predicted import advise_before_running, explain_prediction, recipe_budget
 from recipes.analyze.report import NOISY_STEPS, control_gap_pct, find_results, merge_repeats, rank_rows
 from recipes.errors import ConfigError
 from recipes.files import GIB
-from recipes.measure.flops import layer_forward_flops, replayed_layer_flops
 from recipes.measure.profile import first_label_to_try, top_contributors
 from recipes.offload import option_of as offload_option_of
-from recipes.predict.estimate import predict, predict_options, recorded_shares, routing_line
-from recipes.predict.fit import FITS, TIGHT, slack_for, verdict, with_slack
-from recipes.recipe import GPU_BUDGET_GIB, at_full_depth, compose_recipe
+from recipes.predict.estimate import predict, predict_options, recorded_shares
+from recipes.predict.fit import with_slack
 from recipes.recompute import NO_RECOMPUTE, is_full, recompute_config, recompute_order, selective_labels
 from recipes.results import deciding_rank, first_sentence, recompute_of, worst_row
 
@@ -537,7 +528,7 @@ def explain(advice: dict, sweep_dir: str = "") -> str:
         lines.append(f"- `{c['point']}`" + (f" over {c['recompute_num_layers']} layers" if c.get("recompute_num_layers")
                                             else "")
                      + f": predicted, not measured ({mem}); "
-                     + (f"predicted to fit: worth a run ({_option_overrides(c)})." if fits else "predicted over the budget."))
+                     + (f"predicted to fit: worth a run ({overrides_of(c)})." if fits else "predicted over the budget."))
     p = advice.get("plan")
     if p:
         lines += ["Predicted for the combinations this sweep did not run: " + line[0].lower() + line[1:]
@@ -599,131 +590,6 @@ def positive_budget(text: str) -> float:
     if not value > 0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"--budget-gib must be a positive number of GiB, got {text!r}")
     return value
-
-
-def advise_before_running(overrides: list[str], budget_gib: float) -> dict:
-    """PREDICTED advice, before any run: every option of the family by recipes.predict.estimate's peak per
-    rank; the choice is the fitting option that replays the least forward work (recipes.measure.flops),
-    no recompute first: the guide's "narrowest boundary that fits", to be confirmed by a sweep."""
-
-    cfg, _ = compose_recipe(at_full_depth(overrides), on_gpu=True)  # recipe=<name>: its published layout
-    done, refused = predict_options(cfg, "cuda")
-    layer = layer_forward_flops(cfg)
-    per_layer = sum(layer.get(k, 0.0) for k in ("attn_proj", "core_attn", "mlp", "moe"))
-    rows = []
-    for option, p in done:
-        rc = recompute_config(option)
-        if option == "full/block":
-            rc, p = fewest_block_layers(cfg, rc, budget_gib)
-        replay = replayed_layer_flops({**cfg, "recompute": rc}, layer, per_layer)
-        peak, slack = p["peak_bytes"] / GIB, p["allocator_slack"]
-        rows.append({"recompute": option, "predicted_peak_gib": peak, "fits": verdict(peak, budget_gib, slack) == FITS,
-                     "tight": verdict(peak, budget_gib, slack) == TIGHT,
-                     "replay_fraction": replay / per_layer,
-                     **({"recompute_num_layers": rc["recompute_num_layers"]} if option == "full/block" else {})})
-    rows.sort(key=lambda r: r["predicted_peak_gib"])
-    fitting = [r for r in rows if r["fits"]]
-    choice = min(fitting, key=lambda r: (r["replay_fraction"], recompute_order(r["recompute"])), default=None)
-    share = done[0][1]["routed_share"] if done else None
-    return {"source": "predicted", "budget_gib": budget_gib, "overrides": overrides, "options": rows,
-            "allocator_slack": slack_for(cfg), "routed_share": share,
-            "choice": choice, "refused": [{"recompute": o, "why": w} for o, w in refused],
-            "plan": plan(cfg, budget_gib)}
-
-
-def recipe_budget(overrides: list[str]) -> float | None:
-    """The allocator budget of a named recipe's GPU (``recipes.recipe.GPU_BUDGET_GIB``), else None."""
-    if not any(o.startswith("recipe=") for o in overrides):
-        return None
-    cfg, _ = compose_recipe(at_full_depth(overrides), on_gpu=True)
-    return GPU_BUDGET_GIB[cfg["recipe"]["gpu"]]
-
-
-def _option_overrides(row: dict) -> str:
-    """The command-line overrides that select a predicted row (its layout too, in a sweep over layouts)."""
-    n = row.get("recompute_num_layers")
-    layout = f" {row['parallel']}" if row.get("parallel") else ""
-    return f"recompute={row['recompute']}" + (f" recompute.recompute_num_layers={n}" if n else "") + layout
-
-
-def explain_plan(p: dict | None, base: str, measured: frozenset = frozenset()) -> list[str]:
-    """The planner's lines: the fastest fitting recompute x offload combination, the runner-up and the
-    commands that confirm both in one sweep (``measured``: overrides a sweep already ran)."""
-    if not p:
-        return []
-    fitting = sorted((r for r in p["rows"] if r["fits"]), key=lambda r: r["cost_s"])
-    lines = [f"Plan over recompute x offload ({len(p['rows']) + len(p.get('over_host') or [])} combinations "
-             "megatron-core allows, "
-             f"{len(fitting)} fit; {len(p['refused'])} refused by its rules), added step time at "
-             f"{p['tflops']:.0f} TFLOP/s" + (" (replays on the base point's measured step timeline, host "
-                                              "time included)" if p.get("timeline") else
-                                              " (replays at the base point's measured module times)"
-                                              if p.get("module_times") else "")
-             + f" and a {p['host_link_gb_s']:g} GB/s host link:"]
-    over = p.get("over_host") or []
-    if over:  # the one that needs the least host memory says what the host lacks
-        least = min(over, key=lambda r: r["host_gib"])
-        lines.append(f"  {len(over)} offload plan{'s' if len(over) > 1 else ''} set aside for the host's memory; the "
-                     f"smallest, recompute={least['recompute']} offload={least['offload']}: {least['why']}; "
-                     f"fix: {least['fix']}")
-    c, runner = p["choice"], p["runner_up"]
-    if c is None:
-        near = min(p["rows"], key=lambda r: r["predicted_peak_gib"], default=None)
-        return lines + ["  nothing fits" + (f"; closest {describe(near)}" if near else "")]
-    lines.append(f"  choice:    {describe(c)}")
-    if buys_nothing(c):  # no runner-up: every other plan only adds cost
-        lines.append(f"  recompute={c['recompute']} fits the budget with the allocator's slack: no recompute or "
-                     "offload is needed, and every other plan only adds step time")
-        if _plan_key(c) not in measured:
-            lines.append("Confirm it under the budget's cap:")
-            lines += ["  " + cmd for cmd in confirm_commands(base, [c], p["budget_gib"])]
-    elif runner:
-        lines.append(f"  runner-up: {describe(runner)}")
-        todo = [r for r in (c, runner) if _plan_key(r) not in measured]
-        if todo:
-            lines.append("Confirm " + ("both" if len(todo) == 2 else "it") + " in one sweep directory:")
-            lines += ["  " + cmd for cmd in confirm_commands(base, todo, p["budget_gib"])]
-            if any(r.get("offload", "none") != "none" for r in todo):
-                lines.append("  (offload leaves more of the allocator's memory unusable than recompute does: its "
-                             "plans were judged with the slack measured for them, up to 21% over the predicted "
-                             "peak, and each runs capped at the budget, where one that does not fit stops as oom; "
-                             "docs/offload.md)")
-    return lines
-
-
-def _plan_key(row: dict) -> tuple:
-    """(recompute, offload) of a plan row: what ``sweep_plan``'s ``measured`` records of a point."""
-    return plan_key(row)[:2]
-
-
-def explain_prediction(advice: dict) -> str:
-    lines = [f"PREDICTED (recipes.predict.estimate, nothing measured) for {' '.join(advice['overrides']) or 'the defaults'}, "
-             f"budget {advice['budget_gib']:.2f} GiB per GPU for PyTorch's allocator (a GPU's capacity less what CUDA "
-             f"and its libraries hold: 2.4 GiB on the H200). Peak allocated; fits = with {advice['allocator_slack']:.1%} "
-             "allocator slack on top, tight = only without it:"]
-    routing = routing_line(advice)
-    lines += [routing] if routing else []
-    for r in advice["options"]:
-        mark = "fits" if r["fits"] else "tight" if r.get("tight") else "over"
-        name = r["recompute"] + (f" ({r['recompute_num_layers']} layers)" if r.get("recompute_num_layers") else "")
-        lines.append(f"  {name:<34} {r['predicted_peak_gib']:8.2f} GiB  {mark}  "
-                     f"replays {r['replay_fraction']:.0%} of a layer's forward")
-    c = advice["choice"]
-    lines += explain_plan(advice.get("plan"), " ".join(advice["overrides"]))
-    if c:
-        runner = min((r for r in advice["options"] if r["fits"] and r is not c  # control is none with hooks
-                      and not {r["recompute"], c["recompute"]} <= set(NO_RECOMPUTE)),
-                     key=lambda r: (r["replay_fraction"], recompute_order(r["recompute"])), default=None)
-        lines.append(f"Recompute alone: {_option_overrides(c)} (predicted {c['predicted_peak_gib']:.2f} GiB, the "
-                     "fitting option that replays the least work" + (
-                         f"; runner-up {_option_overrides(runner)}, replays {runner['replay_fraction']:.0%})."
-                         if runner else ")."))
-    else:
-        near = min(advice["options"], key=lambda r: r["predicted_peak_gib"], default=None)
-        lines.append("Nothing is predicted to fit" + (f"; closest: {near['recompute']} at "
-                     f"{near['predicted_peak_gib']:.2f} GiB" if near else "") + ": more parallelism "
-                     "(tensor + sequence, pipeline, expert), a smaller micro-batch or sequence.")
-    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:

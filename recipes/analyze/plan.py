@@ -233,12 +233,14 @@ def _order(row: dict) -> tuple:
 
 
 def overrides_of(row: dict) -> str:
-    """The command-line overrides that select a plan row."""
+    """The command-line overrides that select a plan row or a predicted option (its layout too, in a
+    sweep over layouts)."""
     n = row.get("recompute_num_layers")
     text = f"recompute={row['recompute']}" + (f" recompute.recompute_num_layers={n}" if n else "")
     text += f" offload={row['offload']}" if row.get("offload", "none") != "none" else ""
     f = row.get("activation_offload_fraction")
-    return text + (f" offload.activation_offload_fraction={f:g}" if f is not None else "")
+    text += f" offload.activation_offload_fraction={f:g}" if f is not None else ""
+    return text + (f" {row['parallel']}" if row.get("parallel") else "")
 
 
 def describe(row: dict) -> str:
@@ -258,3 +260,48 @@ def confirm_commands(base: str, rows: list[dict], budget_gib: float, sweep_dir: 
     cap = f"measure.memory_budget_gib={budget_gib:g}"
     return ([f"python train.py -m {base} {overrides_of(r)} {cap} hydra.sweep.dir={sweep_dir}".replace("  ", " ")
              for r in rows] + [f"python -m recipes advise {sweep_dir} --budget-gib {budget_gib:g}"])
+
+
+def explain_plan(p: dict | None, base: str, measured: frozenset = frozenset()) -> list[str]:
+    """The planner's lines: the fastest fitting recompute x offload combination, the runner-up and the
+    commands that confirm both in one sweep (``measured``: overrides a sweep already ran)."""
+    if not p:
+        return []
+    fitting = sorted((r for r in p["rows"] if r["fits"]), key=lambda r: r["cost_s"])
+    lines = [f"Plan over recompute x offload ({len(p['rows']) + len(p.get('over_host') or [])} combinations "
+             "megatron-core allows, "
+             f"{len(fitting)} fit; {len(p['refused'])} refused by its rules), added step time at "
+             f"{p['tflops']:.0f} TFLOP/s" + (" (replays on the base point's measured step timeline, host "
+                                              "time included)" if p.get("timeline") else
+                                              " (replays at the base point's measured module times)"
+                                              if p.get("module_times") else "")
+             + f" and a {p['host_link_gb_s']:g} GB/s host link:"]
+    over = p.get("over_host") or []
+    if over:  # the one that needs the least host memory says what the host lacks
+        least = min(over, key=lambda r: r["host_gib"])
+        lines.append(f"  {len(over)} offload plan{'s' if len(over) > 1 else ''} set aside for the host's memory; the "
+                     f"smallest, recompute={least['recompute']} offload={least['offload']}: {least['why']}; "
+                     f"fix: {least['fix']}")
+    c, runner = p["choice"], p["runner_up"]
+    if c is None:
+        near = min(p["rows"], key=lambda r: r["predicted_peak_gib"], default=None)
+        return lines + ["  nothing fits" + (f"; closest {describe(near)}" if near else "")]
+    lines.append(f"  choice:    {describe(c)}")
+    if buys_nothing(c):  # no runner-up: every other plan only adds cost
+        lines.append(f"  recompute={c['recompute']} fits the budget with the allocator's slack: no recompute or "
+                     "offload is needed, and every other plan only adds step time")
+        if plan_key(c)[:2] not in measured:
+            lines.append("Confirm it under the budget's cap:")
+            lines += ["  " + cmd for cmd in confirm_commands(base, [c], p["budget_gib"])]
+    elif runner:
+        lines.append(f"  runner-up: {describe(runner)}")
+        todo = [r for r in (c, runner) if plan_key(r)[:2] not in measured]
+        if todo:
+            lines.append("Confirm " + ("both" if len(todo) == 2 else "it") + " in one sweep directory:")
+            lines += ["  " + cmd for cmd in confirm_commands(base, todo, p["budget_gib"])]
+            if any(r.get("offload", "none") != "none" for r in todo):
+                lines.append("  (offload leaves more of the allocator's memory unusable than recompute does: its "
+                             "plans were judged with the slack measured for them, up to 21% over the predicted "
+                             "peak, and each runs capped at the budget, where one that does not fit stops as oom; "
+                             "docs/offload.md)")
+    return lines
