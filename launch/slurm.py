@@ -205,9 +205,25 @@ def check_points(config: Any) -> None:
                 plain, _ = apply_recipe(plain, on_gpu=True)
             validate(plain, num_gpus=max(1, plain["launcher"]["nproc_per_node"]))
             validate_data(plain)
+            job_host_check(plain, config.hydra.launcher.get("mem_gb"))
         except ConfigError as err:
             raise ConfigError(err.option, f"{err.problem} (sweep point {' '.join(overrides) or 'defaults'}; "
                               "nothing was submitted)", err.fix) from err
+
+
+def job_host_check(plain: dict, mem_gb: float | None) -> None:
+    """Activation offload's host copies against the memory the job asks Slurm for per node
+    (``hydra.launcher.mem_gb``) or ``offload.host_memory_gib``: this machine is not the node, so with
+    neither the node's own memory decides when the job starts."""
+    from recipes.offload import modules_of
+    from recipes.predict.estimate import planned_host_bytes
+    from recipes.validate import host_memory_problem
+
+    if not modules_of(plain) or (mem_gb is None and plain["offload"]["host_memory_gib"] is None):
+        return
+    problem = host_memory_problem(plain, planned_host_bytes(plain, "cuda"), mem_gb)
+    if problem:
+        raise ConfigError(*problem)
 
 
 def check_recipe_submission(config: Any) -> str | None:

@@ -458,26 +458,33 @@ def _validate_offload(cfg, num_gpus: int, te_available: bool, planned_host_bytes
         raise ConfigError(*problem)
 
 
-def host_memory_problem(cfg: dict, planned_host_bytes: int | None) -> tuple[str, str, str] | None:
+def host_memory_problem(cfg: dict, planned_host_bytes: int | None,
+                        job_memory_gib: float | None = None) -> tuple[str, str, str] | None:
     """(option, problem, fix) where the host memory one rank's offload is predicted to hold
     (``recipes.predict.estimate.planned_host_bytes``), times the ranks of a node, is above
-    ``offload.host_memory_gib`` (default: this machine's available memory); else None. The validator
-    refuses such a run before launch, and the planner such a plan."""
+    ``offload.host_memory_gib``, else ``job_memory_gib`` (a Slurm job's memory per node, checked
+    before submitting), else this machine's available memory; else None. The validator refuses such a
+    run before launch, and the planner such a plan."""
     if not planned_host_bytes:
         return None
     launch, off = cfg["launcher"], cfg["offload"]
     per_node = planned_host_bytes * launch["nproc_per_node"]
     given = off["host_memory_gib"]
-    host = int(given * GIB) if given is not None else host_memory_available()
+    if given is not None:
+        host, where = int(given * GIB), "offload.host_memory_gib"
+    elif job_memory_gib is not None:
+        host, where = int(job_memory_gib * GIB), f"the job's memory per node, hydra.launcher.mem_gb={job_memory_gib:g}"
+    else:
+        host, where = host_memory_available(), "this machine's available memory"
     if host is None or per_node <= host:
         return None
-    where = "offload.host_memory_gib" if given is not None else "this machine's available memory"
+    more = ("or ask Slurm for more memory per node (hydra.launcher.mem_gb)" if job_memory_gib is not None and given is None
+            else "free host memory, or set offload.host_memory_gib to the nodes' memory if they are not this machine")
     return (f"offload={option_of(cfg)}",
             f"the copies are predicted at {_size(per_node)} of host memory per node "
             f"({_size(planned_host_bytes)} per rank x {launch['nproc_per_node']} "
             f"rank{'s' if launch['nproc_per_node'] > 1 else ''}), above {where} ({_size(host)})",
-            "offload fewer modules (a smaller conf/offload option), use recompute instead, free host "
-            "memory, or set offload.host_memory_gib to the nodes' memory if they are not this machine")
+            f"offload fewer modules (a smaller conf/offload option), use recompute instead, {more}")
 
 
 def _size(nbytes: float) -> str:

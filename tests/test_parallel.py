@@ -538,3 +538,25 @@ def test_slurm_two_nodes_through_submitit_against_a_fake_slurm(tmp_path, megatro
     mean_first_loss = (ranks[0]["loss"][0] + ranks[1]["loss"][0]) / 2
     assert mean_first_loss == pytest.approx(ref["loss"][0], abs=1e-5)
     assert ranks[0]["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5)
+
+
+
+@pytest.mark.slow
+def test_a_slurm_offload_sweep_is_checked_against_the_job_s_memory_before_submitting(tmp_path):
+    """This machine is not the node: activation offload's host copies (the h200_long size, core
+    attention's tensors: 13.6 GiB a rank, 8 ranks a node) are checked against the memory the job asks
+    Slurm for per node (hydra.launcher.mem_gb) before anything is submitted, naming it and the fix;
+    without it the node's own memory decides when the job starts."""
+    bare = str(Path(sys.executable).parent) + ":/usr/bin:/bin"
+    point = ("-m", "launcher=slurm", "hydra.launcher.partition=gpu", "launcher.nproc_per_node=8",
+             "hydra.launcher.cpus_per_task=64", "size=h200_long", "recompute=selective/mlp",
+             "offload=core_attn-attn_proj", "train.global_batch_size=16", "dry_run=true")
+    small = run_train(*point, "hydra.launcher.mem_gb=64", f"hydra.sweep.dir={tmp_path / 'small'}", path=bare)
+    assert small.returncode == 2, small.stderr[-2000:]
+    assert "offload=core_attn-attn_proj" in small.stderr and "hydra.launcher.mem_gb" in small.stderr
+    assert "nothing was submitted" in small.stderr and "fix:" in small.stderr
+    assert not (tmp_path / "small" / "slurm_dry_run.sbatch").exists()
+    for extra in ("hydra.launcher.mem_gb=1024", "offload.host_memory_gib=1024"):
+        name = extra.split("=")[0].split(".")[-1]
+        ok = run_train(*point, extra, f"hydra.sweep.dir={tmp_path / name}", path=bare)
+        assert ok.returncode == 0 and (tmp_path / name / "slurm_dry_run.sbatch").exists(), ok.stderr[-2000:]
