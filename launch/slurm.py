@@ -6,7 +6,7 @@
 How the pieces fit (conf/launcher/slurm.yaml sets them up):
 
 1. On the login node, Hydra's ``submitit_slurm`` launcher writes one sbatch array (one element per
-   sweep point) and submits it. ``LaunchCheck.on_multirun_start`` runs first and refuses what cannot
+   sweep point) and submits it. ``recipes.run.submission.LaunchCheck`` runs first and refuses what cannot
    work there (no ``sbatch``, an unknown partition, nodes < 1, a node count that disagrees with
    ``launcher.nnodes``), before anything is submitted. With ``dry_run=true`` it writes the sbatch
    script that would be submitted and stops (no ``sbatch`` needed).
@@ -35,8 +35,6 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
-
-from hydra.experimental.callback import Callback
 
 from launch.torchrun import Rendezvous
 from recipes.errors import ConfigError
@@ -183,49 +181,6 @@ def sweep_point_overrides(config: Any) -> list[list[str]]:
     return [list(point) for batch in BasicSweeper.split_arguments(parsed, None) for point in batch]
 
 
-def check_points(config: Any) -> None:
-    """Every point of a Slurm sweep passes the checks the controller runs before a local launch
-    (``recipes.validate.validate`` and ``recipes.data.indexed.validate_data``), here, before anything
-    is submitted: a refusal costs no queue time. The job's machine has ``launcher.nproc_per_node`` GPUs."""
-    from hydra.core.global_hydra import GlobalHydra
-    from omegaconf import OmegaConf, open_dict
-
-    from recipes.data.indexed import validate_data
-    from recipes.recipe import apply_recipe
-    from recipes.validate import validate
-
-    loader = GlobalHydra.instance().config_loader()
-    for overrides in sweep_point_overrides(config):
-        point = loader.load_sweep_config(config, overrides)
-        with open_dict(point):
-            del point["hydra"]
-        plain = OmegaConf.to_container(point, resolve=True)
-        try:
-            if plain.get("recipe"):  # its published layout, as the controller will run it
-                plain, _ = apply_recipe(plain, on_gpu=True)
-            validate(plain, num_gpus=max(1, plain["launcher"]["nproc_per_node"]))
-            validate_data(plain)
-            job_host_check(plain, config.hydra.launcher.get("mem_gb"))
-        except ConfigError as err:
-            raise ConfigError(err.option, f"{err.problem} (sweep point {' '.join(overrides) or 'defaults'}; "
-                              "nothing was submitted)", err.fix) from err
-
-
-def job_host_check(plain: dict, mem_gb: float | None) -> None:
-    """Activation offload's host copies against the memory the job asks Slurm for per node
-    (``hydra.launcher.mem_gb``) or ``offload.host_memory_gib``: this machine is not the node, so with
-    neither the node's own memory decides when the job starts."""
-    from recipes.offload import modules_of
-    from recipes.predict.estimate import planned_host_bytes
-    from recipes.validate import host_memory_problem
-
-    if not modules_of(plain) or (mem_gb is None and plain["offload"]["host_memory_gib"] is None):
-        return
-    problem = host_memory_problem(plain, planned_host_bytes(plain, "cuda"), mem_gb)
-    if problem:
-        raise ConfigError(*problem)
-
-
 def check_recipe_submission(config: Any) -> str | None:
     """A ``recipe=<name>`` sent to Slurm: only its published layout (``recipe.full_depth=true``) makes
     sense there, and that layout must validate (``recipes.recipe.apply_recipe``) before submitting.
@@ -278,54 +233,3 @@ def describe_torchrun(launcher: Mapping[str, Any]) -> str:
             f"--nnodes={launcher['nnodes']} --node-rank=$SLURM_NODEID "
             f"--master-addr=<first host of $SLURM_JOB_NODELIST> --master-port={port} "
             "-m recipes.run.worker <run dir>")
-
-
-class LaunchCheck(Callback):
-    """Hydra callback (conf/config.yaml): checks a sweep before any point runs (``output_dir``), and a
-    Slurm submission on the submitting machine (every point validated as the local path does)."""
-
-    def __init__(self) -> None:
-        self.registers_resolvers = True  # a non-empty state, so unpickling calls __setstate__
-
-    def on_run_start(self, config, **kwargs) -> None:
-        if str(config.hydra.launcher.get("_target_", "")).endswith("SlurmLauncher"):
-            _refuse(ConfigError("hydra/launcher=submitit_slurm", "Hydra launchers only start -m sweeps: "
-                                "this single run would run here, not on Slurm", "add -m (a sweep of "
-                                "one point is one Slurm job)"))
-
-    def on_multirun_start(self, config, **kwargs) -> None:
-        try:
-            check_output_dir(config)
-            check_submission(config)
-            recipe_note = check_recipe_submission(config)
-            if str(config.hydra.launcher.get("_target_", "")).endswith("SlurmLauncher"):
-                check_points(config)
-        except ConfigError as err:
-            _refuse(err)
-        if config.get("dry_run") and str(config.hydra.launcher.get("_target_", "")).endswith("SlurmLauncher"):
-            from omegaconf import OmegaConf
-
-            hl = OmegaConf.to_container(config.hydra.launcher, resolve=True)
-            script = sbatch_preview(hl)
-            path = Path(str(config.hydra.sweep.dir)) / "slurm_dry_run.sbatch"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(script)
-            launcher = OmegaConf.to_container(config.launcher, resolve=True)
-            if recipe_note:
-                print(f"[dry-run] {recipe_note}")
-            print(f"[dry-run] sbatch script for each sweep point: {path}\n{script}\n"
-                  f"[dry-run] each node's controller then runs:\n  {describe_torchrun(launcher)}")
-            sys.exit(0)  # nothing submitted
-
-    def __setstate__(self, state: dict) -> None:
-        """Unpickled inside a Slurm job (submitit carries Hydra's callbacks there): register this
-        project's OmegaConf resolvers, which train.py registers at import in the submitting process."""
-        self.__dict__.update(state)
-        from recipes.config import register_configs
-
-        register_configs()
-
-
-def _refuse(err: ConfigError) -> None:
-    print(f"error: {err}", file=sys.stderr)
-    sys.exit(2)

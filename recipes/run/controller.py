@@ -390,6 +390,20 @@ def stored(run_dir: Path) -> dict | None:
     return None
 
 
+
+def check_point(plain: dict, num_gpus: int | None = None, job_memory_gib: float | None = None,
+                submitting: bool = False) -> None:
+    """Every check a point passes before its workers start: the rules (``recipes.validate``), activation
+    offload's predicted host copies against the node's memory, the data files. ``submitting``: checked
+    on the machine that submits a Slurm job, not the node, so the host copies only against the job's
+    memory (``job_memory_gib``) or ``offload.host_memory_gib`` where given."""
+    validate(plain, num_gpus=num_gpus)  # the rules first: the estimator predicts only what passes them
+    if not submitting or job_memory_gib is not None or (plain.get("offload") or {}).get("host_memory_gib") is not None:
+        validate(plain, num_gpus=num_gpus, planned_host_bytes=planned_host_bytes(plain, "cuda" if submitting else "auto"),
+                 job_memory_gib=job_memory_gib)
+    validate_data(plain)  # files, .idx header and .bin size, tokenizer sidecar (cheap)
+
+
 def _run(cfg: DictConfig) -> dict:
     """Validate, write config, launch, merge, report, log.
 
@@ -413,9 +427,7 @@ def _run(cfg: DictConfig) -> dict:
                   "runs the points left)", flush=True)
             return {"status": "not_started", "name": name, "run_dir": str(run_dir)}
     try:
-        validate(plain)  # before any worker starts
-        validate(plain, planned_host_bytes=planned_host_bytes(plain))  # activation offload's host copies
-        validate_data(plain)  # files, .idx header and .bin size, tokenizer sidecar (cheap)
+        check_point(plain)  # before any worker starts
         validate_cores(plain, usable_cores())  # launcher.cpu_cores_per_rank on this machine
     except ConfigError as err:
         if not in_multirun():
