@@ -10,7 +10,7 @@ from conftest import compose
 
 from recipes.errors import ConfigError
 from recipes.run.checkpoint import LATEST, CheckpointError, find_resume, read_meta
-from recipes.run.worker import MEASURED_KEYS
+from recipes.run.window import MEASURED_KEYS
 
 SCHEDULE = ("train.lr=1e-3", "train.min_lr=1e-4", "train.lr_warmup_iters=3", "train.lr_decay_style=cosine",
             "train.train_iters=20", "measure.profile=none")

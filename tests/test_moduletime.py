@@ -54,7 +54,7 @@ def test_timing_leaves_no_hooks_no_update_and_no_gradient_for_the_optimizer(mega
 
 def test_off_by_default_on_a_cpu_and_refused_under_compile():
     from recipes.errors import ConfigError
-    from recipes.run.worker import prices_others, times_modules
+    from recipes.run.window import prices_others, times_modules
     from recipes.validate import validate
 
     assert prices_others(compose(*TINY)) and prices_others(compose(*TINY, "recompute=control"))  # the timeline

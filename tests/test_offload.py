@@ -245,7 +245,7 @@ def test_host_link_bandwidth_on_a_gpu():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: CUDA events on the compute stream")
 def test_reload_waits_are_timed_on_a_gpu(megatron_world):
     """On a GPU each wait for a reload is timed: one a moved group and micro-batch, each at least 0 s,
-    and a run's result records them (recipes.run.worker.offload_measurements)."""
+    and a run's result records them (recipes.run.window.offload_measurements)."""
     from recipes.measure.offload import ReloadWaits
     from recipes.predict.estimate import predict
 

@@ -10,7 +10,7 @@ from conftest import compose, train_in_process
 
 from recipes.errors import ConfigError
 from recipes.run.schedule import build_scheduler, schedule_differences
-from recipes.run.worker import measure_window
+from recipes.run.window import measure_window
 from recipes.validate import validate
 
 QUICK = ("measure.profile=none", "measure.ledger=false")

@@ -3,7 +3,7 @@
 Checked in every file:
 - markdown link targets: the file exists, and a ``#anchor`` is one of the target's headings;
 - paths into the repository's folders (``recipes/run/controller.py``, ``docs/h200/sweep_mla``), in
-  backticks or not, and a name after a Python path (``recipes/run/worker.py: control_ledgers``) is
+  backticks or not, and a name after a Python path (``recipes/run/window.py: control_ledgers``) is
   defined in that file;
 - dotted module names (``recipes.predict.estimate``, ``recipes.build.gdn.check_fla_kernels``): the
   module exists and a trailing name is defined in it;
