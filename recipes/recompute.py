@@ -225,6 +225,16 @@ def recompute_order(option: str | None) -> tuple:
     return (kind, option.count("-"), option)
 
 
+def guide_order(option: str | None, family: str | None) -> tuple:
+    """``recompute_order`` with the family's first label (``GUIDE_FIRST_LABEL``: the guide's decision
+    guide, step 3) and its parts ahead of the other selective options: for grouped MoE ``moe_act``
+    before ``layernorm``, where both replay no matmul."""
+    kind, dashes, name = recompute_order(option)
+    first = selective_labels(GUIDE_FIRST_LABEL.get(family or "", "")) or frozenset()
+    labels = selective_labels(option) or frozenset()
+    return (kind, 0 if kind == 2 and labels and labels <= first else 1, dashes, name)
+
+
 # --- the options, from conf/recompute/ -----------------------------------------------------------------
 @cache
 def conf_options() -> tuple[str, ...]:

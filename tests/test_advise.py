@@ -614,7 +614,7 @@ def test_with_the_fused_swiglu_moe_act_frees_what_layernorm_does():
     by_option = {r["recompute"]: r for r in advice["options"]}
     saved = by_option["none"]["predicted_peak_gib"] - by_option["selective/moe_act"]["predicted_peak_gib"]
     assert abs(saved - 0.5) < 0.01
-    assert advice["choice"]["recompute"] == "selective/layernorm"
+    assert advice["choice"]["recompute"] == "selective/moe_act"  # as layernorm: the guide tries moe_act first
 
 
 def test_a_sweep_whose_base_point_timed_its_modules_prices_the_replays_from_them(tmp_path):
@@ -768,3 +768,18 @@ def test_offload_points_show_their_host_copies_and_reload_waits(capsys):
     failed = point("core_attn", 0, {"error": "OutOfMemoryError"})
     assert "offload/reload_wait_s" not in run_metrics(failed)
     assert "offload/host_bytes" not in run_metrics(results[0])
+
+
+def test_ties_in_replayed_work_follow_the_guide_s_order_for_the_family():
+    """Grouped MoE: moe_act and layernorm both replay no matmul (0% of a layer's forward by FLOPs);
+    the guide tries moe_act first, so recompute alone picks it and names layernorm the runner-up
+    (before, the alphabet picked layernorm)."""
+    from recipes.recompute import guide_order
+
+    advice = predicted.advise_before_running(["model=moe", "size=h200"], 26.0)
+    assert advice["choice"]["recompute"] == "selective/moe_act"
+    assert "Recompute alone: recompute=selective/moe_act" in predicted.explain_prediction(advice)
+    assert "runner-up recompute=selective/layernorm" in predicted.explain_prediction(advice)
+    assert guide_order("none", "moe") < guide_order("selective/moe_act", "moe") < guide_order("selective/layernorm", "moe")
+    assert guide_order("selective/layernorm", "moe") < guide_order("full", "moe")
+    assert guide_order("selective/mla_up_proj", "mla_moe") < guide_order("selective/layernorm", "mla_moe")

@@ -35,7 +35,7 @@ from recipes.predict.cost import (
 )
 from recipes.predict.estimate import held_host_bytes, num_microbatches, predict
 from recipes.predict.fit import FITS, TIGHT, fits, slack_for, verdict
-from recipes.recompute import is_full, option_of, options_for, recompute_config, recompute_order, selective_labels
+from recipes.recompute import guide_order, is_full, option_of, options_for, recompute_config, selective_labels
 from recipes.validate import host_memory_problem, layers_per_chunk
 
 #: Added step times closer than this (seconds) are a tie: the simpler plan wins.
@@ -183,14 +183,14 @@ def plan(cfg: dict, budget_gib: float, tflops: float | None = None, link_gb_s: f
                          **({"recompute_num_layers": trial["recompute"]["recompute_num_layers"]}
                             if rc_option == "full/block" else {}),
                          **({"activation_offload_fraction": fraction} if modules and fraction < 1.0 else {})})
-    return rank({"budget_gib": budget_gib, "tflops": tflops, "host_link_gb_s": link_gb_s,
+    return rank({"budget_gib": budget_gib, "family": cfg["model"]["family"], "tflops": tflops, "host_link_gb_s": link_gb_s,
                  "module_times": bool(module_times), "timeline": has_timeline(module_times),
                  "allocator_slack": slack_for(cfg), "rows": rows, "refused": refused, "over_host": over_host})
 
 
 def rank(p: dict) -> dict:
     """``p`` with its choice (the fastest fitting row) and runner-up (the next that is not the choice and more)."""
-    ranked = sorted((r for r in p["rows"] if r["fits"]), key=_order)
+    ranked = sorted((r for r in p["rows"] if r["fits"]), key=lambda r: _order(r, p.get("family")))
     p["choice"] = ranked[0] if ranked else None
     if p["choice"] is not None and buys_nothing(p["choice"]):  # every other plan only adds cost
         p["runner_up"] = None
@@ -226,9 +226,10 @@ def _extends(row: dict, choice: dict) -> bool:
     return mine >= theirs and set(option_modules(row["offload"])) >= set(option_modules(choice["offload"]))
 
 
-def _order(row: dict) -> tuple:
-    """Fastest first; within the same time, no offload, then the guide's recompute order, fewer modules."""
-    return (round(row["cost_s"] / SAME_TIME_S), row["offload"] != "none", recompute_order(row["recompute"]),
+def _order(row: dict, family: str | None) -> tuple:
+    """Fastest first; within the same time, no offload, then the guide's recompute order for the
+    family, fewer modules."""
+    return (round(row["cost_s"] / SAME_TIME_S), row["offload"] != "none", guide_order(row["recompute"], family),
             len(option_modules(row["offload"])))
 
 

@@ -13,7 +13,7 @@ from recipes.measure.flops import layer_forward_flops, replayed_layer_flops
 from recipes.predict.estimate import predict_options, routing_line
 from recipes.predict.fit import FITS, TIGHT, slack_for, verdict
 from recipes.recipe import GPU_BUDGET_GIB, at_full_depth, compose_recipe
-from recipes.recompute import NO_RECOMPUTE, recompute_config, recompute_order
+from recipes.recompute import NO_RECOMPUTE, guide_order, recompute_config
 
 
 def advise_before_running(overrides: list[str], budget_gib: float) -> dict:
@@ -38,9 +38,10 @@ def advise_before_running(overrides: list[str], budget_gib: float) -> dict:
                      **({"recompute_num_layers": rc["recompute_num_layers"]} if option == "full/block" else {})})
     rows.sort(key=lambda r: r["predicted_peak_gib"])
     fitting = [r for r in rows if r["fits"]]
-    choice = min(fitting, key=lambda r: (r["replay_fraction"], recompute_order(r["recompute"])), default=None)
+    family = cfg["model"]["family"]
+    choice = min(fitting, key=lambda r: (r["replay_fraction"], guide_order(r["recompute"], family)), default=None)
     share = done[0][1]["routed_share"] if done else None
-    return {"source": "predicted", "budget_gib": budget_gib, "overrides": overrides, "options": rows,
+    return {"source": "predicted", "budget_gib": budget_gib, "overrides": overrides, "family": family, "options": rows,
             "allocator_slack": slack_for(cfg), "routed_share": share,
             "choice": choice, "refused": [{"recompute": o, "why": w} for o, w in refused],
             "plan": plan(cfg, budget_gib)}
@@ -71,7 +72,8 @@ def explain_prediction(advice: dict) -> str:
     if c:
         runner = min((r for r in advice["options"] if r["fits"] and r is not c  # control is none with hooks
                       and not {r["recompute"], c["recompute"]} <= set(NO_RECOMPUTE)),
-                     key=lambda r: (r["replay_fraction"], recompute_order(r["recompute"])), default=None)
+                     key=lambda r: (r["replay_fraction"], guide_order(r["recompute"], advice.get("family"))),
+                     default=None)
         lines.append(f"Recompute alone: {overrides_of(c)} (predicted {c['predicted_peak_gib']:.2f} GiB, the "
                      "fitting option that replays the least work" + (
                          f"; runner-up {overrides_of(runner)}, replays {runner['replay_fraction']:.0%})."
