@@ -18,7 +18,7 @@ from recipes.analyze import advise, predicted, report
 from recipes.analyze.plan import explain_plan
 
 #: (attention, recompute): (peak allocated GiB, peak reserved GiB, step s); None = out of memory.
-from recipes.files import MIB, write_json_atomic
+from recipes.files import GIB, MIB, write_json_atomic
 from recipes.predict.fit import fits
 from recipes.results import merge_result
 
@@ -783,3 +783,24 @@ def test_ties_in_replayed_work_follow_the_guide_s_order_for_the_family():
     assert guide_order("none", "moe") < guide_order("selective/moe_act", "moe") < guide_order("selective/layernorm", "moe")
     assert guide_order("selective/layernorm", "moe") < guide_order("full", "moe")
     assert guide_order("selective/mla_up_proj", "mla_moe") < guide_order("selective/layernorm", "mla_moe")
+
+
+def test_a_sweep_whose_first_point_offloads_predicts_its_unmeasured_labels_without_offload(tmp_path):
+    """The options a GPU sweep did not run are predicted from one of its points' config; when that point
+    offloaded (here the only one), its offload was predicted into every recompute row while their
+    commands ran without it, and full recompute, which megatron-core refuses with offload, was left
+    out. The rows are now the plain options, as their commands run them."""
+    from recipes.predict.estimate import predict
+    from recipes.predict.fit import with_slack
+
+    run_dir = tmp_path / "offload=core_attn-attn_proj"
+    write_json_atomic(run_dir / "ranks" / "rank0.json", rank_result(0, (17.1, 19.8, 0.314)))
+    config = compose("attention=sdpa", "size=h200", "offload=core_attn-attn_proj")
+    meta = {"name": "standard_attn sdpa none offload=core_attn-attn_proj", "run_dir": str(run_dir),
+            "choices": {"model": "standard_attn", "attention": "sdpa", "recompute": "none",
+                        "offload": "core_attn-attn_proj"}, "config": config}
+    write_json_atomic(run_dir / "result.json", merge_result(run_dir, meta, 1, None))
+    rows = {r["recompute"]: r for r in advise.predicted_candidates(tmp_path)}
+    assert "full" in rows and "none" in rows  # none: measured only with offload
+    plain = predict(compose("attention=sdpa", "size=h200", "recompute=control"), "cuda")
+    assert rows["control"]["memory_gib"] == pytest.approx(with_slack(plain["peak_bytes"], plain["allocator_slack"]) / GIB)

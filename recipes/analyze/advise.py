@@ -30,6 +30,7 @@ from recipes.analyze.report import NOISY_STEPS, control_gap_pct, find_results, m
 from recipes.errors import ConfigError
 from recipes.files import GIB
 from recipes.measure.profile import first_label_to_try, top_contributors
+from recipes.offload import offload_config
 from recipes.offload import option_of as offload_option_of
 from recipes.predict.estimate import predict, predict_options, recorded_shares
 from recipes.predict.fit import with_slack
@@ -82,13 +83,24 @@ def _layout(result: dict) -> str:
 
 
 def _groups(results: list[dict]) -> dict[tuple, dict]:
-    """One completed result per (model, attention, layout) of the sweep: the config to predict from."""
+    """One completed result per (model, attention, layout) of the sweep: the config to predict the
+    recompute options from, without activation offload (a point without it where there is one; else an
+    offload point's config with its offload off, as the predicted rows' commands run them)."""
     groups: dict[tuple, dict] = {}
-    for r in results:
+    for r in sorted(results, key=lambda r: offload_option_of(r.get("config") or {}) != "none"):
         ch = r.get("choices") or {}
         if r.get("status") == "ok" and r.get("config"):
             groups.setdefault((ch.get("model"), ch.get("attention"), _layout(r)), r)
-    return groups
+    return {key: _without_offload(r) for key, r in groups.items()}
+
+
+def _without_offload(result: dict) -> dict:
+    cfg = result["config"]
+    if offload_option_of(cfg) == "none":
+        return result
+    off = offload_config("none")
+    keys = ("fine_grained_activation_offloading", "offload_modules")
+    return {**result, "config": {**cfg, "offload": {**cfg["offload"], **{k: off[k] for k in keys}}}}
 
 
 def _is_gpu(device: str | None) -> bool:
