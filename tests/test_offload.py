@@ -262,8 +262,12 @@ def test_reload_waits_are_timed_on_a_gpu(megatron_world):
     assert waits.count == sum(predict(cfg, "cuda")["host_groups_per_layer"]) * 2 > 0
     assert seconds is not None and 0.0 <= seconds < 1.0
     result = train_in_process(compose("model=standard_attn", "offload=core_attn-attn_proj",
-                                      "offload.min_offloaded_tensor_size=0", "train.train_iters=4", "profile=none"))
+                                      "offload.min_offloaded_tensor_size=0", "train.train_iters=4", "profile=none",
+                                      "train.micro_batch_size=1", "train.global_batch_size=2"))
     assert result["offload"]["reload_waits"] > 0 and 0.0 <= result["offload"]["reload_wait_s"] < 1.0
+    # the groups a step moved, each micro-batch keeping its last layer, as on a CPU
+    assert result["offload"]["groups_moved"] == {"core_attn": 2, "attn_proj": 2}
+    assert result["offload"]["groups_kept"] == {"core_attn": 2, "attn_proj": 2}
 
 
 #: (model overrides, recompute, offload, whether the host bytes are modeled exactly too)
