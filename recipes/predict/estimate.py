@@ -552,7 +552,7 @@ def format_prediction(p: dict, title: str, budget_gib: float | None = None, term
         lines += [f"offload: copied to host memory per micro-batch {p['host_bytes'] / GIB:.2f} GiB ({kinds}); "
                   f"held on the host (micro-batches in flight) {p['in_flight_host_bytes'] / GIB:.2f} GiB; "
                   f"moved per step {p['host_bytes'] * p['num_microbatches'] / GIB:.2f} GiB each way "
-                  "(the last layer of each offloaded module stays on the device)"]
+                  "(each micro-batch keeps its last layer of each offloaded module on the device)"]
         t = p.get("offload_transfer")
         if t:
             lines.append(f"offload time per step: copies {t['copy_s'] * 1e3:.1f} ms; stalled waiting for a "
