@@ -300,18 +300,23 @@ def test_the_paired_offload_runs_of_2026_12_04_regenerate_identically():
         assert done.stdout == (OFFLOAD / f"{name}.md").read_text() and row in done.stdout, name
 
 
-def test_the_paired_offload_runs_of_2026_12_05_regenerate_identically():
+def test_the_paired_runs_of_2026_12_05_regenerate_identically():
     """docs/offload-h200/paired_offload_2026-12-05.md: each family's offload options timed against
-    themselves paused, three processes an option (benchmarks/gpu_suite.sh paired_offload), with the
-    reload waits measured, priced with today's time model (docs/offload-log.md)."""
+    themselves paused, three processes an option (benchmarks/gpu_suite.sh paired_offload), MoE's
+    moe_act and 25 GiB pick three more on a second machine, with the reload waits measured; and
+    paired_2026-12-05.md, MoE's moe_act-layernorm recompute; priced with today's time model
+    (docs/offload-log.md)."""
     import subprocess
 
-    runs = REPO / "docs" / "offload-h200" / "paired_offload_2026-12-05"
-    done = subprocess.run([sys.executable, "benchmarks/bench_paired.py", "--table",
-                           *(str((runs / d).relative_to(REPO)) for d in ("0235_standard_attn", "0239_moe"))],
-                          cwd=REPO, capture_output=True, text=True, timeout=300, check=True)
-    assert done.stdout == (OFFLOAD / "paired_offload_2026-12-05.md").read_text()
-    assert "| standard_attn | offload=core_attn | 3 | +9.3, +12.6, +11.7 |" in done.stdout
+    h200 = REPO / "docs" / "offload-h200"
+    for name, dirs, row in (
+            ("paired_offload_2026-12-05", ("0235_standard_attn", "0239_moe", "0251_moe_again"),
+             "| moe | offload=moe_act | 6 | +36.7, +16.7, +38.9, +8.4, +8.5, +10.8 |"),
+            ("paired_2026-12-05", ("0254_moe",), "| moe | selective/moe_act-layernorm | 3 |")):
+        done = subprocess.run([sys.executable, "benchmarks/bench_paired.py", "--table",
+                               *(str((h200 / name / d).relative_to(REPO)) for d in dirs)],
+                              cwd=REPO, capture_output=True, text=True, timeout=300, check=True)
+        assert done.stdout == (OFFLOAD / f"{name}.md").read_text() and row in done.stdout, name
 
 
 def test_the_paired_runs_of_2026_12_04_regenerate_identically():
