@@ -199,11 +199,11 @@ def rank_row(result: dict, rank: dict) -> RankRow:
         last_loss=losses[-1] if losses else None,
         host_bytes=(rank.get("ledger") or {}).get("host_total_bytes") if offload else None,
         moved_bytes_per_step=(offload.get("moved_per_step") or {}).get("d2h_bytes"),
-        reload_wait_s=_number(offload.get("reload_wait_s")),
+        reload_wait_s=measured_value(offload.get("reload_wait_s")),
     )
 
 
-def _number(value) -> float | None:
+def measured_value(value) -> float | None:
     """A measurement's value; None where it was not taken or failed (a failure is recorded as a dict)."""
     return value if isinstance(value, int | float) else None
 

@@ -54,12 +54,11 @@ def gpu_count() -> int:
 
 
 def validate(cfg: Any, num_gpus: int | None = None, te_available: bool | None = None,
-             planned_host_bytes: int | None = None, job_memory_gib: float | None = None) -> None:
+             planned_host_bytes: int | None = None) -> None:
     """Refuse configurations that would crash, silently do nothing, or measure the wrong thing.
 
     ``planned_host_bytes``: the host memory one rank's activation offload is predicted to hold (the
-    controller passes the estimator's), checked against the node's host memory (``job_memory_gib``:
-    a Slurm job's memory per node, for a check before submitting; see ``host_memory_problem``)."""
+    estimator's), checked against the node's host memory (``host_memory_problem``)."""
     if num_gpus is None:
         num_gpus = gpu_count()
     if te_available is None:
@@ -70,7 +69,7 @@ def validate(cfg: Any, num_gpus: int | None = None, te_available: bool | None = 
     _validate_attention(cfg, te_available)
     _validate_recompute(cfg)
     _validate_without_output_build(cfg, num_gpus)
-    _validate_offload(cfg, num_gpus, te_available, planned_host_bytes, job_memory_gib)
+    _validate_offload(cfg, num_gpus, te_available, planned_host_bytes)
     _check(num_gpus or not cfg["measure"]["trace_step"], "measure.trace_step", "it traces GPU kernels, copies and "
            "idle time; this machine has no GPU", "run it on a GPU, or leave measure.trace_step=false")
     _check(num_gpus or cfg["measure"]["gpu_time"] is not True, "measure.gpu_time", "it times the GPU's busy time "
@@ -412,8 +411,7 @@ def host_memory_available() -> int | None:
     return None
 
 
-def _validate_offload(cfg, num_gpus: int, te_available: bool, planned_host_bytes: int | None,
-                      job_memory_gib: float | None) -> None:
+def _validate_offload(cfg, num_gpus: int, te_available: bool, planned_host_bytes: int | None) -> None:
     """Activation offload: megatron-core's rules, the silent no-ops, the machine, the host's memory."""
     off, rc, m = cfg.get("offload") or {}, cfg["recompute"], cfg["model"]
     if not off:  # a result written before offload existed
@@ -455,7 +453,7 @@ def _validate_offload(cfg, num_gpus: int, te_available: bool, planned_host_bytes
         _check(cfg["train"]["train_iters"] >= 3, "train.train_iters", "with offload the first step plans it "
                "(megatron's warm-up) and the second records the ledger: 2 steps measure nothing",
                "set train.train_iters>=3, or measure.ledger=false")
-    problem = host_memory_problem(cfg, planned_host_bytes, job_memory_gib)
+    problem = host_memory_problem(cfg, planned_host_bytes)
     if problem:
         raise ConfigError(*problem)
 

@@ -34,6 +34,7 @@ from recipes.results import (
     first_sentence,
     gpu_busy_s,
     load_result,
+    measured_value,
     result_rows,
 )
 
@@ -185,8 +186,7 @@ def merge_repeats(results: list[dict]) -> list[dict]:
                 memory["fragmentation_gib"] = memory["peak_reserved_gib"] - memory["peak_allocated_gib"]
             times = merge_module_times([x.get("module_times") for x in peers])
             offload = dict(rank.get("offload") or {})
-            waits = [w for w in ((x.get("offload") or {}).get("reload_wait_s") for x in peers)
-                     if isinstance(w, int | float)]
+            waits = [w for x in peers if (w := measured_value((x.get("offload") or {}).get("reload_wait_s"))) is not None]
             if len(waits) > 1:
                 offload["reload_wait_s"] = statistics.median(waits)
             merged["ranks"].append({**rank, "timing": timing, "memory": memory or rank.get("memory"),

@@ -33,7 +33,7 @@ from recipes.recipe import apply_recipe
 from recipes.recompute import option_of
 from recipes.results import NOT_MEASURED, load_result, merge_result
 from recipes.run.console import print_run
-from recipes.validate import gpu_count, share_storage_labels, validate, validate_cores
+from recipes.validate import gpu_count, host_memory_problem, share_storage_labels, validate, validate_cores
 
 #: Statuses that count as a complete result (a sweep re-run skips them unless rerun=true).
 COMPLETE = ("ok", "oom")
@@ -390,7 +390,6 @@ def stored(run_dir: Path) -> dict | None:
     return None
 
 
-
 def check_point(plain: dict, num_gpus: int | None = None, job_memory_gib: float | None = None,
                 submitting: bool = False) -> None:
     """Every check a point passes before its workers start: the rules (``recipes.validate``), activation
@@ -399,8 +398,10 @@ def check_point(plain: dict, num_gpus: int | None = None, job_memory_gib: float 
     memory (``job_memory_gib``) or ``offload.host_memory_gib`` where given."""
     validate(plain, num_gpus=num_gpus)  # the rules first: the estimator predicts only what passes them
     if not submitting or job_memory_gib is not None or (plain.get("offload") or {}).get("host_memory_gib") is not None:
-        validate(plain, num_gpus=num_gpus, planned_host_bytes=planned_host_bytes(plain, "cuda" if submitting else "auto"),
-                 job_memory_gib=job_memory_gib)
+        planned = planned_host_bytes(plain, "cuda" if submitting else "auto")
+        problem = host_memory_problem(plain, planned, job_memory_gib)
+        if problem:
+            raise ConfigError(*problem)
     validate_data(plain)  # files, .idx header and .bin size, tokenizer sidecar (cheap)
 
 
