@@ -26,7 +26,7 @@ of them), and the price (``timeline`` where the pass recorded a step timeline, o
 module times): the replays' and the copies' together, the copies priced at the host link this process
 measured (``recipes.measure.offload.host_link_bandwidth``, the slower direction). An offload option also
 runs two more steps after its rounds: one timing where compute waits for each reload
-(``recipes.measure.offload.ReloadWaits``: ``reload waits ms``, against the price's stall), and one
+(``recipes.measure.offload.CopyTimeline``: ``reload waits ms``, against the price's stall), and one
 profiled, the copies' time with no kernel beside them (``exposed ms``; the profiler slows the host, and
 with it the forward the copies hide under). On a CPU it runs, for tests, at whatever size is given;
 times mean nothing there.
@@ -123,7 +123,7 @@ def measure_option(overrides: list[str], option: str, rounds: int, passes: int =
     from recipes.build.compat import cuda_available, seed_model_parallel_rng
     from recipes.config import compose_config
     from recipes.measure.moduletime import time_modules
-    from recipes.measure.offload import ReloadWaits, copy_overlap, host_link_bandwidth
+    from recipes.measure.offload import CopyTimeline, copy_overlap, host_link_bandwidth
     from recipes.run.trainer import Trainer
 
     cfg = compose_config([*overrides, *option_overrides(option)])
@@ -149,10 +149,11 @@ def measure_option(overrides: list[str], option: str, rounds: int, passes: int =
                             off_ms.append(_timed_step(trainer, cuda, off_host, off_allocs))
         with off():
             after = [time_modules(trainer) for _ in range(passes - 1)]
-        waits = None
-        if trainer.offloading:  # one more step, unprofiled: the time compute stood still for reloads
-            with ReloadWaits() as waits:
+        clock = {}
+        if trainer.offloading:  # one more step, unprofiled: the copies and where compute stood still for reloads
+            with CopyTimeline() as timeline:
                 _timed_step(trainer, cuda)
+            clock = timeline.summary()
         exposed = None
         keep = Path(trace) if trace and trainer.offloading else None
         if trainer.offloading and (overlap := copy_overlap(trainer.step, keep)) is not None:
@@ -167,13 +168,13 @@ def measure_option(overrides: list[str], option: str, rounds: int, passes: int =
                 "added_iqr_ms": [added[len(added) // 4], added[(3 * len(added)) // 4]],
                 "host_added_ms": statistics.median(a - b for a, b in zip(on_host, off_host)),
                 **_price(cfg, module_times, link_gb_s), "exposed_ms": exposed, "link_gb_s": link_gb_s,
-                **({"reload_waits": waits.count, "reload_wait_ms": None if (w := waits.seconds()) is None else w * 1e3}
-                   if waits else {}),
+                **({"reload_waits": clock["reload_waits"], "copies": clock.get("copies"),
+                    "reload_wait_ms": None if (w := clock["reload_wait_s"]) is None else w * 1e3} if clock else {}),
                 "priced_on": "timeline" if isinstance(marks, dict) and "names" in marks else "module times",
                 "host_pass_ms": marks.get("pass_ms") if isinstance(marks, dict) else None,
                 "raw": {"cfg": cfg, "on_ms": on_ms, "off_ms": off_ms, "on_host_ms": on_host, "off_host_ms": off_host,
                         "on_allocs": on_allocs, "off_allocs": off_allocs, "run_length": run_length,
-                        "module_times": before + after}}
+                        "module_times": before + after, "copy_timeline": clock.get("copy_timeline")}}
     finally:
         trainer.close()
 
@@ -237,7 +238,7 @@ COPY_HEADER = ("| process | option | link GB/s | copies ms (priced) | stall ms (
 
 def copy_rows(rows: list[tuple[int, dict]]) -> list[str]:
     """The offload options' copies: the price's parts beside what was measured: the time compute waited
-    for reloads in an unprofiled step (``ReloadWaits``, beside the priced stall), and the profiled
+    for reloads in an unprofiled step (``CopyTimeline``, beside the priced stall), and the profiled
     step's exposed copy time."""
     out = []
     for n, r in rows:
@@ -251,6 +252,26 @@ def copy_rows(rows: list[tuple[int, dict]]) -> list[str]:
             out.append(f"| {n} | {r['option']} | {link} | {r['priced_copy_ms']:.1f} | {r['priced_stall_ms']:.1f} "
                        f"| {waited} | {r['priced_overhead_ms']:.1f} | {exposed} | {r['added_ms']:+.1f} | {calls} |")
     return [COPY_HEADER, *out, ""] if out else []
+
+
+STEP_COPY_HEADER = ("| process | option | link GB/s (copies alone) | out GB/s (in the step) | back GB/s (in the step) "
+                    "| reload waits ms | the longest waits: point, wait number, ms |\n|---|---|---|---|---|---|---|")
+
+
+def step_copy_rows(rows: list[tuple[int, dict]]) -> list[str]:
+    """Where a process timed its copies on the step's clock (``CopyTimeline``): the rate each direction
+    ran at inside the step against the link's rate alone, and the three longest waits for a reload."""
+    out = []
+    for n, r in rows:
+        copies, spans = r.get("copies"), (r.get("raw") or {}).get("copy_timeline")
+        if not copies or not spans:
+            continue
+        waits = [(name, i, b - a) for i, (_, name, _, a, b) in enumerate(s for s in spans if s[0] == "wait")]
+        longest = ", ".join(f"{name} #{i} {ms:.1f}" for name, i, ms in sorted(waits, key=lambda w: -w[2])[:3])
+        rate = [f"{copies[k]:.1f}" if copies.get(k) else "-" for k in ("d2h_gb_s", "h2d_gb_s")]
+        link = f"{r['link_gb_s']:.1f}" if r.get("link_gb_s") else "-"
+        out.append(f"| {n} | {r['option']} | {link} | {rate[0]} | {rate[1]} | {r['reload_wait_ms']:.1f} | {longest} |")
+    return [STEP_COPY_HEADER, *out, ""] if out else []
 
 
 def summary(rows: dict[tuple[str, str], list[dict]]) -> list[str]:
@@ -280,7 +301,7 @@ def table(dirs: list[str]) -> None:
                 numbered.append((int(f.split("-")[1].split(".")[0]), r))
                 print(row(*numbered[-1]))
         print()
-        for line in copy_rows(numbered):
+        for line in copy_rows(numbered) + step_copy_rows(numbered):
             print(line)
     print("\n".join(summary(rows)))
 
@@ -340,7 +361,7 @@ def main() -> None:
             numbered.append((n, r))
             print(row(n, r), flush=True)
     print()
-    for line in copy_rows(numbered):
+    for line in copy_rows(numbered) + step_copy_rows(numbered):
         print(line)
     print("\n".join(summary(rows)))
 

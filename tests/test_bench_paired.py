@@ -94,3 +94,19 @@ def test_an_offload_option_is_priced_with_its_copies_and_listed_apart(megatron_w
     assert bench.reprice(r)["priced_ms"] == r["priced_ms"]
     lines = bench.copy_rows([(0, r)])
     assert lines[0] == bench.COPY_HEADER and lines[1].startswith(f"| 0 | {option} | - |")
+
+
+def test_the_copies_on_the_steps_clock_are_tabled_where_a_gpu_timed_them():
+    """step_copy_rows: the rate each direction ran at inside the step, the waits and the three longest,
+    numbered in the order compute met them; a process without a clock (a CPU) has no row."""
+    bench = _bench()
+    spans = [["out", "core_attn", 2 * 10**9, 0.0, 40.0], ["back", "core_attn", 2 * 10**9, 50.0, 90.0],
+             ["wait", "core_attn", 0, 60.0, 61.5], ["wait", "attn_proj", 0, 70.0, 70.2],
+             ["wait", "core_attn", 0, 80.0, 83.0], ["wait", "attn_proj", 0, 95.0, 95.1]]
+    r = {"option": "offload=core_attn", "link_gb_s": 55.2, "reload_wait_ms": 4.8,
+         "copies": {"d2h_gb_s": 50.0, "h2d_gb_s": 50.0}, "raw": {"copy_timeline": spans}}
+    lines = bench.step_copy_rows([(1, r)])
+    assert lines[0] == bench.STEP_COPY_HEADER
+    assert lines[1] == ("| 1 | offload=core_attn | 55.2 | 50.0 | 50.0 | 4.8 "
+                        "| core_attn #2 3.0, core_attn #0 1.5, attn_proj #1 0.2 |")
+    assert bench.step_copy_rows([(1, {**r, "copies": None})]) == []

@@ -156,12 +156,12 @@ def test_each_micro_batch_keeps_its_last_layer_on_the_device(megatron_world):
 
 
 def test_reload_waits_are_counted_where_each_moved_group_is_needed(megatron_world):
-    """ReloadWaits: in a planned step each moved group's module waits once for its reload (the tiny
+    """CopyTimeline: in a planned step each moved group's module waits once for its reload (the tiny
     size's first layer moves core_attn and attn_proj: 2 waits a micro-batch); the kept groups never
     wait; a CPU has no clock for them; megatron's method is back afterwards."""
     from megatron.core.pipeline_parallel.fine_grained_activation_offload import OffloadTensorGroup
 
-    from recipes.measure.offload import ReloadWaits
+    from recipes.measure.offload import CopyTimeline
     from recipes.predict.estimate import predict
 
     original = OffloadTensorGroup.wait_reload_event
@@ -170,7 +170,7 @@ def test_reload_waits_are_counted_where_each_moved_group_is_needed(megatron_worl
     trainer = build_trainer(cfg)
     try:
         trainer.compute_gradients()  # the manager's warm-up: it plans after this step
-        with ReloadWaits() as waits:
+        with CopyTimeline() as waits:
             trainer.compute_gradients()
     finally:
         trainer.close()
@@ -246,7 +246,7 @@ def test_host_link_bandwidth_on_a_gpu():
 def test_reload_waits_are_timed_on_a_gpu(megatron_world):
     """On a GPU each wait for a reload is timed: one a moved group and micro-batch, each at least 0 s,
     and a run's result records them (recipes.run.window.offload_measurements)."""
-    from recipes.measure.offload import ReloadWaits
+    from recipes.measure.offload import CopyTimeline
     from recipes.predict.estimate import predict
 
     cfg = compose("model=standard_attn", "offload=core_attn-attn_proj", "offload.min_offloaded_tensor_size=0",
@@ -254,17 +254,29 @@ def test_reload_waits_are_timed_on_a_gpu(megatron_world):
     trainer = build_trainer(cfg)
     try:
         trainer.compute_gradients()  # the manager's warm-up
-        with ReloadWaits() as waits:
+        with CopyTimeline() as waits:
             trainer.compute_gradients()
-        seconds = waits.seconds()
+        seconds, summary, spans = waits.seconds(), waits.summary(), waits.timeline()
     finally:
         trainer.close()
-    assert waits.count == sum(predict(cfg, "cuda")["host_groups_per_layer"]) * 2 > 0
-    assert seconds is not None and 0.0 <= seconds < 1.0
+    moved = sum(predict(cfg, "cuda")["host_groups_per_layer"]) * 2
+    assert waits.count == moved > 0
+    assert seconds is not None and 0.0 <= seconds < 1.0 and summary["reload_wait_s"] == seconds
+    # every moved group's copy out and back is on the clock, in order, with the bytes it moved each way
+    kinds = [kind for kind, *_ in spans]
+    assert kinds.count("out") == kinds.count("back") == kinds.count("wait") == moved
+    assert all(0.0 <= a <= b for *_, a, b in spans)
+    out = sum(n for kind, _, n, *_ in spans if kind == "out")
+    assert out == sum(n for kind, _, n, *_ in spans if kind == "back") > 0
+    for kind, name, _, a, _ in spans:  # each group reloads after its copy out began and before its wait ends
+        if kind == "back":
+            assert a >= min(x for k, g, _, x, _ in spans if k == "out" and g == name)
+    assert summary["copies"]["d2h_gb_s"] > 1 and summary["copies"]["h2d_gb_s"] > 1
     result = train_in_process(compose("model=standard_attn", "offload=core_attn-attn_proj",
                                       "offload.min_offloaded_tensor_size=0", "train.train_iters=4", "profile=none",
                                       "train.micro_batch_size=1", "train.global_batch_size=2"))
     assert result["offload"]["reload_waits"] > 0 and 0.0 <= result["offload"]["reload_wait_s"] < 1.0
+    assert len(result["offload"]["copy_timeline"]) == 3 * result["offload"]["reload_waits"]
     # the groups a step moved, each micro-batch keeping its last layer, as on a CPU
     assert result["offload"]["groups_moved"] == {"core_attn": 2, "attn_proj": 2}
     assert result["offload"]["groups_kept"] == {"core_attn": 2, "attn_proj": 2}

@@ -9,8 +9,8 @@
 - ``copy_overlap`` reads one profiled step's trace (``recipes.measure.steptrace``): the time the copy
   streams were busy, and the part of it with no compute kernel running (the exposed transfer time).
   GPU only.
-- ``ReloadWaits`` times where compute waits for a reload (the stall ``recipes.predict.cost`` prices),
-  with no profiler to slow the step.
+- ``CopyTimeline`` times each group's copy out and back and where compute waits for a reload (the
+  stall ``recipes.predict.cost`` prices) on the step's clock, with no profiler to slow the step.
 """
 
 from __future__ import annotations
@@ -113,43 +113,91 @@ class OffloadMeter:
         return out
 
 
-class ReloadWaits:
-    """While entered, each wait of megatron's manager for a group's reload
-    (``OffloadTensorGroup.wait_reload_event``, where the group's module begins its backward) is counted
-    and, on a GPU, bracketed by two timing events on the waiting stream: the second runs once the wait
-    is over, so their difference is the time compute stood still for that copy. ``seconds()`` sums them
-    after the step (None on a CPU, whose emulated streams have no clock)."""
+class CopyTimeline:
+    """While entered, times megatron's manager on the step's clock: each group's copy out (on the
+    device-to-host stream, ``bulk_offload_group``), its reload (host-to-device, ``bulk_reload_group``,
+    including its wait for the copy out) and each wait of compute for a reload
+    (``OffloadTensorGroup.wait_reload_event``, where the group's module begins its backward). Each is
+    bracketed by two timing events on its stream, so a copy's interval is when its stream ran it and a
+    wait's is the time compute stood still for it. ``count`` counts the waits; ``summary()`` and
+    ``timeline()`` read the clock after the step (None on a CPU, whose emulated streams have none)."""
 
-    def __enter__(self) -> ReloadWaits:
-        from megatron.core.pipeline_parallel.fine_grained_activation_offload import OffloadTensorGroup
+    def __enter__(self) -> CopyTimeline:
+        from megatron.core.pipeline_parallel import fine_grained_activation_offload as fgo
 
-        self.count, self._events, self._original = 0, [], OffloadTensorGroup.wait_reload_event
-        original, waits = self._original, self
+        self.count, self._spans, timeline = 0, [], self
+        group_cls, handler = fgo.OffloadTensorGroup, fgo.ChunkOffloadHandler
+        wait, out, back = group_cls.wait_reload_event, handler.bulk_offload_group, handler.bulk_reload_group
+        self._undo = [(group_cls, "wait_reload_event", wait), (handler, "bulk_offload_group", out),
+                      (handler, "bulk_reload_group", back)]
+        self._zero = self._event(torch.cuda.current_stream()) if torch.cuda.is_available() else None
+
+        def timed(kind, group, stream, call, nbytes=0):
+            if not isinstance(stream, torch.cuda.Stream):  # the CPU's emulated stream
+                return call()
+            before = timeline._event(stream)
+            value = call()
+            timeline._spans.append((kind, group._name, nbytes, before, timeline._event(stream)))
+            return value
 
         def wait_reload_event(group, stream):
-            waits.count += 1
-            if not isinstance(stream, torch.cuda.Stream):  # the CPU's emulated stream
-                return original(group, stream)
-            before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            before.record(stream)
-            original(group, stream)
-            after.record(stream)
-            waits._events.append((before, after))
+            timeline.count += 1
+            return timed("wait", group, stream, lambda: wait(group, stream))
 
-        OffloadTensorGroup.wait_reload_event = wait_reload_event
+        def bulk_offload_group(self_, group):
+            nbytes = sum(_nbytes(t) for t in group._tensors.values() if isinstance(t, torch.Tensor))
+            return timed("out", group, self_.d2h_stream, lambda: out(self_, group), nbytes)
+
+        def bulk_reload_group(self_):
+            group = self_._groups_to_reload[-1]
+            nbytes = sum(_nbytes(s[1]) for s in group._tensors.values() if isinstance(s, tuple))
+            return timed("back", group, self_.h2d_stream, lambda: back(self_), nbytes)
+
+        group_cls.wait_reload_event = wait_reload_event
+        handler.bulk_offload_group, handler.bulk_reload_group = bulk_offload_group, bulk_reload_group
         return self
 
     def __exit__(self, *exc) -> None:
-        from megatron.core.pipeline_parallel.fine_grained_activation_offload import OffloadTensorGroup
+        for owner, name, value in self._undo:
+            setattr(owner, name, value)
 
-        OffloadTensorGroup.wait_reload_event = self._original
+    @staticmethod
+    def _event(stream) -> torch.cuda.Event:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(stream)
+        return event
+
+    def timeline(self) -> list[tuple[str, str, int, float, float]] | None:
+        """(kind: out, back or wait; the group's offload point; bytes copied; start ms; end ms), from
+        when the block was entered, in the order the host issued them; None without a GPU clock."""
+        if self._zero is None or not all(isinstance(s[3], torch.cuda.Event) for s in self._spans):
+            return None
+        torch.cuda.synchronize()
+        return [(kind, name, n, self._zero.elapsed_time(a), self._zero.elapsed_time(b))
+                for kind, name, n, a, b in self._spans]
 
     def seconds(self) -> float | None:
         """Seconds compute waited for reloads in all, once the step is done; None without a GPU."""
-        if len(self._events) < self.count or not torch.cuda.is_available():
-            return None  # an emulated stream's waits have no clock
-        torch.cuda.synchronize()
-        return sum(a.elapsed_time(b) for a, b in self._events) / 1e3
+        spans = self.timeline()
+        return None if spans is None else sum(b - a for kind, _, _, a, b in spans if kind == "wait") / 1e3
+
+    def summary(self) -> dict:
+        """What a run records: the waits (``reload_waits``, ``reload_wait_s``: the stall) and, on a GPU,
+        each copy stream's busy time and the rate its copies ran at inside the step (``copies``:
+        bytes over busy seconds, against ``host_link_bandwidth``'s copies alone), and the step's
+        ``copy_timeline`` (ms, from ``timeline()``)."""
+        spans = self.timeline()
+        out = {"reload_waits": self.count, "reload_wait_s": self.seconds()}
+        if spans is not None:
+            copies = {}
+            for kind, stream in (("out", "d2h"), ("back", "h2d")):
+                mine = [(n, b - a) for k, _, n, a, b in spans if k == kind]
+                busy = sum(t for _, t in mine) / 1e3
+                copies[f"{stream}_busy_s"] = busy
+                copies[f"{stream}_gb_s"] = sum(n for n, _ in mine) / busy / 1e9 if busy > 0 else None
+            out["copies"] = copies
+            out["copy_timeline"] = [[kind, name, n, round(a, 3), round(b, 3)] for kind, name, n, a, b in spans]
+        return out
 
 
 # --- GPU: the host link and the copies' overlap with compute --------------------------------------

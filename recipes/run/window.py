@@ -21,7 +21,7 @@ from recipes.measure.collections import window_record
 from recipes.measure.flops import step_flops
 from recipes.measure.labels import label_findings
 from recipes.measure.moduletime import time_modules
-from recipes.measure.offload import ReloadWaits, copy_overlap, host_link_bandwidth
+from recipes.measure.offload import CopyTimeline, copy_overlap, host_link_bandwidth
 from recipes.measure.profile import profile_step
 from recipes.measure.routing import RoutingRecorder
 from recipes.measure.steptrace import trace_step
@@ -230,18 +230,19 @@ def offload_measurements(trainer: Trainer, window: Window, step_time_s: float, r
                          keep: Path | None = None) -> dict:
     """What offload moved per measured step (the median step's counts: bytes and tensors each way, and
     the groups moved and kept per module, summed over the step's micro-batches) and, on a GPU, the host link's
-    bandwidth, one extra step timing where compute waited for each reload (``reload_wait_s``, the
-    stall; ``ReloadWaits``) and one profiled for how much of the copying compute did not hide (its whole
-    step summary into ``result["trace"]``)."""
+    bandwidth, one extra step timing each group's copies and where compute waited for each reload
+    (``CopyTimeline``: ``reload_wait_s``, the stall; ``copies``, the rate the copies ran at in the step)
+    and one profiled for how much of the copying compute did not hide (its whole step summary into
+    ``result["trace"]``)."""
     median = window.moved[len(window.moved) // 2] if window.moved else {}
     moved = dict(median)
     out = {"groups_moved": moved.pop("groups_moved", {}), "groups_kept": moved.pop("groups_kept", {}),
            "moved_per_step": moved, "moved_steps_equal": all(m == median for m in window.moved)}
     if trainer.on_gpu:  # measurements about the run, not of it: a failure is recorded, not raised
         try:  # one more step, off the step count, unprofiled: the profiler slows the forward copies hide under
-            with ReloadWaits() as waits:
+            with CopyTimeline() as clock:
                 trainer.step()
-            out["reload_waits"], out["reload_wait_s"] = waits.count, waits.seconds()
+            out.update(clock.summary())
         except Exception as err:  # e.g. an OOM in the extra step
             out["reload_wait_s"] = failed_measurement(err)
         finally:
