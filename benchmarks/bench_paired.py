@@ -169,6 +169,7 @@ def measure_option(overrides: list[str], option: str, rounds: int, passes: int =
                 "host_added_ms": statistics.median(a - b for a, b in zip(on_host, off_host)),
                 **_price(cfg, module_times, link_gb_s), "exposed_ms": exposed, "link_gb_s": link_gb_s,
                 **({"reload_waits": clock["reload_waits"], "copies": clock.get("copies"),
+                    "strided_out": clock.get("strided_out"),
                     "reload_wait_ms": None if (w := clock["reload_wait_s"]) is None else w * 1e3} if clock else {}),
                 "priced_on": "timeline" if isinstance(marks, dict) and "names" in marks else "module times",
                 "host_pass_ms": marks.get("pass_ms") if isinstance(marks, dict) else None,
@@ -255,7 +256,8 @@ def copy_rows(rows: list[tuple[int, dict]]) -> list[str]:
 
 
 STEP_COPY_HEADER = ("| process | option | link GB/s (copies alone) | out GB/s (in the step) | back GB/s (in the step) "
-                    "| reload waits ms | the longest waits: point, wait number, ms |\n|---|---|---|---|---|---|---|")
+                    "| reload waits ms | the longest waits: point, wait number, ms | strided tensors copied out |"
+                    "\n|---|---|---|---|---|---|---|---|")
 
 
 def step_copy_rows(rows: list[tuple[int, dict]]) -> list[str]:
@@ -270,7 +272,10 @@ def step_copy_rows(rows: list[tuple[int, dict]]) -> list[str]:
         longest = ", ".join(f"{name} #{i} {ms:.1f}" for name, i, ms in sorted(waits, key=lambda w: -w[2])[:3])
         rate = [f"{copies[k]:.1f}" if copies.get(k) else "-" for k in ("d2h_gb_s", "h2d_gb_s")]
         link = f"{r['link_gb_s']:.1f}" if r.get("link_gb_s") else "-"
-        out.append(f"| {n} | {r['option']} | {link} | {rate[0]} | {rate[1]} | {r['reload_wait_ms']:.1f} | {longest} |")
+        strided = r.get("strided_out")  # not recorded before 2026-12-05 04:30 UTC: -
+        strided = ", ".join(f"{k} {v}" for k, v in strided.items()) if strided is not None else "-"
+        out.append(f"| {n} | {r['option']} | {link} | {rate[0]} | {rate[1]} | {r['reload_wait_ms']:.1f} | {longest} "
+                   f"| {strided} |")
     return [STEP_COPY_HEADER, *out, ""] if out else []
 
 
@@ -288,22 +293,60 @@ def summary(rows: dict[tuple[str, str], list[dict]]) -> list[str]:
     return out
 
 
+def saved(d: str) -> list[tuple[int, dict]]:
+    """The options the processes saved under ``d`` measured, each with its process's number."""
+    files = sorted(f for f in os.listdir(d) if f.startswith("process-") and f.endswith(".json.gz"))  # not traces
+    return [(int(f.split("-")[1].split(".")[0]), r) for f in files for r in load(os.path.join(d, f))]
+
+
 def table(dirs: list[str]) -> None:
     """Every saved process under ``dirs``, priced with this code, and the summary over them all."""
     rows: dict[tuple[str, str], list[dict]] = {}
     for d in dirs:
-        files = sorted(f for f in os.listdir(d) if f.startswith("process-") and f.endswith(".json.gz"))  # not traces
-        print(f"{d} ({len(files)} processes)\n\n{ROW_HEADER}")
-        numbered = []
-        for f in files:
-            for r in map(reprice, load(os.path.join(d, f))):
-                rows.setdefault((r["raw"]["cfg"]["model"]["family"], r["option"]), []).append(r)
-                numbered.append((int(f.split("-")[1].split(".")[0]), r))
-                print(row(*numbered[-1]))
+        numbered = [(n, reprice(r)) for n, r in saved(d)]
+        print(f"{d} ({len({n for n, _ in numbered})} processes)\n\n{ROW_HEADER}")
+        for n, r in numbered:
+            rows.setdefault((r["raw"]["cfg"]["model"]["family"], r["option"]), []).append(r)
+            print(row(n, r))
         print()
         for line in copy_rows(numbered) + step_copy_rows(numbered):
             print(line)
     print("\n".join(summary(rows)))
+
+
+def at_rates(r: dict, a: float, b: float) -> dict:
+    """A saved option with its config's ``estimate.offload_ms_per_group`` and ``_per_gib`` set."""
+    cfg = r["raw"]["cfg"]
+    est = {**cfg["estimate"], "offload_ms_per_group": a, "offload_ms_per_gib": b}
+    return {**r, "raw": {**r["raw"], "cfg": {**cfg, "estimate": est}}}
+
+
+def fit(dirs: list[str]) -> list[str]:
+    """``estimate.offload_ms_per_group`` and ``estimate.offload_ms_per_gib``: the least squares of every
+    saved process's added ms against its price, over the offload options without recompute of families
+    whose step is not host-bound (a step that hides the manager's host work pays these rates; a
+    host-bound one, MoE's, adds what its timeline measured), then the summary of every saved option
+    priced at them."""
+    from recipes.config import EstimateConfig
+    from recipes.offload import modules_of
+    from recipes.predict.cost import fit_offload_rates, host_bound
+
+    every = [r for d in dirs for _, r in saved(d)]
+    used = [r for r in every if modules_of(r["raw"]["cfg"]) and not r["raw"]["cfg"]["recompute"]["recompute_granularity"]
+            and not host_bound(r["raw"]["cfg"])]
+    default = EstimateConfig()
+    solved = fit_offload_rates(lambda a, b: [reprice(at_rates(r, a, b))["priced_ms"] for r in used],
+                               [r["added_ms"] for r in used], default.offload_ms_per_group, default.offload_ms_per_gib)
+    if solved is None:
+        return ["--fit needs offload options without recompute, of a step that is not host-bound, that differ "
+                "in groups per GiB moved"]
+    a, b = solved
+    rows: dict[tuple[str, str], list[dict]] = {}
+    for r in every:
+        r = reprice(at_rates(r, a, b))
+        rows.setdefault((r["raw"]["cfg"]["model"]["family"], r["option"]), []).append(r)
+    return [f"estimate.offload_ms_per_group={a:.3f} estimate.offload_ms_per_gib={b:.2f} (least squares over "
+            f"{len(used)} processes' options)", "", *summary(rows)]
 
 
 def main() -> None:
@@ -322,11 +365,17 @@ def main() -> None:
     parser.add_argument("--save", help="write each process's steps, config and module times to SAVE/process-N.json.gz")
     parser.add_argument("--table", nargs="+", metavar="DIR", help="no run: price the processes saved in DIRs with "
                         "this code and print their rows and the summary over them all")
+    parser.add_argument("--fit", nargs="+", metavar="DIR", help="no run: fit estimate.offload_ms_per_group and "
+                        "_per_gib to the offload options saved in DIRs (those without recompute, of a step that is "
+                        "not host-bound) and print every saved option's summary priced at them")
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # a child: measure, print JSON
     parser.add_argument("--traces", help=argparse.SUPPRESS)  # a child: where its offload options' traces go
     args, overrides = parser.parse_known_args()
     if args.table:
         table(args.table)
+        return
+    if args.fit:
+        print("\n".join(fit(args.fit)))
         return
     overrides, options = defaults(overrides), args.options.split(",")
     if args.one:

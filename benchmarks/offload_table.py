@@ -32,6 +32,7 @@ from recipes.analyze.plan import rates as rates_of  # noqa: E402
 from recipes.analyze.report import find_results  # noqa: E402
 from recipes.config import EstimateConfig  # noqa: E402
 from recipes.offload import option_of as offload_option  # noqa: E402
+from recipes.predict.cost import fit_offload_rates  # noqa: E402
 from recipes.recompute import option_of as recompute_option  # noqa: E402
 
 GIB = 2**30
@@ -165,21 +166,11 @@ def fit(results: list[dict]) -> str:
 
     y = [rows[id(r)]["step_ms"] - base[(rows[id(r)]["model"], rows[id(r)]["size"])] for r in used]
     default = EstimateConfig()
-    a, b, h = default.offload_ms_per_group, default.offload_ms_per_gib, 1e-4
-    for _ in range(30):
-        f = [offload_ms(r, a, b)[1] for r in used]
-        ja = [(offload_ms(r, a + h, b)[1] - fi) / h for r, fi in zip(used, f)]
-        jb = [(offload_ms(r, a, b + h)[1] - fi) / h for r, fi in zip(used, f)]
-        res = [yi - fi for yi, fi in zip(y, f)]
-        saa, sab, sbb = sum(x * x for x in ja), sum(x * z for x, z in zip(ja, jb)), sum(z * z for z in jb)
-        sar, sbr = sum(x * e for x, e in zip(ja, res)), sum(z * e for z, e in zip(jb, res))
-        det = saa * sbb - sab * sab
-        if not det:
-            return "--fit needs offload points that differ in groups per GiB moved"
-        da, db = (sar * sbb - sbr * sab) / det, (saa * sbr - sab * sar) / det
-        a, b = a + da, b + db
-        if abs(da) < 1e-7 and abs(db) < 1e-6:
-            break
+    solved = fit_offload_rates(lambda a, b: [offload_ms(r, a, b)[1] for r in used], y,
+                               default.offload_ms_per_group, default.offload_ms_per_gib)
+    if solved is None:
+        return "--fit needs offload points that differ in groups per GiB moved"
+    a, b = solved
     lines = [f"estimate.offload_ms_per_group={a:.3f} estimate.offload_ms_per_gib={b:.2f} "
              f"(least squares over {len(used)} points)",
              "| point | groups per step | GiB per step | measured added ms - stall | fit ms | fit vs measured |",

@@ -276,10 +276,13 @@ class EstimateConfig:
     host_link_gb_s: float = 50.0
     # What activation offload's copies cost a step beyond the link (recipes.predict.cost): per group
     # moved (one layer's module: the manager's Python, events and stream waits at each group commit
-    # and reload) and per GiB moved (out and back). Fitted to the five dense offload points one H200
-    # measured at the h200 size (benchmarks/offload_table.py --fit; docs/offload-log.md).
-    offload_ms_per_group: float = 0.136
-    offload_ms_per_gib: float = 1.95
+    # and reload) and per GiB moved (out and back). Fitted to the five dense offload options one H200
+    # paired against themselves paused in three processes each on two machines at the h200 size
+    # (benchmarks/bench_paired.py --fit docs/offload-h200/paired_offload_2026-12-05/0235_standard_attn
+    # docs/offload-h200/paired_offload_2026-12-05/0408_standard_attn; docs/offload-log.md). Until
+    # 2026-12-05 0.136 and 1.95, fitted to five points of separate runs (benchmarks/offload_table.py --fit).
+    offload_ms_per_group: float = 0.072
+    offload_ms_per_gib: float = 2.98
     # Elementwise replays (moe_act, layernorm, gdn_norm_out) are memory traffic: GB/s of device
     # memory they run at (the H200's HBM3e peaks at 4800).
     hbm_gb_s: float = 3000.0

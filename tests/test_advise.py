@@ -410,8 +410,9 @@ def test_the_planner_prices_recompute_and_offload_in_one_unit(offload_fragments_
     runner-up (another plan, not the choice plus more); combinations megatron-core refuses are never
     priced."""
     from recipes.analyze.plan import overrides_of, plan
-    from recipes.config import compose_config
+    from recipes.config import EstimateConfig, compose_config
 
+    a, b = EstimateConfig().offload_ms_per_group / 1e3, EstimateConfig().offload_ms_per_gib / 1e3
     p = plan(compose_config(["model=standard_attn", "size=h200", UNFUSED]), 21.5)
     by = {(r["recompute"], r["offload"]): r for r in p["rows"]}
     assert not by[("none", "none")]["fits"] and by[("none", "core_attn")]["fits"]
@@ -419,18 +420,18 @@ def test_the_planner_prices_recompute_and_offload_in_one_unit(offload_fragments_
     assert (choice["recompute"], choice["offload"]) == ("none", "core_attn")
     assert (p["runner_up"]["recompute"], p["runner_up"]["offload"]) == ("full/block", "none")
     assert by[("selective/layernorm", "core_attn")]["cost_s"] > choice["cost_s"]
-    # the smallest activation_offload_fraction that fits; 0.136 ms a group and 1.95 ms a GiB moved
+    # the smallest activation_offload_fraction that fits; estimate.offload_ms_per_group and _per_gib
     assert choice["activation_offload_fraction"] == 0.75 and choice["offload_stall_s"] == 0.0
     assert (f"offload={choice['offload']} offload.activation_offload_fraction="
             f"{choice['activation_offload_fraction']:g}") in overrides_of(choice)
     assert choice["offload_overhead_s"] == pytest.approx(
-        choice["offload_groups"] * 0.136e-3 + choice["offload_gib"] * 1.95e-3)
+        choice["offload_groups"] * a + choice["offload_gib"] * b)
     core = by[("none", "core_attn")]  # reloads hidden; the overhead is what it costs
     assert core["offload_s"] == pytest.approx(core["offload_overhead_s"]) and core["offload_stall_s"] == 0.0
     assert core["activation_offload_fraction"] == 0.75
     # 6 of the 7 movable layers' groups (int(7 * 0.25) stay), 4 micro-batches
     assert core["offload_groups"] == 6 * 4 and core["offload_gib"] == pytest.approx(4 * core["host_gib"])
-    assert core["offload_overhead_s"] == pytest.approx(24 * 0.136e-3 + core["offload_gib"] * 1.95e-3)
+    assert core["offload_overhead_s"] == pytest.approx(24 * a + core["offload_gib"] * b)
     assert p["runner_up"] is not None and p["runner_up"] is not p["choice"]
     assert ("selective/core_attn", "core_attn") not in by and ("full", "attn_norm") not in by
     assert all(fits(r["predicted_peak_gib"], 21.5, p["allocator_slack"]) for r in p["rows"] if r["fits"])

@@ -108,5 +108,37 @@ def test_the_copies_on_the_steps_clock_are_tabled_where_a_gpu_timed_them():
     lines = bench.step_copy_rows([(1, r)])
     assert lines[0] == bench.STEP_COPY_HEADER
     assert lines[1] == ("| 1 | offload=core_attn | 55.2 | 50.0 | 50.0 | 4.8 "
-                        "| core_attn #2 3.0, core_attn #0 1.5, attn_proj #1 0.2 |")
+                        "| core_attn #2 3.0, core_attn #0 1.5, attn_proj #1 0.2 | - |")
+    assert bench.step_copy_rows([(1, {**r, "strided_out": {"core_attn": 5, "attn_proj": 0}})])[1].endswith(
+        "| core_attn 5, attn_proj 0 |")
     assert bench.step_copy_rows([(1, {**r, "copies": None})]) == []
+
+
+def test_the_fit_recovers_the_overhead_rates_the_added_times_were_made_with(megatron_world, tmp_path):
+    """--fit: where each saved offload option's added ms is its price at a ms a group and b ms a GiB,
+    the fit gives back a and b (from the defaults as a start), and its summary prices each option at
+    them; an option with recompute is left out of the fit but listed."""
+    import gzip
+    import json
+
+    from recipes.config import EstimateConfig
+
+    bench = _bench()
+    base = ["model=standard_attn", "size=tiny", "profile=none"]
+    emulated = "offload.emulate_on_cpu=true offload.min_offloaded_tensor_size=0"
+    rows = [bench.measure_option(base, f"offload={o} {emulated}", rounds=1)
+            for o in ("qkv_linear", "core_attn-attn_proj")]
+    rows.append(bench.measure_option(base, f"recompute=selective/layernorm offload=attn_norm {emulated}", rounds=1))
+    a, b = 0.5, 7.0
+    assert (a, b) != (EstimateConfig().offload_ms_per_group, EstimateConfig().offload_ms_per_gib)
+    for r in rows:
+        r["added_ms"] = bench.reprice(bench.at_rates(r, a, b))["priced_ms"] + (3.0 if "recompute=" in r["option"] else 0)
+    with gzip.open(tmp_path / "process-0.json.gz", "wt") as f:
+        json.dump(rows, f)
+    out = bench.fit([str(tmp_path)])
+    assert out[0] == f"estimate.offload_ms_per_group={a:.3f} estimate.offload_ms_per_gib={b:.2f} " \
+                     "(least squares over 2 processes' options)"
+    assert out[2] == bench.summary({})[0] and len(out) == 7
+    for line in out[4:6]:  # each offload option priced at the fitted rates is what it measured
+        cells = [c.strip() for c in line.split("|")]
+        assert cells[7] in ("+0%", "-0%") and cells[9] in ("+0%", "-0%"), line

@@ -125,7 +125,7 @@ class CopyTimeline:
     def __enter__(self) -> CopyTimeline:
         from megatron.core.pipeline_parallel import fine_grained_activation_offload as fgo
 
-        self.count, self._spans, timeline = 0, [], self
+        self.count, self._spans, self.strided, timeline = 0, [], Counter(), self
         group_cls, handler = fgo.OffloadTensorGroup, fgo.ChunkOffloadHandler
         wait, out, back = group_cls.wait_reload_event, handler.bulk_offload_group, handler.bulk_reload_group
         self._undo = [(group_cls, "wait_reload_event", wait), (handler, "bulk_offload_group", out),
@@ -145,8 +145,10 @@ class CopyTimeline:
             return timed("wait", group, stream, lambda: wait(group, stream))
 
         def bulk_offload_group(self_, group):
-            nbytes = sum(_nbytes(t) for t in group._tensors.values() if isinstance(t, torch.Tensor))
-            return timed("out", group, self_.d2h_stream, lambda: out(self_, group), nbytes)
+            tensors = [t for t in group._tensors.values() if isinstance(t, torch.Tensor)]
+            # the manager makes a strided tensor contiguous on the copy stream before it copies it
+            timeline.strided[group._name] += sum(1 for t in tensors if not t.is_contiguous())
+            return timed("out", group, self_.d2h_stream, lambda: out(self_, group), sum(map(_nbytes, tensors)))
 
         def bulk_reload_group(self_):
             group = self_._groups_to_reload[-1]
@@ -182,12 +184,13 @@ class CopyTimeline:
         return None if spans is None else sum(b - a for kind, _, _, a, b in spans if kind == "wait") / 1e3
 
     def summary(self) -> dict:
-        """What a run records: the waits (``reload_waits``, ``reload_wait_s``: the stall) and, on a GPU,
+        """What a run records: the waits (``reload_waits``, ``reload_wait_s``: the stall), the strided
+        tensors each point's groups copied out (``strided_out``) and, on a GPU,
         each copy stream's busy time and the rate its copies ran at inside the step (``copies``:
         bytes over busy seconds, against ``host_link_bandwidth``'s copies alone), and the step's
         ``copy_timeline`` (ms, from ``timeline()``)."""
         spans = self.timeline()
-        out = {"reload_waits": self.count, "reload_wait_s": self.seconds()}
+        out = {"reload_waits": self.count, "reload_wait_s": self.seconds(), "strided_out": dict(self.strided)}
         if spans is not None:
             copies = {}
             for kind, stream in (("out", "d2h"), ("back", "h2d")):

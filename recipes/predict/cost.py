@@ -381,6 +381,29 @@ def offload_overhead(estimate: dict) -> tuple[float, float]:
             estimate.get("offload_ms_per_gib", default.offload_ms_per_gib) / 1e3)
 
 
+def fit_offload_rates(priced, measured: list[float], a: float, b: float) -> tuple[float, float] | None:
+    """Least squares of ``measured`` (added ms) against ``priced(a, b)`` (the same points' prices, ms, at
+    ``a`` ms a group and ``b`` ms a GiB): Gauss-Newton from (a, b), since the stall in a price moves with
+    them (the overhead lengthens the layers the copies hide under). None where the points cannot tell
+    a group from a GiB."""
+    h = 1e-4
+    for _ in range(30):
+        f = priced(a, b)
+        ja = [(x - fi) / h for x, fi in zip(priced(a + h, b), f)]
+        jb = [(x - fi) / h for x, fi in zip(priced(a, b + h), f)]
+        res = [y - fi for y, fi in zip(measured, f)]
+        saa, sab, sbb = sum(x * x for x in ja), sum(x * z for x, z in zip(ja, jb)), sum(z * z for z in jb)
+        sar, sbr = sum(x * e for x, e in zip(ja, res)), sum(z * e for z, e in zip(jb, res))
+        det = saa * sbb - sab * sab
+        if abs(det) < 1e-12:
+            return None
+        da, db = (sar * sbb - sbr * sab) / det, (saa * sbr - sab * sar) / det
+        a, b = a + da, b + db
+        if abs(da) < 1e-7 and abs(db) < 1e-6:
+            break
+    return a, b
+
+
 def flop_positions(cfg: dict) -> dict[str, tuple[float, float]]:
     """Where each offload point's module starts and ends in a layer's forward, as shares of it, by its
     matmul FLOPs (``layer_forward_flops``): the norms take none; QKV, core attention, the projection,
