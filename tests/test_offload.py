@@ -177,7 +177,7 @@ def test_reload_waits_are_counted_where_each_moved_group_is_needed(megatron_worl
         trainer.close()
     moved = sum(predict(cfg, "cpu")["host_groups_per_layer"])
     assert moved == 2 and waits.count == moved * trainer.num_microbatches == 4 and waits.seconds() is None
-    # core attention saves strided views (q, k, v of the fused QKV output), the projection's input is whole
+    # core attention saves transposed views (q, k, v, its output, the log-sum-exp); the projection its whole input
     assert waits.summary()["strided_out"]["core_attn"] > 0 == waits.summary()["strided_out"]["attn_proj"]
     assert OffloadTensorGroup.wait_reload_event is original
 
