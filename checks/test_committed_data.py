@@ -204,6 +204,28 @@ def test_the_offload_table_regenerates_identically():
     assert _offload_table(*map(str, OFFLOAD_SWEEPS)) == (OFFLOAD / "table.md").read_text()
 
 
+def test_the_mla_offload_sweep_is_predicted_and_regenerates_identically():
+    """docs/offload-h200/mla_h200 (one H200, 2026-12-05): MLA's offload points, each a fresh process, as
+    benchmarks/gpu_offload.sh ran them; every point's peak predicted within 1% and each offload point's
+    host bytes exactly (MLA's qkv_linear copies its input once for each down-projection, and RoPE's
+    cos and sin stay, each below offload.min_offloaded_tensor_size); table_mla_2026-12-05.md is
+    offload_table.py over the sweep."""
+    from recipes.config import upgrade
+    from recipes.predict.estimate import predict
+
+    sweep = OFFLOAD / "mla_h200"
+    points = sorted(sweep.glob("*/result.json"))
+    assert len(points) == 8
+    for path in points:
+        data = json.loads(path.read_text())
+        cfg, rank = upgrade(data["config"]), data["ranks"][0]
+        p = predict(cfg, "cuda")
+        assert abs(p["peak_bytes"] / 2**30 / rank["memory"]["peak_allocated_gib"] - 1) < 0.01, path.parent.name
+        if modules_of(cfg):
+            assert p["host_bytes"] == rank["ledger"]["host_total_bytes"], path.parent.name
+    assert _offload_table(str(sweep)) == (OFFLOAD / "table_mla_2026-12-05.md").read_text()
+
+
 def test_the_offload_repeats_table_regenerates_identically():
     """docs/offload-h200/repeats.md: the 2026-12-02 re-measurement (several processes a point)."""
     sweeps = [OFFLOAD / "standard_attn_h200_layernorm_repeats", OFFLOAD / "moe_h200_pinned_repeats"]
@@ -271,7 +293,7 @@ def test_the_offload_overhead_rates_are_the_fit_of_the_paired_dense_runs():
 
     runs = OFFLOAD / "paired_offload_2026-12-05"
     dirs = [str((runs / d).relative_to(REPO)) for d in ("0235_standard_attn", "0408_standard_attn", "0239_moe",
-                                                        "0251_moe_again")]
+                                                        "0251_moe_again", "0510_moe", "0506_mla")]
     out = subprocess.run([sys.executable, "benchmarks/bench_paired.py", "--fit", *dirs], cwd=REPO,
                          capture_output=True, text=True, timeout=300, check=True).stdout
     default = EstimateConfig()
@@ -313,8 +335,8 @@ def test_the_paired_runs_of_2026_12_05_regenerate_identically():
     themselves paused, three processes an option (benchmarks/gpu_suite.sh paired_offload), MoE's
     moe_act and 25 GiB pick three more on a second machine, with the reload waits measured;
     paired_2026-12-05.md, MoE's moe_act-layernorm recompute; paired_offload_2026-12-05_0408.md, the
-    dense options with their copies on the step's clock; priced with today's time model
-    (docs/offload-log.md)."""
+    dense options with their copies on the step's clock; _0506.md, MLA's offload and MoE's 25 GiB pick
+    beside its offload alone; priced with today's time model (docs/offload-log.md)."""
     import subprocess
 
     h200 = REPO / "docs" / "offload-h200"
@@ -324,7 +346,9 @@ def test_the_paired_runs_of_2026_12_05_regenerate_identically():
              "| moe | offload=moe_act | 6 | +36.7, +16.7, +38.9, +8.4, +8.5, +10.8 |"),
             ("paired_2026-12-05", "paired_2026-12-05", ("0254_moe",), "| moe | selective/moe_act-layernorm | 3 |"),
             ("paired_offload_2026-12-05_0408", "paired_offload_2026-12-05", ("0408_standard_attn",),
-             "| standard_attn | offload=qkv_linear | 3 | +3.9, +3.4, +6.5 |")):
+             "| standard_attn | offload=qkv_linear | 3 | +3.9, +3.4, +6.5 |"),
+            ("paired_offload_2026-12-05_0506", "paired_offload_2026-12-05", ("0506_mla", "0510_moe"),
+             "| mla | offload=qkv_linear | 2 | +12.4, +5.8 |")):
         done = subprocess.run([sys.executable, "benchmarks/bench_paired.py", "--table",
                                *(str((h200 / folder / d).relative_to(REPO)) for d in dirs)],
                               cwd=REPO, capture_output=True, text=True, timeout=300, check=True)

@@ -69,6 +69,11 @@ def host_copy_bytes(term: Term, d: Dims) -> int:
         return d.e * d.s * d.b * d.ng * d.dv if d.attention_kind != "mla" else nbytes
     if what == "expert fc1 output" and d.model["gated_linear_unit"]:  # the gate half (chunk's view)
         return nbytes // 2
+    if d.attention_kind == "mla":
+        if what == "qkv input (norm output)":  # saved by both of MLA's down-projections (q and kv)
+            return 2 * nbytes
+        if what in ("kv_up input (kv_compressed)", "kv_layernorm input (kv_compressed)"):  # kv_combined's view
+            return d.e * d.s_sp * d.b * d.model["kv_lora_rank"]
     rms_cpu = d.device == "cpu" and d.model["normalization"] == "RMSNorm"
     if rms_cpu and what.endswith(("norm input", "norm rstd (fp32)")):  # composite: pow and mul save x; rsqrt, mul rstd
         return 2 * nbytes
@@ -90,9 +95,15 @@ def _context_copied(layer: list[Term]) -> bool:
     return not any(t[1] == "linear_proj input (context)" for t in layer)
 
 
+#: Terms that are several saved tensors of one size: the manager weighs each against its minimum.
+_TENSORS_IN_TERM = {"RoPE cos, sin (q and k)": 4}
+
+
 def _movable(term: Term, d: Dims, min_elements: int) -> bool:
-    """A saved term the manager copies: it holds bytes and reaches ``min_offloaded_tensor_size``."""
-    return term[2] > 0 and host_copy_bytes(term, d) // _element_bytes(term[1], d) >= min_elements
+    """A saved term the manager copies: it holds bytes and each of its tensors reaches
+    ``min_offloaded_tensor_size`` elements."""
+    elements = host_copy_bytes(term, d) // _element_bytes(term[1], d) // _TENSORS_IN_TERM.get(term[1], 1)
+    return term[2] > 0 and elements >= min_elements
 
 
 def _moved_groups(d: Dims, layers: list[list[Term]], gdn: list[bool], wanted: set[str], kept: dict,
