@@ -9,9 +9,9 @@
 # offload point reuses it). Writes results/offload_<model>_<size>/ (sweeps, each
 # with the planner's plan.json) and results/offload/table.md: peak allocated, host bytes, step time
 # against none, the copies' time and the part compute did not hide (exposed), the host link.
-# Settings (environment): PY, SIZES (h200 h200_long), MODELS (standard_attn moe), OFFLOAD_ALL,
+# Settings (environment): PY, SIZES (h200 h200_long), MODELS (standard_attn moe; mla runs too), OFFLOAD_ALL,
 # OFFLOAD_standard_attn / OFFLOAD_moe (the offload options to run, comma-separated),
-# BUDGET_standard_attn / BUDGET_moe (GiB for the h200 plan; 19 / 25), LONG_BUDGET (137), EXTRA (overrides
+# BUDGET_standard_attn / BUDGET_moe / BUDGET_mla (GiB for the h200 plan; 19 / 25 / 17), LONG_BUDGET (137), EXTRA (overrides
 # for every plan and point, e.g. train.global_batch_size=null: one micro-batch per step, a quarter of the time),
 # LONG_standard_attn / LONG_moe (recompute options measured beside the plan at h200_long; mlp / moe_act).
 set -uo pipefail
@@ -22,6 +22,7 @@ SIZES=${SIZES:-h200 h200_long}
 MODELS=${MODELS:-standard_attn moe}
 BUDGET_standard_attn=${BUDGET_standard_attn:-19}  # none peaks at 18.4 GiB (20.0 with the slack): needs recompute or offload
 BUDGET_moe=${BUDGET_moe:-25}                        # none 24.2 GiB, over with the allocator's slack
+BUDGET_mla=${BUDGET_mla:-17}                        # MODELS=mla: none 17.6 GiB (measured 2026-12-05)
 LONG_BUDGET=${LONG_BUDGET:-137}                     # what PyTorch may reserve on an H200
 EXTRA=${EXTRA:-}
 ARGS="profile=none train.train_iters=6 measure.start_step=3 $EXTRA"
