@@ -334,9 +334,14 @@ def fit(dirs: list[str]) -> list[str]:
     every = [r for d in dirs for _, r in saved(d)]
     used = [r for r in every if modules_of(r["raw"]["cfg"]) and not r["raw"]["cfg"]["recompute"]["recompute_granularity"]
             and not host_bound(r["raw"]["cfg"])]
+
+    def priced(a: float, b: float) -> list[float]:  # reprice's first pass alone, the price the fit is of
+        return [_price(at_rates(r, a, b)["raw"]["cfg"], r["raw"]["module_times"][0], r.get("link_gb_s"))["priced_ms"]
+                for r in used]
+
     default = EstimateConfig()
-    solved = fit_offload_rates(lambda a, b: [reprice(at_rates(r, a, b))["priced_ms"] for r in used],
-                               [r["added_ms"] for r in used], default.offload_ms_per_group, default.offload_ms_per_gib)
+    solved = fit_offload_rates(priced, [r["added_ms"] for r in used], default.offload_ms_per_group,
+                               default.offload_ms_per_gib)
     if solved is None:
         return ["--fit needs offload options without recompute, of a step that is not host-bound, that differ "
                 "in groups per GiB moved"]

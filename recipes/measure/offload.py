@@ -145,8 +145,10 @@ class CopyTimeline:
             return timed("wait", group, stream, lambda: wait(group, stream))
 
         def bulk_offload_group(self_, group):
-            tensors = [t for t in group._tensors.values() if isinstance(t, torch.Tensor)]
-            # the manager makes a strided tensor contiguous on the copy stream before it copies it
+            # what the manager copies (its own test: a tensor below min_offloaded_tensor_size stays), and
+            # of those the strided ones, which it makes contiguous on the copy stream first
+            tensors = [t for t in group._tensors.values()
+                       if isinstance(t, torch.Tensor) and self_.tensor_need_offloading_checker(t)]
             timeline.strided[group._name] += sum(1 for t in tensors if not t.is_contiguous())
             return timed("out", group, self_.d2h_stream, lambda: out(self_, group), sum(map(_nbytes, tensors)))
 
