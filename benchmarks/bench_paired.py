@@ -55,10 +55,12 @@ from benchmarks.bench_hostbound import defaults  # noqa: E402  (model=moe size=h
 _waits = None  # recipes.measure.syncs.ItemWaits, entered for a measuring process's lifetime (measure)
 
 
-def _timed_step(trainer, cuda: bool, host: list | None = None, allocs: list | None = None) -> float:
+def _timed_step(trainer, cuda: bool, host: list | None = None, allocs: list | None = None,
+                waits: list | None = None) -> float:
     """The step's ms from a drained stream to its end; with ``host``, also appends the host's own
-    ms: until ``step()`` returned, less its waits in ``Tensor.item`` (megatron's grad-norm read); with
-    ``allocs`` (a GPU), the step's ``cudaMalloc`` and ``cudaFree`` calls (each free waits for the device)."""
+    ms: until ``step()`` returned, less its waits in ``Tensor.item`` (megatron's grad-norm read), and
+    with ``waits`` those waits (ms); with ``allocs`` (a GPU), the step's ``cudaMalloc`` and ``cudaFree``
+    calls (each free waits for the device)."""
     import torch
 
     if cuda:
@@ -73,8 +75,11 @@ def _timed_step(trainer, cuda: bool, host: list | None = None, allocs: list | No
         torch.cuda.synchronize()
         if counts is not None:
             allocs.append([b - a for a, b in zip(counts, _device_allocs())])
+    waited = _waits.seconds if _waits is not None else 0.0
     if host is not None:
-        host.append((returned - start - (_waits.seconds if _waits is not None else 0.0)) * 1e3)
+        host.append((returned - start - waited) * 1e3)
+    if waits is not None:
+        waits.append(waited * 1e3)
     return (time.perf_counter() - start) * 1e3
 
 
@@ -138,15 +143,15 @@ def measure_option(overrides: list[str], option: str, rounds: int, passes: int =
                 _timed_step(trainer, cuda)
         with off():
             before = [time_modules(trainer) for _ in range(passes)]
-        on_ms, off_ms, on_host, off_host, on_allocs, off_allocs = [], [], [], [], [], []
+        on_ms, off_ms, on_host, off_host, on_allocs, off_allocs, on_wait, off_wait = [], [], [], [], [], [], [], []
         for r in range(max(1, rounds // run_length)):
             for on in ((True, False) if r % 2 == 0 else (False, True)):
                 for _ in range(run_length):
                     if on:
-                        on_ms.append(_timed_step(trainer, cuda, on_host, on_allocs))
+                        on_ms.append(_timed_step(trainer, cuda, on_host, on_allocs, on_wait))
                     else:
                         with off():
-                            off_ms.append(_timed_step(trainer, cuda, off_host, off_allocs))
+                            off_ms.append(_timed_step(trainer, cuda, off_host, off_allocs, off_wait))
         with off():
             after = [time_modules(trainer) for _ in range(passes - 1)]
         clock = {}
@@ -163,6 +168,9 @@ def measure_option(overrides: list[str], option: str, rounds: int, passes: int =
         added = sorted(a - b for a, b in zip(on_ms, off_ms))
         module_times = before[0]  # what a sweep's base point records: one pass after its steps
         marks = module_times.get("marks")
+        for timed in before + after:  # each pass with its steps' wait at the grad-norm read, as a sweep's base point
+            if isinstance(timed.get("marks"), dict) and "names" in timed["marks"] and _waits is not None:
+                timed["marks"]["step_host_wait_ms"] = statistics.median(off_wait)
         return {"option": option, "off_ms": statistics.median(off_ms), "on_ms": statistics.median(on_ms),
                 "added_ms": statistics.median(added),
                 "added_iqr_ms": [added[len(added) // 4], added[(3 * len(added)) // 4]],
@@ -174,6 +182,7 @@ def measure_option(overrides: list[str], option: str, rounds: int, passes: int =
                 "priced_on": "timeline" if isinstance(marks, dict) and "names" in marks else "module times",
                 "host_pass_ms": marks.get("pass_ms") if isinstance(marks, dict) else None,
                 "raw": {"cfg": cfg, "on_ms": on_ms, "off_ms": off_ms, "on_host_ms": on_host, "off_host_ms": off_host,
+                        "on_wait_ms": on_wait, "off_wait_ms": off_wait,
                         "on_allocs": on_allocs, "off_allocs": off_allocs, "run_length": run_length,
                         "module_times": before + after, "copy_timeline": clock.get("copy_timeline")}}
     finally:

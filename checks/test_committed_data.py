@@ -302,6 +302,23 @@ def test_the_offload_overhead_rates_are_the_fit_of_the_paired_dense_runs():
     assert out == (OFFLOAD / "offload_fit_2026-12-05.md").read_text()
 
 
+def test_where_the_offload_managers_host_work_shows_regenerates_identically():
+    """docs/offload-h200/offload_host_2026-12-05.md (benchmarks/offload_host.py over the paired offload
+    runs that measured the manager's host cost): MoE steps with a margin under 40 ms paid most of the
+    host work the option added, the dense ones a third; the step's host work is about twice what the
+    pass's synthetic measure prices (docs/offload-log.md)."""
+    import subprocess
+
+    dirs = [str((OFFLOAD / d).relative_to(REPO)) for d in (
+        "paired_offload_2026-12-04/2117_moe", "paired_offload_2026-12-04/2119_standard_attn",
+        *(f"paired_offload_2026-12-05/{d}" for d in ("0235_standard_attn", "0408_standard_attn", "0239_moe",
+                                                     "0251_moe_again", "0510_moe", "0506_mla")))]
+    out = subprocess.run([sys.executable, "benchmarks/offload_host.py", *dirs], cwd=REPO,
+                         capture_output=True, text=True, timeout=300, check=True).stdout
+    assert out == (OFFLOAD / "offload_host_2026-12-05.md").read_text()
+    assert "| moe | under 40 ms | 16 | 0.91 (0.44-1.08) | 1.88 |" in out
+
+
 def test_the_label_sweeps_of_2026_12_04_regenerate_identically():
     """docs/speed-h200/labels_2026-12-04.md: the label sweeps at the defaults of 2026-12-04 (fused RoPE),
     priced from their base points' module times, MoE's the median of its three processes' (docs/offload-log.md)."""

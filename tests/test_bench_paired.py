@@ -26,6 +26,10 @@ def test_an_option_is_timed_against_itself_switched_off_and_priced_on_its_own_pa
     r = bench.measure_option(["model=moe", "size=tiny", "profile=none"], "selective/moe", rounds=2, passes=2)
     raw = r["raw"]
     assert len(raw["on_ms"]) == len(raw["off_ms"]) == 2 and len(raw["module_times"]) == 3  # 2 before, 1 after
+    # the host's own time and its wait at the grad-norm read, each step (the wait is the margin the
+    # price gives a step's host where a GPU pass records the timeline)
+    assert len(raw["on_wait_ms"]) == len(raw["off_wait_ms"]) == 2 and min(raw["off_wait_ms"]) >= 0
+    assert all(h <= t for h, t in zip(raw["off_host_ms"], raw["off_ms"]))
     assert r["added_ms"] == statistics.median(a - b for a, b in zip(raw["on_ms"], raw["off_ms"]))
     assert r["priced_on"] == "module times" and r["priced_ms"] > 0  # a CPU records no timeline
     assert bench.reprice(r)["priced_ms"] == r["priced_ms"]  # the saved pass prices the same with this code

@@ -277,6 +277,33 @@ def test_a_replay_costs_its_gpu_time_on_a_gpu_bound_timeline_and_its_host_time_o
     assert timeline_recompute_costs(cfg, {"layers": [1, 2], "marks": {"error": "OutOfMemoryError"}}) is None
 
 
+def test_the_hosts_wait_at_the_steps_sync_caps_what_the_timeline_hides():
+    """Timeline.added: host work inserted where the host leads the GPU moves the last mark nothing, but
+    the host issues all of it before the step's grad-norm read returns, where the measured steps' host
+    was only ``step_host_wait_ms`` ahead: what exceeds that wait costs the step. A point that did not
+    record the wait (before 2026-12-05) is priced on the timeline alone, as before."""
+    from recipes.predict.replay import Timeline
+
+    marks = {"names": ["1::pre", "1::end", "1::bwd"], "host_ms": [0.0, 1.0, 2.0], "gpu_ms": [0.0, 10.0, 10.0],
+             "gpu_clean": [True] * 3}
+    five = {0: (5.0, 0.0)}  # 5 host ms where the host is 9 ms ahead of the GPU
+    assert Timeline.of(marks).added(five) == pytest.approx(0.0)
+    assert Timeline.of({**marks, "step_host_wait_ms": 3.0}).added(five) == pytest.approx(2.0)
+    assert Timeline.of({**marks, "step_host_wait_ms": 30.0}).added(five) == pytest.approx(0.0)
+    # GPU work inserted is the timeline's, whatever the wait; a saving of host time is no cost
+    assert Timeline.of({**marks, "step_host_wait_ms": 0.0}).added({0: (0.0, 4.0)}) == pytest.approx(4.0)
+    assert Timeline.of({**marks, "step_host_wait_ms": 0.0}).added({0: (-1.0, 0.0)}) == pytest.approx(0.0)
+    # the offload manager's host work, priced on such a timeline: its whole host time beyond the wait
+    from recipes.predict.cost import timeline_offload_costs
+
+    layer = {"names": ["1:self_attention.core_attention:pre", "1:self_attention.core_attention:end",
+                       "1:self_attention.core_attention:bwd"], "offload_ms": {"group": 1.0, "tensor": 0.5}}
+    ahead = {**marks, **layer}
+    assert timeline_offload_costs([{"core_attn": 2}], {"layers": [1], "marks": ahead}) == pytest.approx([0.0])
+    waited = {**ahead, "step_host_wait_ms": 0.5}
+    assert timeline_offload_costs([{"core_attn": 2}], {"layers": [1], "marks": waited}) == pytest.approx([1.5e-3])
+
+
 def test_a_forward_only_pass_draws_the_steps_micro_batches_and_leaves_no_gradient(megatron_world):
     """Trainer.forward_only, the no-grad pass the timeline times: every micro-batch of a step forward,
     under no_grad, in training mode; nothing for backward."""

@@ -99,3 +99,31 @@ def test_bad_schedules_are_refused_with_the_option(overrides, option):
     with pytest.raises(ConfigError) as err:
         validate(compose(*overrides), num_gpus=0, te_available=False)
     assert option in str(err.value)
+
+
+def test_the_timing_records_the_hosts_work_and_its_wait_at_the_grad_norm_read(megatron_world, monkeypatch):
+    """timing.host_work_s and timing.host_wait_s: each measured step's host time until the step
+    returned, split into its waits inside ``Tensor.item`` (where megatron reads the grad norm, the
+    step's one sync on a GPU) and the rest. Here every measured step reads one value that takes 50 ms
+    to come: that is wait, not work, and the planner's timeline takes it as the host's margin."""
+    import time
+
+    from recipes.run.trainer import Trainer
+
+    plain_item, plain_step = torch.Tensor.item, Trainer.train_step
+
+    def slow_item(tensor):
+        time.sleep(0.05)
+        return plain_item(tensor)
+
+    def step_with_a_read(self, *args, **kwargs):
+        out = plain_step(self, *args, **kwargs)
+        torch.zeros(1).item()
+        return out
+
+    monkeypatch.setattr(torch.Tensor, "item", slow_item)
+    monkeypatch.setattr(Trainer, "train_step", step_with_a_read)
+    timing = train_in_process(compose("size=tiny", "profile=none", "train.train_iters=3",
+                                      "measure.start_step=2"))["timing"]
+    assert timing["host_wait_s"] >= 0.05
+    assert 0 < timing["host_work_s"] <= timing["step_time_s"] - 0.05

@@ -266,7 +266,7 @@ def timeline_recompute_costs(cfg: dict, module_times: dict, elementwise_s: float
         microbatches = max(len(tl.where(numbers[0], "", "bwd")), 1)
         for j in elementwise:
             inserted[j][1] += elementwise_s * 1e3 * microbatches / len(elementwise)
-        costs.append((tl.finish({j: (h, g) for j, (h, g) in inserted.items()}) - tl.finish()) / 1e3)
+        costs.append(tl.added({j: (h, g) for j, (h, g) in inserted.items()}) / 1e3)
     return sorted(costs)
 
 
@@ -302,7 +302,7 @@ def timeline_offload_costs(terms_per_layer: list[dict[str, int]], module_times: 
                     return None
                 for j in ends + starts:
                     host[j] += (group + n * tensor) / 2
-        costs.append((tl.finish({j: (ms, 0.0) for j, ms in host.items()}) - tl.finish()) / 1e3)
+        costs.append(tl.added({j: (ms, 0.0) for j, ms in host.items()}) / 1e3)
     return sorted(costs)
 
 

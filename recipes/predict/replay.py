@@ -52,6 +52,10 @@ class Timeline:
     #: host ms an offload group costs, fixed and a tensor, forward and backward together
     #: (``recipes.measure.regions.offload_host_ms``); None where the pass did not record it
     offload_ms: dict | None = None
+    #: ms the point's measured steps' host waited for the GPU where megatron reads the grad norm (the
+    #: median; ``timing.host_wait_s``): the margin the host had over the GPU at the step's sync, which
+    #: caps what added host work can hide (``added``); None where the point did not record it
+    host_wait_ms: float | None = None
 
     @classmethod
     def of(cls, marks: dict | None) -> Timeline | None:
@@ -77,7 +81,8 @@ class Timeline:
             nograd = cls(list(nograd), [h - cost * j for j, h in enumerate(marks["nograd_host_ms"])],
                          [0.0] * len(nograd))
         return cls(list(names), [h - cost * j for j, h in enumerate(marks["host_ms"])], work, nograd or None,
-                   marks.get("region_ms"), marks.get("region_function_ms") or {}, marks.get("offload_ms"))
+                   marks.get("region_ms"), marks.get("region_function_ms") or {}, marks.get("offload_ms"),
+                   marks.get("step_host_wait_ms"))
 
     @cached_property
     def _index(self) -> dict[str, list[int]]:
@@ -103,6 +108,17 @@ class Timeline:
         """When the GPU reaches the last mark (ms), with (host ms, GPU ms) of work ``inserted`` right
         after some marks: the host issues it there, and the GPU runs it before the next mark's work."""
         return self._reach(inserted)[-1]
+
+    def added(self, inserted: dict[int, tuple[float, float]]) -> float:
+        """ms the work ``inserted`` (as ``finish`` takes it) adds to the step: how much later the GPU
+        reaches the last mark, and at least its host work beyond ``host_wait_ms``. The host issues all
+        of it before the step's grad-norm read returns, and at that read the base step's host was only
+        ``host_wait_ms`` ahead of the GPU. The timeline alone can read a longer lead than the steps had:
+        its host pass ends before the step's own host work after backward (docs/offload-log.md)."""
+        later = self.finish(inserted) - self.finish()
+        if self.host_wait_ms is None:
+            return later
+        return max(later, sum(host for host, _ in inserted.values()) - self.host_wait_ms)
 
     def reached(self) -> list[float]:
         """When the GPU reaches each mark (ms), nothing inserted."""

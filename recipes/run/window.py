@@ -92,6 +92,7 @@ class Window:
         self.static: dict = {}
         self.moved: list[dict] = []  # activation offload: what each measured step copied (OffloadMeter)
         self.collections: list[tuple[list[int], float]] = []  # Python's collections in each timed step
+        self.host: list[tuple[float, float]] = []  # each timed step's host work and host wait (s: ItemWaits)
 
     def __contains__(self, step: int) -> bool:
         return self.span is not None and self.span[0] <= step <= self.span[1]
@@ -152,6 +153,7 @@ def record_window(trainer: Trainer, cfg: dict, result: dict, window: Window, lab
         "mfu": flops["model"] / median / world / 1e12 / peak if compat.cuda_available() else None,
         "recompute_flops_fraction": flops["hardware"] / flops["model"] - 1.0,
         "gc": window_record(window.collections, bool(train["manual_gc"])),
+        **host_timing(window.host),
     }
     if compat.cuda_available():
         mem, static = memory_now(), window.static
@@ -168,6 +170,9 @@ def record_window(trainer: Trainer, cfg: dict, result: dict, window: Window, lab
         }
     if not trainer.offloading:  # before the profiled step: after it, the host passes read slower (docs/offload-log.md)
         record_module_times(trainer, cfg, result, marks)
+        step_marks = (result.get("module_times") or {}).get("marks")
+        if isinstance(step_marks, dict) and "names" in step_marks and "host_wait_s" in result["timing"]:
+            step_marks["step_host_wait_ms"] = result["timing"]["host_wait_s"] * 1e3  # priced with the timeline
     keep = trace_path(run_dir, torch.distributed.get_rank()) if cfg["measure"]["trace_step"] and run_dir else None
     if trainer.offloading:
         result.setdefault("offload", {"modules": modules_of(cfg)})
@@ -187,6 +192,18 @@ def record_window(trainer: Trainer, cfg: dict, result: dict, window: Window, lab
     marks["ledgers_done"] = time.time()
     if trainer.offloading:  # as measured on 2026-12-03: after the offload measurements' step
         record_module_times(trainer, cfg, result, marks)
+
+
+
+def host_timing(host: list[tuple[float, float]]) -> dict:
+    """The measured steps' host side (medians, s): ``host_work_s``, the host's time to issue a step
+    (until it returned, less its waits in ``Tensor.item``), and ``host_wait_s``, its wait where
+    megatron reads the grad norm, once a step. A wait near 0 means the host never got ahead of the GPU:
+    the step is host-bound, and host work that a recompute or an offload adds shows in it; a dense
+    h200 step's host waited 89-123 ms, an MoE step's 27-29 (one H200, 2026-12-03, docs/offload-log.md)."""
+    if not host:
+        return {}
+    return {"host_work_s": statistics.median(w for w, _ in host), "host_wait_s": statistics.median(t for _, t in host)}
 
 
 

@@ -19,6 +19,7 @@ if __name__ == "__main__":  # first, before torch's imports (seconds): die with 
 
     die_with_parent()
 
+import contextlib
 import os
 import signal
 import socket
@@ -41,6 +42,7 @@ from recipes.files import GIB, write_json_atomic
 from recipes.measure.collections import collection_findings
 from recipes.measure.labels import LabelError, check_resolved, label_findings, resolve_labels
 from recipes.measure.routing import RoutingRecorder
+from recipes.measure.syncs import ItemWaits
 from recipes.recompute import labels_of
 from recipes.results import merge_result
 from recipes.run.checkpoint import checkpoint_root, find_resume, load_checkpoint, save_checkpoint
@@ -237,11 +239,14 @@ def train_and_measure(cfg: dict, result: dict, run_dir: Path | None = None,
                 started = time.perf_counter()
             lrs.append(current_lr(trainer.optimizer))
             record = step == ledger_step and window.span is not None and cfg["measure"]["ledger"]
-            losses.append(trainer.train_step(record_ledger=record))
+            with ItemWaits() if timed else contextlib.nullcontext() as waits:  # the host's wait at the grad-norm read
+                losses.append(trainer.train_step(record_ledger=record))
+            returned = time.perf_counter()
             grad_norms.append(trainer.grad_norms[-1])
             if timed:
                 sync()
                 window.times.append(time.perf_counter() - started)
+                window.host.append((returned - started - waits.seconds, waits.seconds))
                 window.collections.append(collector.meter.since(collected))
                 if moved is not None:
                     window.moved.append(trainer.offload_meter.since(moved))
