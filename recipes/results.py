@@ -132,6 +132,7 @@ class RankRow:
     hardware_tflops_per_gpu: float | None = None
     recompute_flops_fraction: float | None = None  # forward work replayed by recompute, over the model's
     gpu_busy_s: float | None = None  # one profiled step's GPU busy time (measure.gpu_time; median when repeated)
+    host_wait_s: float | None = None  # the host's wait for the GPU at the grad-norm read (near 0: host-bound)
     gpu_busy_spread: float | None = None  # slowest / fastest process's GPU busy time - 1 (measure.repeat)
     pipeline: dict = field(default_factory=dict)
     last_loss: float | None = None
@@ -195,7 +196,7 @@ def rank_row(result: dict, rank: dict) -> RankRow:
         tokens_per_s=timing.get("tokens_per_s"), mfu=timing.get("mfu"),
         model_tflops_per_gpu=timing.get("model_tflops_per_gpu"), hardware_tflops_per_gpu=timing.get("hardware_tflops_per_gpu"),
         recompute_flops_fraction=timing.get("recompute_flops_fraction"), pipeline=rank.get("pipeline") or {},
-        gpu_busy_s=gpu_busy_s(rank), gpu_busy_spread=(rank.get("trace") or {}).get("gpu_busy_spread"),
+        gpu_busy_s=gpu_busy_s(rank), host_wait_s=timing.get("host_wait_s"), gpu_busy_spread=(rank.get("trace") or {}).get("gpu_busy_spread"),
         last_loss=losses[-1] if losses else None,
         host_bytes=(rank.get("ledger") or {}).get("host_total_bytes") if offload else None,
         moved_bytes_per_step=(offload.get("moved_per_step") or {}).get("d2h_bytes"),

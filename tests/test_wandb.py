@@ -85,6 +85,7 @@ def test_a_run_streams_every_interval_and_validation_at_its_step(corpus, megatro
     assert wb.history[7]["train/loss"] == pytest.approx(result["loss"][-1])
     assert wb.history[7]["train/lr"] == result["lr"][-1]
     assert wb.summary["status"] == "ok" and wb.summary["perf/step_time_s"] == result["timing"]["step_time_s"]
+    assert wb.summary["perf/host_wait_s"] == result["timing"]["host_wait_s"]  # near 0: a host-bound step
     assert "rank0/mem/peak_allocated_gib" in wb.summary or not torch.cuda.is_available()
     assert wb.exit_code == 0
     assert logger.read_identity(tmp_path)["finished"] is True

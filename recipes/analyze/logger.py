@@ -51,6 +51,7 @@ def run_metrics(result: dict) -> dict[str, Any]:
         "perf/step_time_s": row.step_time_s,
         "perf/tokens_per_s": row.tokens_per_s,
         "perf/mfu": row.mfu,
+        "perf/host_wait_s": row.host_wait_s,
         "ledger/total_bytes": row.ledger_bytes,
         "offload/host_bytes": row.host_bytes,
         "offload/moved_bytes_per_step": row.moved_bytes_per_step,
