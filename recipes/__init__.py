@@ -10,5 +10,5 @@ The package, top to bottom (imports only point down; ``tests/test_layout.py`` ch
                 upstream workarounds and the CPU compatibility layer
 - ``data/``     mock and indexed datasets, preprocessing
 - ``recompute.py`` the vocabulary (families, labels, ledger kinds, options), ``config.py`` the Hydra
-  schema, ``validate.py`` the rules, ``results.py`` result.json, ``errors.py`` and ``files.py`` leaves
+  schema, ``validate/`` the rules (a module a concern), ``results.py`` result.json, ``errors.py`` and ``files.py`` leaves
 """

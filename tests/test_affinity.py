@@ -32,7 +32,8 @@ def test_each_rank_gets_its_own_block_the_gpus_cores_first():
 
 def test_more_cores_than_this_machine_lets_us_use_is_refused_with_the_fix():
     from recipes.errors import ConfigError
-    from recipes.validate import validate, validate_cores
+    from recipes.validate import validate
+    from recipes.validate.parallel import validate_cores
 
     usable = len(os.sched_getaffinity(0))
     with pytest.raises(ConfigError) as err:

@@ -128,7 +128,7 @@ REFUSED = [
     (["+bar=1"], "bar", "drop +bar"),
     (["model.num_attention_heads=3", "model.num_query_groups=null"], "hidden_size", "kv_channels"),
     (["model.num_query_groups=3"], "num_query_groups", "dividing num_attention_heads"),
-    # activation offload (recipes.offload.rule_problem, recipes/validate.py _validate_offload)
+    # activation offload (recipes.offload.rule_problem, recipes/validate/offload.py check_offload)
     (["offload.cpu_offloading=true"], "offload.cpu_offloading", "offload=core_attn-attn_proj"),
     (["model=moe", "recompute=selective/moe", "offload=expert_fc1"], "offload=expert_fc1",
      "recompute=selective/moe_act"),
@@ -270,7 +270,7 @@ def test_labels_that_need_megatrons_cpp_build_are_refused_without_a_compiler(tmp
     megatron's own mlp replay, a built library and a CPU run (which shares in Python) pass."""
     import shutil
 
-    from recipes.validate import torch_swaps_storages
+    from recipes.validate.share_storage import torch_swaps_storages
 
     def _check(cfg):
         validate(cfg, num_gpus=1, te_available=False)

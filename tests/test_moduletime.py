@@ -554,7 +554,7 @@ def test_on_a_gpu_the_timeline_replays_to_the_pass_it_was_measured_in(megatron_w
     assert sum(map(sum, nograd)) < sum(h for n in (1, 2) for h, _ in timeline.forward(n, "mlp"))
     # the host cost of each kind of checkpoint region (CheckpointWithoutOutput's only where megatron's
     # extension is built: this point recomputes nothing), and moe_act's function (the experts' activation)
-    from recipes.validate import share_storage_built
+    from recipes.validate.share_storage import share_storage_built
 
     kinds = {"checkpoint"} | ({"without_output"} if share_storage_built() is not False else set())
     assert set(marks["region_ms"]) == kinds

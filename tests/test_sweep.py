@@ -229,7 +229,7 @@ def test_a_sweep_knows_every_points_recompute_before_its_first():
     from omegaconf import OmegaConf
 
     from recipes.run.controller import swept_recompute
-    from recipes.validate import share_storage_labels
+    from recipes.validate.share_storage import share_storage_labels
 
     plain = compose("recompute=none")
     master = OmegaConf.create({"hydra": {"sweeper": {"params": {"recompute": "none,control,selective/mlp,full"}},

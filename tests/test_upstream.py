@@ -535,7 +535,7 @@ def test_the_background_build_is_the_one_megatrons_recompute_loads(tmp_path, mon
     import sys
 
     from recipes.build import upstream
-    from recipes.validate import share_storage_build_problem, share_storage_built
+    from recipes.validate.share_storage import share_storage_build_problem, share_storage_built
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     if share_storage_build_problem() is not None:

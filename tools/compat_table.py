@@ -235,7 +235,7 @@ def render(doc: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return generated.main(DOC, render, "is out of date with recipes/validate.py: run `make docs`",
+    return generated.main(DOC, render, "is out of date with recipes/validate/: run `make docs`",
                           f"the compatibility table matches the rules ({len(ROWS)} rows)", f" ({len(ROWS)} rows)",
                           argv, __doc__.splitlines()[0])
 

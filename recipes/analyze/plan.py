@@ -36,7 +36,8 @@ from recipes.predict.cost import (
 from recipes.predict.estimate import held_host_bytes, num_microbatches, predict
 from recipes.predict.fit import FITS, TIGHT, fits, slack_for, verdict
 from recipes.recompute import guide_order, is_full, option_of, options_for, recompute_config, selective_labels
-from recipes.validate import host_memory_problem, layers_per_chunk
+from recipes.validate.offload import host_memory_problem
+from recipes.validate.recompute import layers_per_chunk
 
 #: Added step times closer than this (seconds) are a tie: the simpler plan wins.
 SAME_TIME_S = 1e-4

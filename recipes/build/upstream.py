@@ -419,8 +419,8 @@ def share_recomputed_cpu_outputs_without_a_cpp_build() -> bool | None:
     ``make run`` on a fresh machine (13-24 s on an H200's host). For CPU tensors
     ``_share_storage_in_python`` does it without the build; everything else takes megatron's
     extension, built on first use as before. Returns True when applied, False on a torch without the
-    storage swap (``recipes.validate.torch_swaps_storages``)."""
-    from recipes.validate import torch_swaps_storages
+    storage swap (``recipes.validate.share_storage.torch_swaps_storages``)."""
+    from recipes.validate.share_storage import torch_swaps_storages
 
     if not torch_swaps_storages():
         return False
@@ -449,11 +449,11 @@ def start_share_storage_build(env: dict[str, str]) -> subprocess.Popen | None:
     process runs at a lower priority in its own session (a Ctrl-C of the sweep lets it finish and
     release the lock); its output is dropped: a build that fails here fails again in the worker,
     which reports it. None, starting nothing, when the library is built already, or where the build
-    cannot run (``recipes.validate.share_storage_build_problem``, which refuses those runs)."""
+    cannot run (``recipes.validate.share_storage.share_storage_build_problem``, which refuses those runs)."""
     import shutil
     import sys
 
-    from recipes.validate import share_storage_build_problem, share_storage_built
+    from recipes.validate.share_storage import share_storage_build_problem, share_storage_built
 
     if share_storage_built() is not False or share_storage_build_problem() is not None:
         return None

@@ -97,7 +97,7 @@ def _without_output_ready(device: torch.device) -> bool:
     ``recipes.build.upstream`` hands the memory over in Python; on a GPU the library must be built
     (a sweep with such a label starts building it at launch). Otherwise that kind is not measured and
     its regions are priced at ``estimate.replay_region_ms``."""
-    from recipes.validate import share_storage_built
+    from recipes.validate.share_storage import share_storage_built
 
     return device.type == "cpu" or share_storage_built() is not False
 

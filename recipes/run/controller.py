@@ -33,7 +33,10 @@ from recipes.recipe import apply_recipe
 from recipes.recompute import option_of
 from recipes.results import NOT_MEASURED, load_result, merge_result
 from recipes.run.console import print_run
-from recipes.validate import gpu_count, host_memory_problem, share_storage_labels, validate, validate_cores
+from recipes.validate import gpu_count, validate
+from recipes.validate.offload import host_memory_problem
+from recipes.validate.parallel import validate_cores
+from recipes.validate.share_storage import share_storage_labels
 
 #: Statuses that count as a complete result (a sweep re-run skips them unless rerun=true).
 COMPLETE = ("ok", "oom")

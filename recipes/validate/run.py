@@ -1,0 +1,88 @@
+"""The run: steps and the measured window, the LR and weight-decay schedule, precision, logger, data, estimate rates."""
+
+from __future__ import annotations
+
+from recipes.errors import check
+
+
+def check_run(cfg) -> None:
+    t, meas, log, data = cfg["train"], cfg["measure"], cfg["logger"], cfg["data"]
+    check(t["train_iters"] >= 2, "train.train_iters", "need at least 2 steps (warm-up + measured)",
+           "set train.train_iters>=2")
+    start = meas["start_step"]
+    check(2 <= start <= t["train_iters"], "measure.start_step",
+           f"the measured window starts at step {start}, outside 2..{t['train_iters']} (step 1 warms up "
+           "and records the ledger)", f"set measure.start_step between 2 and train.train_iters={t['train_iters']}")
+    check(meas["steps"] >= 1, "measure.steps", f"{meas['steps']} steps measure nothing",
+           "set measure.steps>=1")
+    check_schedule(t)
+    check(t["precision"] in ("auto", "bf16", "fp32"), "train.precision",
+           f"unknown precision {t['precision']!r}", "use auto, bf16 or fp32")
+    check(t["optimizer"] in ("auto", "adamw"), "train.optimizer",
+           f"unknown optimizer {t['optimizer']!r}", "use auto or adamw")
+    check(log["name"] in ("none", "wandb"), "logger", f"unknown logger {log['name']!r}",
+           "use logger=none or logger=wandb")
+    check(log["mode"] in ("offline", "online", "disabled"), "logger.mode",
+           f"unknown W&B mode {log['mode']!r}", "use offline, online or disabled")
+    check(meas.get("repeat", 0) >= 0, "measure.repeat", f"{meas.get('repeat')} is negative",
+           "use measure.repeat=0,1,2 (one process per value) to repeat each point")
+    check(meas["profile"] in ("none", "peak"), "measure.profile",
+           f"unknown profile {meas['profile']!r}", "use measure.profile=none or peak")
+    frac = meas["memory_fraction"]
+    check(frac is None or 0 < frac <= 1, "measure.memory_fraction", f"{frac} is not in (0, 1]",
+           "use a fraction such as 0.5, or null")
+    budget = meas.get("memory_budget_gib")
+    check(budget is None or budget > 0, "measure.memory_budget_gib", f"{budget} is not > 0",
+           "give the allocator's budget in GiB, e.g. measure.memory_budget_gib=19, or null")
+    check(budget is None or frac is None, "measure.memory_budget_gib",
+           "both it and measure.memory_fraction cap the allocator", "set one of them, the other null")
+    imbalance = (cfg.get("estimate") or {}).get("moe_imbalance", 1.0)  # results written before it existed
+    est = cfg.get("estimate") or {}
+    for key, example in (("mfu", "0.38"), ("host_link_gb_s", "50"), ("hbm_gb_s", "3000")):
+        value = est.get(key, 1.0)
+        check(value > 0 and (key != "mfu" or value <= 1), f"estimate.{key}", f"{value} is not "
+               + ("in (0, 1]" if key == "mfu" else "> 0"), f"set estimate.{key}={example}")
+    for key, example in (("replay_region_ms", "0.142"), ("launch_us", "10")):
+        value = est.get(key, 0.0)
+        check(value >= 0, f"estimate.{key}", f"{value} is negative", f"set estimate.{key}={example} (0: not counted)")
+    check(imbalance >= 1.0, "estimate.moe_imbalance", f"{imbalance} is below balanced routing (1.0): it "
+           "bounds the worst expert-parallel rank", "use 1.0 (balanced) or more; the default 1.5 was measured")
+    check(data["name"] in ("mock", "indexed"), "data", f"unknown data {data['name']!r}",
+           "use data=mock or data=indexed")
+
+
+#: megatron-core's OptimizerParamScheduler decay styles (optimizer_param_scheduler.py get_lr).
+LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
+
+
+def check_schedule(t) -> None:
+    """The LR and weight-decay schedule: what OptimizerParamScheduler would assert, said as a fix."""
+    style, warmup = t["lr_decay_style"], t["lr_warmup_iters"]
+    decay = t["lr_decay_iters"] or t["train_iters"]
+    check(style in LR_DECAY_STYLES, "train.lr_decay_style", f"unknown decay style {style!r}",
+           f"use one of {', '.join(LR_DECAY_STYLES)}")
+    check(0 <= warmup < decay, "train.lr_warmup_iters",
+           f"{warmup} warm-up steps do not end before the decay ends (step {decay})",
+           "set train.lr_warmup_iters below train.lr_decay_iters (default: train.train_iters)")
+    check(0 <= t["min_lr"] <= t["lr"], "train.min_lr", f"min_lr {t['min_lr']} is not in 0..lr={t['lr']}",
+           "set train.min_lr between 0 and train.lr")
+    check(0 <= t["lr_warmup_init"] <= t["lr"], "train.lr_warmup_init",
+           f"{t['lr_warmup_init']} is not in 0..lr={t['lr']}", "set train.lr_warmup_init between 0 and train.lr")
+    if style == "WSD":
+        wsd = t["lr_wsd_decay_iters"]
+        check(wsd is not None and 0 < wsd <= decay - warmup, "train.lr_wsd_decay_iters",
+               f"WSD needs its anneal length within the decay ({decay - warmup} steps), got {wsd}",
+               "set train.lr_wsd_decay_iters, e.g. a tenth of train.lr_decay_iters")
+        check(t["lr_wsd_decay_style"] in ("linear", "cosine", "exponential", "minus_sqrt"),
+               "train.lr_wsd_decay_style", f"unknown style {t['lr_wsd_decay_style']!r}",
+               "use linear, cosine, exponential or minus_sqrt")
+    start = t["weight_decay"] if t["start_weight_decay"] is None else t["start_weight_decay"]
+    end = t["weight_decay"] if t["end_weight_decay"] is None else t["end_weight_decay"]
+    incr = t["weight_decay_incr_style"]
+    check(incr in ("constant", "linear", "cosine"), "train.weight_decay_incr_style",
+           f"unknown style {incr!r}", "use constant, linear or cosine")
+    check(0 <= start <= end, "train.end_weight_decay", f"weight decay goes from {start} to {end}",
+           "megatron's schedule only increases weight decay: set 0 <= start_weight_decay <= end_weight_decay")
+    check(incr != "constant" or start == end, "train.weight_decay_incr_style",
+           f"constant weight decay but start {start} != end {end}",
+           "set train.weight_decay_incr_style=linear or cosine, or equal start/end weight decay")
