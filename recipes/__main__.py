@@ -15,7 +15,7 @@ import sys
 
 #: command -> module whose ``main(argv)`` runs it
 COMMANDS = {
-    "estimate": "recipes.predict.estimate",
+    "estimate": "recipes.predict.estimate_command",
     "advise": "recipes.analyze.advise",
     "report": "recipes.analyze.report",
     "preprocess": "recipes.data.preprocess",

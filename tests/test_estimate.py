@@ -18,16 +18,11 @@ import pytest
 from conftest import REPO, compose, gradients
 
 from recipes.errors import ConfigError
-from recipes.predict.estimate import (
-    compare_result,
-    in_flight_chunks,
-    main,
-    num_parameters,
-    predict,
-    rank_options,
-    static_bytes,
-)
+from recipes.predict.compare import compare_result
+from recipes.predict.estimate import in_flight_chunks, predict, rank_options
+from recipes.predict.estimate_command import main
 from recipes.predict.paper import paper_config, paper_terms_bytes, table2
+from recipes.predict.static import num_parameters, static_bytes
 from recipes.recompute import KINDS, options_for
 
 COMMON = ["none", "control", "selective/core_attn", "selective/layernorm", "full"]
@@ -282,7 +277,7 @@ def test_recorded_rows_price_each_layer(tmp_path):
     """A rank's recorded rows (``moe_routing``) price its ledger layer by layer, exactly; its peak at
     the timed steps' worst micro-batch."""
     from recipes.predict.activations import balanced_rows, dims
-    from recipes.predict.estimate import recorded_shares
+    from recipes.predict.compare import recorded_shares
 
     cfg = compose("model=moe", "parallel=ep2")
     n, layers = balanced_rows(dims(cfg, "cpu")), cfg["model"]["num_layers"]

@@ -26,8 +26,9 @@ from recipes.analyze.advise import (
 )
 from recipes.analyze.predicted import advise_before_running
 from recipes.config import upgrade_overrides
-from recipes.predict import estimate
-from recipes.predict.estimate import compare_result, predict
+from recipes.predict import estimate_command
+from recipes.predict.compare import compare_result, format_comparison
+from recipes.predict.estimate import predict
 from recipes.predict.fit import ALLOCATOR_SLACK, EP_MOE_SLACK, FITS, fits, slack_for, verdict
 from recipes.results import first_sentence
 
@@ -177,12 +178,12 @@ def test_the_oom_point_is_never_said_to_fit_by_any_tool(capsys):
     assert verdict(peak, 139.0) in ("tight", "over")
 
     # the estimator's command line, one option: the budget line's verdict
-    assert estimate.main([*overrides, "--budget-gib", "139"]) == 0
+    assert estimate_command.main([*overrides, "--budget-gib", "139"]) == 0
     budget_line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("budget 139 GiB"))
     assert ("TIGHT" in budget_line or "does NOT fit" in budget_line) and ": fits (" not in budget_line
 
     # ... and every option: full/block's row
-    assert estimate.main([*overrides, "--budget-gib", "139", "--all"]) == 0
+    assert estimate_command.main([*overrides, "--budget-gib", "139", "--all"]) == 0
     row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("full/block "))
     assert row.split()[-1] in ("tight", "over")
 
@@ -238,7 +239,7 @@ def test_compare_without_a_routing_record_prices_ep_ranks_at_balanced_routing():
     rows = compare_result(_x2("moe", "ep2", "none"))
     assert [r["routing"] for r in rows] == ["balanced", "balanced"]
     assert [round(r["predicted_ledger_bytes"] / 2**20, 1) for r in rows] == [7274.9, 7274.9]
-    text = estimate.format_comparison(rows)
+    text = format_comparison(rows)
     assert "1x (balanced: no routing recorded)" in text and "none" in text
 
 
@@ -286,7 +287,7 @@ def test_compare_names_are_whole_and_show_the_recompute_option():
     sweep = H200X2 / "moe"
     rows = [r for p in sorted(sweep.rglob("result.json")) for r in compare_result(json.loads(p.read_text()),
                                                                                   p.parent.name)]
-    text = estimate.format_comparison(rows)
+    text = format_comparison(rows)
     for p in sweep.glob("*/result.json"):
         assert p.parent.name in text
     assert sum("selective/moe_act" in line for line in text.splitlines()) == 4  # ep2 and tp2, 2 ranks each

@@ -15,7 +15,8 @@ import torch
 from conftest import compose, gradients, train_in_process
 
 from recipes.errors import ConfigError
-from recipes.predict.estimate import num_parameters, predict
+from recipes.predict.estimate import predict
+from recipes.predict.static import num_parameters
 from recipes.recompute import KINDS, LABELS, layer_kinds, options_for, parse_pattern
 from recipes.validate import validate
 

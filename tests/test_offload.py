@@ -486,7 +486,7 @@ def test_parallel_offload_is_exact_and_predicted_per_rank(tmp_path, common, offl
     parallel, for the tokens its experts were routed)."""
     from test_parallel import train_subprocess
 
-    from recipes.predict.estimate import compare_result
+    from recipes.predict.compare import compare_result
 
     plain, _ = train_subprocess(tmp_path / "plain", *common)
     off, _ = train_subprocess(tmp_path / "off", *common, offload, *EMULATED)

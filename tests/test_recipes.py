@@ -85,7 +85,7 @@ def test_train_py_prints_the_reduced_depth_note(tmp_path):
 def test_estimate_predicts_every_rank_at_the_published_layout_without_its_gpus(capsys):
     """256 processes on 32 nodes, predicted on a machine with none of them: every stage of every option,
     the worst rank named with its reason, judged against the recipe's GPU."""
-    from recipes.predict.estimate import main
+    from recipes.predict.estimate_command import main
 
     assert main(["recipe=deepseek_v3", "--all"]) == 0
     out = capsys.readouterr().out

@@ -32,7 +32,8 @@ from recipes.files import GIB
 from recipes.measure.profile import first_label_to_try, top_contributors
 from recipes.offload import offload_config
 from recipes.offload import option_of as offload_option_of
-from recipes.predict.estimate import predict, predict_options, recorded_shares
+from recipes.predict.compare import recorded_shares
+from recipes.predict.estimate import predict, predict_options
 from recipes.predict.fit import with_slack
 from recipes.recompute import NO_RECOMPUTE, is_full, recompute_config, recompute_order, selective_labels
 from recipes.results import deciding_rank, first_sentence, recompute_of, worst_row

@@ -10,7 +10,8 @@ from __future__ import annotations
 from recipes.analyze.plan import explain_plan, fewest_block_layers, overrides_of, plan
 from recipes.files import GIB
 from recipes.measure.flops import layer_forward_flops, replayed_layer_flops
-from recipes.predict.estimate import predict_options, routing_line
+from recipes.predict.estimate import predict_options
+from recipes.predict.estimate_command import routing_line
 from recipes.predict.fit import FITS, TIGHT, slack_for, verdict
 from recipes.recipe import GPU_BUDGET_GIB, at_full_depth, compose_recipe
 from recipes.recompute import NO_RECOMPUTE, guide_order, recompute_config

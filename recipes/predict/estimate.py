@@ -1,27 +1,25 @@
 """Predict before you run: activation, parameter, gradient and optimizer bytes per rank.
 
     python -m recipes estimate model=moe recompute=selective/moe_act size=h200 [--budget-gib 80] [--all]
-    make estimate ARGS="model=moe size=h200 --all --budget-gib 80"
 
 Composed with the same Hydra groups as training. Per pipeline rank it adds up one micro-batch's
 saved-for-backward bytes by module kind (``recipes.predict.activations``: derived term by term from the code
 that runs and checked against ``recipes.measure.ledger`` by ``tests/test_estimate.py``), the micro-batches
 1F1B keeps in flight on that stage, parameters, gradients and optimizer state, and a transient
 allowance, into a predicted peak. ``predict(cfg)`` is the API for other code; ``rank_options``
-ranks every recompute option of the family, before any run (predicted, never measured).
-Configurations it does not model (Transformer Engine, context parallel, the alltoall dispatcher,
-another family...) are refused by name with a ``ConfigError``.
+ranks every recompute option of the family, before any run (predicted, never measured). The command
+is ``recipes.predict.estimate_command``, what a rank holds besides activations ``recipes.predict.static``,
+and the prediction beside a run's measurement ``recipes.predict.compare``. Configurations it does not
+model (Transformer Engine, context parallel, the alltoall dispatcher, another family...) are refused by
+name with a ``ConfigError``.
 """
 
 from __future__ import annotations
 
-import argparse
-import sys
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from fractions import Fraction
 
-from recipes.build.model import resolve_precision
 from recipes.build.parallel import pipeline_schedule
 from recipes.config import EstimateConfig, compose_config, upgrade
 from recipes.errors import ConfigError
@@ -30,7 +28,6 @@ from recipes.offload import modules_of
 from recipes.predict.activations import (
     Dims,
     Term,
-    balanced_rows,
     dims,
     embedding_terms,
     global_layer_terms,
@@ -41,11 +38,10 @@ from recipes.predict.activations import (
     validate_for,
 )
 from recipes.predict.cost import exposed_transfer_s, flop_positions, layer_forward_s, offload_overhead
-from recipes.predict.fit import ALLOCATOR_SLACK, FITS, OVER, TIGHT, slack_for, verdict, with_slack
+from recipes.predict.fit import slack_for
 from recipes.predict.offload import HostTerm, chunk_offload
-from recipes.recipe import GPU_BUDGET_GIB, at_full_depth, compose_recipe
+from recipes.predict.static import static_bytes
 from recipes.recompute import (
-    ATTENTION_KIND,
     FAMILIES,
     KINDS,
     MLP_KIND,
@@ -55,7 +51,6 @@ from recipes.recompute import (
     options_for,
     recompute_config,
 )
-from recipes.results import result_rows
 
 
 @dataclass
@@ -115,80 +110,6 @@ def build_chunk(cfg: dict, d: Dims, index: int, shares: list | None = None) -> C
     if index == num_chunks - 1:
         extra += head_terms(d)
     return Chunk(index, layers, extra, host, groups)
-
-
-# --- parameters, gradients, optimizer state ----------------------------------------------------------
-def num_parameters(cfg: dict, stage: int) -> tuple[int, int]:
-    """(dense, expert) parameters held by pipeline rank ``stage`` (one tensor-parallel rank)."""
-    m, par = cfg["model"], cfg["parallel"]
-    tp, pp, ep = (par[k] for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
-                                   "expert_model_parallel_size"))
-    vpp = par["virtual_pipeline_model_parallel_size"] or 1
-    h, heads, V = m["hidden_size"], m["num_attention_heads"], m["vocab_size"]
-    norm = (2 if m["normalization"] == "LayerNorm" else 1)
-    glu = 2 if m["gated_linear_unit"] else 1
-    if ATTENTION_KIND[m["family"]] == "mla":
-        dq, ql, kvl = m["qk_head_dim"] + m["qk_pos_emb_head_dim"], m["q_lora_rank"], m["kv_lora_rank"]
-        q = (h * ql + ql * heads * dq) // tp if ql else h * heads * dq // tp
-        attn = q + (h * (kvl + m["qk_pos_emb_head_dim"]) + kvl * heads * (m["qk_head_dim"] + m["v_head_dim"])
-                    + heads * m["v_head_dim"] * h) // tp
-        attn += norm * ((ql or 0) + kvl) if m["qk_layernorm"] else 0
-    else:
-        d, groups = m["kv_channels"] or h // heads, m["num_query_groups"] or heads
-        attn = (h * (heads + 2 * groups) * d + heads * d * h) // tp
-        attn += 2 * norm * d if m["qk_layernorm"] else 0
-    experts, moe_mlp = 0, 0
-    if m["num_moe_experts"]:
-        fe = m["moe_ffn_hidden_size"] or m["ffn_hidden_size"]
-        fs = m["moe_shared_expert_intermediate_size"] or 0
-        moe_mlp = m["num_moe_experts"] * h + (glu + 1) * h * fs // tp
-        experts = m["num_moe_experts"] // ep * (glu + 1) * h * fe
-    mlp = (glu + 1) * h * m["ffn_hidden_size"] // tp
-    chunks = [v * pp + stage for v in range(vpp)]
-    split = chunk_layers(m, par)
-    mine = [i for c in chunks for i in split[c]]  # this rank's global layers
-    layers = len(mine)
-    num_moe = sum(moe_pattern(m)[i] for i in mine)
-    num_gdn = sum(gdn_pattern(m)[i] for i in mine)  # GatedDeltaNet mixers in place of attention
-    gdn = 0
-    if num_gdn:
-        nk, nv, dk, dv = (m[k] for k in ("linear_num_key_heads", "linear_num_value_heads",
-                                         "linear_key_head_dim", "linear_value_head_dim"))
-        conv = 2 * nk * dk + nv * dv  # in_proj, depthwise conv, dt_bias + A_log, out_proj; out_norm over dv
-        gdn = (h * (conv + nv * dv + 2 * nv) + conv * m["linear_conv_kernel_dim"] + 2 * nv + nv * dv * h) // tp
-        gdn += norm * dv
-    dense = (layers * 2 * norm * h + (layers - num_moe) * mlp + num_moe * moe_mlp
-             + (layers - num_gdn) * attn + num_gdn * gdn)
-    if 0 in chunks:
-        dense += V // tp * h + (cfg["train"]["seq_length"] * h if m["position_embedding_type"] ==
-                                "learned_absolute" else 0)
-    if pp * vpp - 1 in chunks:
-        dense += norm * h + (V // tp * h if m["untie_embeddings_and_output_weights"] or pp > 1 else 0)
-    return dense, num_moe * experts
-
-
-def static_bytes(cfg: dict, device: str, stage: int = 0) -> dict[str, int]:
-    """Parameters, gradients and optimizer state on pipeline rank ``stage``.
-
-    GPU (``train.optimizer=auto``): megatron's DistributedOptimizer with bf16 params: bf16 params,
-    fp32 gradient buffer (grad_reduce_in_fp32), fp32 main params + Adam m, v sharded over the
-    data-parallel size (expert parameters over the expert-data-parallel size): 6 + 12/dp bytes each.
-    CPU (or ``optimizer=adamw``): torch AdamW on the params: params, grads, m, v in the param dtype.
-    """
-    par, launch = cfg["parallel"], cfg["launcher"]
-    world = launch["nproc_per_node"] * launch["nnodes"]
-    tp, pp, cp, ep = (par[k] for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
-                                       "context_parallel_size", "expert_model_parallel_size"))
-    etp = par["expert_tensor_parallel_size"] or tp
-    dp, edp = max(1, world // (tp * pp * cp)), max(1, world // (ep * etp * pp))
-    dense, experts = num_parameters(cfg, stage)
-    params = dense + experts
-    p = 2 if resolve_precision(cfg["train"]["precision"], device == "cuda") == "bf16" else 4
-    if device == "cuda" and cfg["train"]["optimizer"] == "auto":
-        main = 4 * (dense // dp + experts // edp) if p == 2 else 0
-        return {"num_parameters": params, "params": p * params, "grads": 4 * params,
-                "optimizer": main + 8 * (dense // dp + experts // edp)}
-    return {"num_parameters": params, "params": p * params, "grads": p * params, "optimizer": 2 * p * params}
 
 
 # --- pipeline schedule, peak, the public API ---------------------------------------------------------
@@ -420,234 +341,3 @@ def rank_options(cfg_or_overrides: dict | list[str], device: str = "cuda") -> li
     """
     cfg = compose_config(cfg_or_overrides) if isinstance(cfg_or_overrides, list) else cfg_or_overrides
     return [(option, p["peak_bytes"]) for option, p in predict_options(cfg, device)[0]]
-
-
-def recorded_shares(cfg: dict, device: str, rank: dict) -> tuple[list | None, Fraction | None]:
-    """The routed shares a run recorded on one rank (``rank["moe_routing"]``, written by the worker):
-    (one per layer of the ledger's micro-batch, the timed steps' worst micro-batch over all layers),
-    exact fractions of ``balanced_rows``; (None, None) without expert parallel or a record."""
-    routing = rank.get("moe_routing") or {}
-    if MLP_KIND.get(cfg["model"]["family"]) != "moe" or cfg["parallel"]["expert_model_parallel_size"] == 1 or not routing:
-        return None, None
-    balanced = balanced_rows(dims(cfg, device))
-    ledger = [Fraction(rows, balanced) for rows in routing.get("ledger_rows") or []] or None
-    steps, layers = routing.get("max_rows_per_step") or [], routing.get("layers")
-    peak = Fraction(max(steps), balanced * layers) if steps and layers else None
-    return ledger, peak
-
-
-def compare_result(result: dict, name: str | None = None) -> list[dict]:
-    """Predicted next to measured for every rank of one run (its merged ``result.json``).
-
-    Under expert parallel each rank is priced at the routing it recorded (``recorded_shares``): its
-    ledger at the ledger micro-batch's rows per layer (then exact), its peak at the timed steps'
-    worst micro-batch; a rank without a record (results before the worker kept one) at balanced
-    routing (share 1), never at the before-a-run bound."""
-    result = {**result, "config": upgrade(result["config"])}
-    rows = []
-    ranks = {r.get("rank", i): r for i, r in enumerate(result.get("ranks") or [])}
-    for r in result_rows(result):
-        if r.status != "ok" or r.ledger_bytes is None:
-            continue
-        device = "cpu" if (r.device or "cpu") == "cpu" else "cuda"
-        cfg, stage = result["config"], r.coords["pp"]
-        ledger_share, peak_share = recorded_shares(cfg, device, ranks.get(r.rank) or {})
-        p = predict(cfg, device, stage=stage, routed_share=ledger_share or 1)
-        peak = p if peak_share is None else predict(cfg, device, stage=stage, routed_share=peak_share)
-        ep = p["routed_share"] is not None
-        measured_host = ((ranks.get(r.rank) or {}).get("ledger") or {}).get("host_total_bytes")
-        rows.append({"name": name or result.get("name"), "recompute": r.recompute, "rank": r.rank, "device": device,
-                     "predicted_host_bytes": p["host_bytes"] if measured_host is not None else None,
-                     "measured_host_bytes": measured_host,
-                     "predicted_ledger_bytes": p["activation_bytes"], "measured_ledger_bytes": r.ledger_bytes,
-                     "predicted_peak_gib": peak["peak_bytes"] / GIB, "measured_peak_gib": r.peak_allocated_gib,
-                     "routing": None if not ep else "recorded" if ledger_share else "balanced",
-                     "ledger_share": _mean(p["routed_share"]) if ep else None,
-                     "peak_share": _mean(peak["routed_share"]) if ep else None})
-    return rows
-
-
-def _mean(share: float | list) -> float:
-    return sum(share) / len(share) if isinstance(share, list) else share
-
-
-def format_comparison(rows: list[dict]) -> str:
-    """One line per rank: run names whole and the recompute option of each (a short point directory
-    may not hold it). Under expert parallel the last column is the routed share each prediction
-    used (ledger / peak)."""
-    width = max([len(str(r["name"])) for r in rows] + [3]) + 1
-    rc = max([len(str(r.get("recompute"))) for r in rows] + [9]) + 1
-    ep = any(r.get("routing") for r in rows)
-    lines = [f"{'run':{width}s}{'recompute':{rc}s}{'rank':>5s}{'ledger MiB pred':>16s}{'meas':>10s}{'err':>8s}"
-             f"{'peak GiB pred':>15s}{'meas':>8s}{'err':>8s}" + ("  routed share (ledger/peak)" if ep else "")]
-    for r in rows:
-        pl, ml, pk, mk = (r["predicted_ledger_bytes"], r["measured_ledger_bytes"],
-                          r["predicted_peak_gib"], r["measured_peak_gib"])
-        peak = f"{pk:15.2f}{mk:8.2f}{(pk - mk) / mk:+8.1%}" if mk else f"{pk:15.2f}{'-':>8s}{'-':>8s}"
-        share = ""
-        if r.get("routing") == "recorded":
-            share = f"  {r['ledger_share']:.3f}x / {r['peak_share']:.3f}x (recorded)"
-        elif r.get("routing"):
-            share = "  1x (balanced: no routing recorded)"
-        host = ""
-        if r.get("measured_host_bytes") is not None:
-            host = (f"  host MiB {r['predicted_host_bytes'] / 2**20:.1f} predicted / "
-                    f"{r['measured_host_bytes'] / 2**20:.1f} measured")
-        lines.append(f"{str(r['name']):{width}s}{str(r.get('recompute')):{rc}s}{r['rank']:5d}{pl / 2**20:16.1f}{ml / 2**20:10.1f}"
-                     f"{(pl - ml) / ml:+8.1%}" + peak + share + host)
-    return "\n".join(lines)
-
-
-# --- command line -----------------------------------------------------------------------------------
-def _fmt(nbytes: float, unit: float = 2**20) -> str:
-    return "." if nbytes == 0 else f"{nbytes / unit:.1f}" if nbytes >= unit / 10 else "<0.1"
-
-
-def routing_line(p: dict) -> str | None:
-    """How an expert-parallel prediction priced the routed rows (None without EP)."""
-    share = p.get("routed_share")
-    if share is None:
-        return None
-    if isinstance(share, list):
-        return f"expert parallel: routed rows as recorded, {_mean(share):.3f}x balanced on average over the layers"
-    if share == 1:
-        return "expert parallel: routed rows at balanced routing (1x), not a bound on the worst EP rank"
-    return (f"expert parallel: the worst EP rank, priced at {share:g}x balanced routing: a BOUND "
-            "(estimate.moe_imbalance, measured on two H200s after 6 steps at aux-loss 0.01), not an expectation")
-
-
-def format_prediction(p: dict, title: str, budget_gib: float | None = None, terms: bool = False) -> str:
-    """One option: activations per layer by kind, then the rank's static and peak memory."""
-    lines = [f"PREDICTED (not measured) memory per rank: {title}",
-             f"device {p['device']} ({p['precision']}), pipeline stage {p['stage']} of {len(p['stages'])}: "
-             f"{p['num_layers']} layers, {p['in_flight_microbatches']:.2f} micro-batch(es) in flight "
-             f"of {p['num_microbatches']} per step"] + ([routing_line(p)] if routing_line(p) else []) + [
-             "", "activations saved for backward, one micro-batch (MiB)",
-             f"{'layer':12s}" + "".join(f"{k:>10s}" for k in KINDS) + f"{'total':>10s}"]
-    rows, start = [], 0
-    for i in range(1, len(p["per_layer"]) + 1):  # collapse runs of identical layers
-        if i == len(p["per_layer"]) or p["per_layer"][i] != p["per_layer"][start]:
-            label = f"{start}" if i - start == 1 else f"{start}-{i - 1} (x{i - start})"
-            rows.append((label, p["per_layer"][start]))
-            start = i
-    outside = dict.fromkeys(KINDS, 0)
-    for kind, _, nbytes in p["outside_layers"]:
-        outside[kind] += nbytes
-    for label, kinds in rows + [("outside", outside), ("total", p["activation_bytes_by_kind"])]:
-        lines.append(f"{label:12s}" + "".join(f"{_fmt(kinds[k]):>10s}" for k in KINDS)
-                     + f"{_fmt(sum(kinds.values())):>10s}")
-    if terms:
-        lines += ["", "terms of layer 0 (MiB)"] + [f"  {kind:10s} {what:55s} {_fmt(n):>9s}"
-                                                    for kind, what, n in p["layer_terms"] if n]
-    st = p["static"]
-    lines += ["", f"{'per rank':34s}{'GiB':>8s}",
-              f"{'parameters (%.1f M)' % (st['num_parameters'] / 1e6):34s}{st['params'] / GIB:8.2f}",
-              f"{'gradients':34s}{st['grads'] / GIB:8.2f}",
-              f"{'optimizer state':34s}{st['optimizer'] / GIB:8.2f}",
-              f"{'activations in flight':34s}{p['in_flight_activation_bytes'] / GIB:8.2f}",
-              f"{'transient (approximate)':34s}{p['transient_bytes'] / GIB:8.2f}",
-              f"{'predicted peak':34s}{p['peak_bytes'] / GIB:8.2f}"]
-    if p.get("host_bytes"):
-        kinds = ", ".join(f"{k} {v / GIB:.2f}" for k, v in p["host_bytes_by_kind"].items() if v)
-        lines += [f"offload: copied to host memory per micro-batch {p['host_bytes'] / GIB:.2f} GiB ({kinds}); "
-                  f"held on the host (micro-batches in flight) {p['in_flight_host_bytes'] / GIB:.2f} GiB; "
-                  f"moved per step {p['host_bytes'] * p['num_microbatches'] / GIB:.2f} GiB each way "
-                  "(each micro-batch keeps its last layer of each offloaded module on the device)"]
-        t = p.get("offload_transfer")
-        if t:
-            lines.append(f"offload time per step: copies {t['copy_s'] * 1e3:.1f} ms; stalled waiting for a "
-                         f"reload {t['exposed_s'] * 1e3:.1f} ms at a {t['host_link_gb_s']:g} GB/s link and "
-                         f"{t['tflops']:.0f} TFLOP/s (estimate.host_link_gb_s, estimate.mfu); the copies' "
-                         f"overhead {t['overhead_s'] * 1e3:.1f} ms ({t['s_per_group'] * 1e3:g} ms a group, "
-                         f"{t['s_per_gib'] * 1e3:g} ms a GiB moved: estimate.offload_ms_per_group, "
-                         "estimate.offload_ms_per_gib)")
-    if len(p["stages"]) > 1:
-        lines.append("peak per pipeline stage (GiB): " + ", ".join(
-            f"pp{st['stage']} {st['peak_bytes'] / GIB:.1f}" for st in p["stages"]))
-    lines.append(f"worst rank: {p['worst_why']}")
-    if budget_gib is not None:
-        lines.append(budget_line(p["peak_bytes"] / GIB, budget_gib, p["allocator_slack"]))
-    return "\n".join(lines)
-
-
-def budget_line(peak_gib: float, budget_gib: float, slack: float = ALLOCATOR_SLACK) -> str:
-    """The fit verdict for a budget, with the allocator's slack (recipes.predict.fit: ``slack_for``)."""
-    need = with_slack(peak_gib, slack)
-    head = f"budget {budget_gib:g} GiB (what PyTorch may reserve), needs {need:.1f} GiB with {slack:.1%} allocator slack: "
-    return head + {FITS: f"fits ({budget_gib - need:.1f} GiB to spare)",
-                   TIGHT: f"TIGHT: fits only without the slack ({need - budget_gib:.1f} GiB short): expect an OOM",
-                   OVER: f"does NOT fit ({peak_gib - budget_gib:.1f} GiB over)"}[verdict(peak_gib, budget_gib, slack)]
-
-
-def format_options(done: list[tuple[str, dict]], refused: list[tuple[str, str]], title: str,
-                   budget_gib: float | None = None) -> str:
-    """Every recompute option, sorted by predicted peak."""
-    head = f"{'recompute':32s}{'act/mb GiB':>11s}{'in flight':>11s}{'static':>9s}{'peak GiB':>10s}"
-    lines = [f"PREDICTED (not measured) peak per rank, every recompute option: {title}"]
-    lines += [routing_line(done[0][1])] if done and routing_line(done[0][1]) else []
-    lines += [head + (f"{f'fits {budget_gib:g}?':>10s}" if budget_gib is not None else "")]
-    for option, p in done:
-        row = (f"{option:32s}{p['activation_bytes'] / GIB:11.2f}{p['in_flight_activation_bytes'] / GIB:11.2f}"
-               f"{p['static_bytes'] / GIB:9.2f}{p['peak_bytes'] / GIB:10.2f}")
-        if budget_gib is not None:
-            row += f"{verdict(p['peak_bytes'] / GIB, budget_gib, p['allocator_slack']):>10s}"
-        lines.append(row)
-    lines += [f"not applicable: {option} ({why})" for option, why in refused]
-    if done and len(done[0][1]["stages"]) > 1:
-        lines += ["", "peak per pipeline stage (GiB; every TP/DP/EP rank of a stage alike), worst marked *"]
-        lines.append(f"{'recompute':32s}" + "".join(f"{f'pp{s}':>8s}" for s in range(len(done[0][1]["stages"]))))
-        for option, p in done:
-            lines.append(f"{option:32s}" + "".join(
-                f"{s['peak_bytes'] / GIB:7.1f}{'*' if s['stage'] == p['worst_stage'] else ' '}" for s in p["stages"]))
-    if done:
-        lines += ["", f"worst rank ({done[0][0]}): {done[0][1]['worst_why']}"]
-    return "\n".join(lines)
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m recipes estimate", description="Predict per-rank memory before a run. "
-        "Positional arguments are the Hydra overrides training takes (model=moe recompute=full ...).")
-    parser.add_argument("overrides", nargs="*", help="Hydra overrides, as for train.py")
-    parser.add_argument("--budget-gib", type=float, default=None,
-                        help="memory per GPU PyTorch may reserve (137 on an H200): fits, tight or over, with "
-                        "the allocator's slack")
-    parser.add_argument("--all", action="store_true", help="every recompute option, sorted by peak")
-    parser.add_argument("--device", default="cuda", help="cuda (GPU run, bf16; default), cpu or auto")
-    parser.add_argument("--terms", action="store_true", help="list the named terms of one layer")
-    parser.add_argument("--compare", metavar="DIR", help="predicted next to measured for every "
-                        "result.json under DIR (a run or a sweep); overrides are ignored")
-    args = parser.parse_args(argv)
-    if args.compare:
-        from pathlib import Path
-
-        from recipes.files import UnreadableFile, read_json
-
-        rows = []
-        for p in sorted(Path(args.compare).rglob("result.json")):
-            try:
-                rows += compare_result(read_json(p), p.parent.name)
-            except UnreadableFile as err:  # named, and the other results still compared
-                print(f"warning: skipped {err}", file=sys.stderr)
-        print(format_comparison(rows) if rows else f"no completed result.json under {args.compare}")
-        return 0 if rows else 1
-    title = " ".join(args.overrides) or "(defaults)"
-    try:  # recipe=<name>: its published layout and depth (recipes.recipe), whatever GPUs are here
-        cfg, notes = compose_recipe(at_full_depth(args.overrides), on_gpu=True)
-        for note in notes:
-            print(f"[recipe] {note}")
-        if args.budget_gib is None and cfg.get("recipe"):
-            args.budget_gib = GPU_BUDGET_GIB[cfg["recipe"]["gpu"]]
-        if args.all:
-            done, refused = predict_options(cfg, args.device)
-            print(format_options(done, refused, title, args.budget_gib))
-        else:
-            print(format_prediction(predict(cfg, args.device), title, args.budget_gib, args.terms))
-    except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
