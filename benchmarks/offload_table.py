@@ -26,7 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere: import the repository's recipes
 
-from recipes.analyze.advise import measured_rates  # noqa: E402
+from recipes.analyze.candidates import measured_rates  # noqa: E402
 from recipes.analyze.plan import price_config  # noqa: E402
 from recipes.analyze.plan import rates as rates_of  # noqa: E402
 from recipes.analyze.report import find_results  # noqa: E402

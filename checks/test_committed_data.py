@@ -26,7 +26,7 @@ sys.path.insert(0, str(REPO))
 
 import rename_points  # noqa: E402  (checks/, after the repo is on sys.path)
 
-from recipes.analyze.advise import measured_candidates  # noqa: E402
+from recipes.analyze.candidates import measured_candidates  # noqa: E402
 from recipes.analyze.report import write_report  # noqa: E402
 from recipes.config import MAX_DIRNAME  # noqa: E402
 from recipes.offload import modules_of  # noqa: E402

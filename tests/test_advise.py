@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from conftest import compose
 
-from recipes.analyze import advise, predicted, report
+from recipes.analyze import advise, candidates, explain, predicted, report
 from recipes.analyze.plan import explain_plan
 
 #: (attention, recompute): (peak allocated GiB, peak reserved GiB, step s); None = out of memory.
@@ -86,8 +86,8 @@ def make_sweep(root: Path, attentions=("unfused",), second_rank: dict | None = N
 
 
 def run_advise(sweep: Path, budget: float) -> tuple[dict, str]:
-    advice = advise.advise(advise.measured_candidates(sweep), budget)
-    return advice, advise.explain(advice, str(sweep))
+    advice = advise.advise(candidates.measured_candidates(sweep), budget)
+    return advice, explain.explain(advice, str(sweep))
 
 
 def test_picks_narrow_label_over_full_and_flags_fragmentation(tmp_path):
@@ -221,13 +221,13 @@ def test_sweep_advice_lists_unmeasured_options_as_predicted_and_shows_prediction
     """With a sweep: options it did not measure are listed (never chosen) and each measured point
     shows the estimator's prediction beside its measurement."""
     sweep = make_sweep(tmp_path, attentions=("sdpa",))
-    predicted = advise.predicted_candidates(sweep)
+    predicted = candidates.predicted_candidates(sweep)
     options = {c["recompute"] for c in predicted}
     assert "full" in options and "selective/mlp" in options and "none" not in options
     assert all(c["source"] == "predicted" for c in predicted)
-    advice = advise.advise(advise.measured_candidates(sweep) + predicted, 80.0)
+    advice = advise.advise(candidates.measured_candidates(sweep) + predicted, 80.0)
     assert advice["choice"]["source"] == "measured"
-    pairs = advise.predicted_next_to_measured(sweep)
+    pairs = candidates.predicted_next_to_measured(sweep)
     assert {p["point"] for p in pairs} == {"standard_attn sdpa none", "standard_attn sdpa control",
                                           "standard_attn sdpa selective/core_attn"}
     assert all(p["predicted_peak_gib"] > 0 for p in pairs)
@@ -251,7 +251,7 @@ def test_a_wider_label_that_saves_nothing_more_is_never_chosen_for_its_noisy_lea
     assert advice["choice"]["recompute"] == "selective/gdn_norm_out"
     assert [s["recompute"] for s in advice["superfluous"]] == ["selective/gdn_norm_out-core_attn"]
     assert advice["noise_floor_pct"] == pytest.approx(6.6)
-    text = advise.explain(advice)
+    text = explain.explain(advice)
     assert "its lead is noise between processes" in text and "within this sweep's noise floor (6.6%)" in text
 
 
@@ -545,9 +545,9 @@ def test_an_offload_point_is_compared_with_the_no_offload_control(tmp_path):
     assert off["offload"] == "core_attn-attn_proj" and off["control"] == "standard_attn sdpa none"
     assert off["d_peak_gib"] == pytest.approx(19.10 - 20.41)
     assert rows["standard_attn sdpa selective/mlp"]["control"] == "standard_attn sdpa none"
-    advice = advise.advise(advise.measured_candidates(sweep), 20.0)
+    advice = advise.advise(candidates.measured_candidates(sweep), 20.0)
     assert advice["choice"]["offload"] == "core_attn-attn_proj"  # fits, and faster than mlp
-    assert "2. Choice: activation offload (offload=core_attn-attn_proj" in advise.explain(advice, str(sweep))
+    assert "2. Choice: activation offload (offload=core_attn-attn_proj" in explain.explain(advice, str(sweep))
 
 
 def test_moe_offload_at_the_long_size_is_judged_with_the_device_it_filled():
@@ -585,27 +585,27 @@ def test_a_plan_the_sweep_ran_out_of_memory_on_is_not_chosen_again(tmp_path):
         meta = {"name": f"standard_attn sdpa {recompute} offload={offload}", "run_dir": str(run_dir), "config": cfg,
                 "choices": {"model": "standard_attn", "attention": "sdpa", "recompute": recompute, "offload": offload}}
         write_json_atomic(run_dir / "result.json", merge_result(run_dir, meta, 1, None))
-    p = advise.sweep_plan(sweep, 19.0)
+    p = candidates.sweep_plan(sweep, 19.0)
     oom = next(r for r in p["rows"] if (r["recompute"], r["offload"]) == ("none", "core_attn"))
     assert oom["measured_oom"] and not oom["fits"]
     assert (p["choice"]["recompute"], p["choice"]["offload"]) != ("none", "core_attn")
     assert ["none", "core_attn"] in [list(m) for m in p["measured"]]
-    advice = advise.advise(advise.measured_candidates(sweep), 19.0)
+    advice = advise.advise(candidates.measured_candidates(sweep), 19.0)
     assert advice["choice"]["offload"] == "attn_norm-mlp_norm"
     advice["plan"] = p
-    text = advise.explain(advice, str(sweep))
+    text = explain.explain(advice, str(sweep))
     assert "ran out of memory" in text and "choice:    recompute=none offload=core_attn:" not in text
 
 
 def test_a_measured_gpu_sweep_gets_the_plan_for_what_it_did_not_run(tmp_path):
     sweep = make_sweep(tmp_path / "sweep", attentions=("sdpa",))
-    p = advise.sweep_plan(sweep, 20.0)
+    p = candidates.sweep_plan(sweep, 20.0)
     assert p is not None and p["base"].startswith("model=standard_attn")
     assert ["none", "none"] in [list(m) for m in p["measured"]]
-    advice = advise.advise(advise.measured_candidates(sweep), 20.0)
+    advice = advise.advise(candidates.measured_candidates(sweep), 20.0)
     advice["plan"] = p
     assert "Predicted for the combinations this sweep did not run: plan over recompute x offload" in \
-        advise.explain(advice, str(sweep))
+        explain.explain(advice, str(sweep))
 
 
 def test_with_the_fused_swiglu_moe_act_frees_what_layernorm_does():
@@ -630,7 +630,7 @@ def test_a_sweep_whose_base_point_timed_its_modules_prices_the_replays_from_them
     rank["module_times"] = {"layers": list(range(1, 9)), "microbatches": 4, "replay_ms": {},
                             "forward_ms": {"mlp": [1.3] * 8, "mlp.linear_fc2": [0.3] * 8}}
     write_point(sweep, "sdpa", "none", [rank])
-    p = advise.sweep_plan(sweep, 20.0)
+    p = candidates.sweep_plan(sweep, 20.0)
     assert p["module_times"]
     (row,) = [r for r in p["rows"] if (r["recompute"], r["offload"]) == ("selective/mlp", "none")]
     cfg = _config("sdpa", "none")
@@ -646,7 +646,7 @@ def test_a_sweep_whose_base_point_timed_its_modules_prices_the_replays_from_them
     rank["module_times"]["marks"] = {"names": names, "host_ms": [0.001 * j for j in range(len(names))],
                                      "gpu_ms": [0.0] + [0.5] * (len(names) - 1), "gpu_clean": [True] * len(names)}
     write_point(sweep, "sdpa", "none", [rank])
-    p = advise.sweep_plan(sweep, 20.0)
+    p = candidates.sweep_plan(sweep, 20.0)
     (row,) = [r for r in p["rows"] if (r["recompute"], r["offload"]) == ("selective/mlp", "none")]
     # pre to end: 3 intervals less FC2's 1, read at the stream pace (FC2's stream time 0.3 ms against the
     # GPU pass's 0.5: kept at PACE_RANGE's 0.9)
@@ -654,7 +654,7 @@ def test_a_sweep_whose_base_point_timed_its_modules_prices_the_replays_from_them
     assert "(replays on the base point's measured step timeline" in "\n".join(explain_plan(p, p["base"]))
     rank.pop("module_times")
     write_point(sweep, "sdpa", "none", [rank])
-    assert not advise.sweep_plan(sweep, 20.0)["module_times"]  # without them: FLOPs, as before
+    assert not candidates.sweep_plan(sweep, 20.0)["module_times"]  # without them: FLOPs, as before
 
 
 def test_a_base_point_run_in_several_processes_prices_replays_from_their_median_module_times(tmp_path):
@@ -674,10 +674,10 @@ def test_a_base_point_run_in_several_processes_prices_replays_from_their_median_
                 "choices": {"model": "standard_attn", "attention": "sdpa", "recompute": "none"}}
         write_json_atomic(run_dir / "result.json", merge_result(run_dir, meta, 1, None))
     shutil.rmtree(sweep / "attention=sdpa__recompute=none")
-    p = advise.sweep_plan(sweep, 20.0)
+    p = candidates.sweep_plan(sweep, 20.0)
     (row,) = [r for r in p["rows"] if (r["recompute"], r["offload"]) == ("selective/mlp", "none")]
     assert row["recompute_s"] == pytest.approx(4 * 8 * (1.5 - 0.3) * 1e-3)  # the median process's MLP less FC2
-    names = [row["point"] for row in advise.predicted_next_to_measured(sweep)]
+    names = [row["point"] for row in candidates.predicted_next_to_measured(sweep)]
     assert names.count("standard_attn sdpa none") == 1  # one row a point, not one a process
     merged = report.merge_module_times([{"layers": [1, 2], "forward_ms": {"": [3.0, 5.0]}},
                                         {"layers": [1, 2], "forward_ms": {"": [2.0, 4.0]}},
@@ -710,13 +710,13 @@ def test_the_gpu_s_busy_time_merges_over_processes_and_resolves_what_the_wall_ti
     assert report.csv_keys(rows)[-3:] == ["gpu_ms", "gpu_spread", "d_gpu_pct"]
     assert "GPU busy" not in report.format_markdown(report.rank_rows([
         {**r, "ranks": [{k: v for k, v in r["ranks"][0].items() if k != "trace"}]} for r in results]))
-    candidates = [{"source": "measured", "key": "k", "family_key": "f", "ranks": [], "point": r["point"],
+    points = [{"source": "measured", "key": "k", "family_key": "f", "ranks": [], "point": r["point"],
                    "model": "moe", "attention": "sdpa", "offload": "none", "status": "ok",
                    "peak_allocated_gib": 20.0, "peak_reserved_gib": 20.5, "ledger_bytes": 100,
                    **{k: r.get(k) for k in ("recompute", "step_ms", "step_spread", "control", "d_time_pct",
                                             "gpu_ms", "gpu_spread", "d_gpu_pct") if r.get(k) is not None}}
                   for r in rows]
-    text = advise.explain(advise.advise([c for c in candidates if c["recompute"] != "none"], 100.0), "s")
+    text = explain.explain(advise.advise([c for c in points if c["recompute"] != "none"], 100.0), "s")
     assert "the GPU's busy time" in text and f"{act['d_gpu_pct']:+.1f}%" in text, text
 
 
@@ -801,7 +801,7 @@ def test_a_sweep_whose_first_point_offloads_predicts_its_unmeasured_labels_witho
             "choices": {"model": "standard_attn", "attention": "sdpa", "recompute": "none",
                         "offload": "core_attn-attn_proj"}, "config": config}
     write_json_atomic(run_dir / "result.json", merge_result(run_dir, meta, 1, None))
-    rows = {r["recompute"]: r for r in advise.predicted_candidates(tmp_path)}
+    rows = {r["recompute"]: r for r in candidates.predicted_candidates(tmp_path)}
     assert "full" in rows and "none" in rows  # none: measured only with offload
     plain = predict(compose("attention=sdpa", "size=h200", "recompute=control"), "cuda")
     assert rows["control"]["memory_gib"] == pytest.approx(with_slack(plain["peak_bytes"], plain["allocator_slack"]) / GIB)

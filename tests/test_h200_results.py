@@ -17,13 +17,9 @@ import json
 import pytest
 from conftest import REPO
 
-from recipes.analyze.advise import (
-    advise,
-    explain,
-    measured_candidates,
-    predicted_candidates,
-    predicted_next_to_measured,
-)
+from recipes.analyze.advise import advise
+from recipes.analyze.candidates import measured_candidates, predicted_candidates, predicted_next_to_measured
+from recipes.analyze.explain import explain
 from recipes.analyze.predicted import advise_before_running
 from recipes.config import upgrade_overrides
 from recipes.predict import estimate_command

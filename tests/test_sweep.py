@@ -177,7 +177,7 @@ def test_make_sweep_runs_the_sweep_file():
 def test_gpu_oom_is_recorded_and_the_sweep_goes_on(tmp_path):
     """A memory cap far below the tiny model's needs: that point is ``oom`` with the allocator's
     numbers, the next point runs, and the advisor counts the oom point as not fitting."""
-    from recipes.analyze import advise
+    from recipes.analyze import advise, candidates
 
     done = subprocess.run([sys.executable, str(REPO / "train.py"), "-m", "measure.memory_fraction=0.00001,null",
                            *TINY, f"hydra.sweep.dir={tmp_path}"], cwd=REPO, env=_env(), capture_output=True,
@@ -187,7 +187,7 @@ def test_gpu_oom_is_recorded_and_the_sweep_goes_on(tmp_path):
                (load_result(p) for p in tmp_path.glob("*/result.json"))}
     assert results[0.00001]["status"] == "oom" and results[None]["status"] == "ok"
     assert results[0.00001]["ranks"][0]["memory_at_failure"]["reserved_gib"] is not None
-    advice = advise.advise(advise.measured_candidates(tmp_path), budget_gib=100)
+    advice = advise.advise(candidates.measured_candidates(tmp_path), budget_gib=100)
     assert advice["choice"]["status"] == "ok"
     assert [c["status"] for c in advice["not_fitting"]] == ["oom"]
     assert (tmp_path / "report.png").stat().st_size > 10_000
