@@ -27,7 +27,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from recipes.analyze.report import find_results  # noqa: E402
+from recipes.analyze.sweep import find_results  # noqa: E402
 from recipes.recompute import GUIDE_FIRST_LABEL  # noqa: E402  (after the repo is on sys.path)
 from recipes.results import recompute_of, worst_row  # noqa: E402
 

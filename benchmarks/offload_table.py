@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))  # run as a script from anywhere: import the repos
 from recipes.analyze.candidates import measured_rates  # noqa: E402
 from recipes.analyze.plan import price_config  # noqa: E402
 from recipes.analyze.plan import rates as rates_of  # noqa: E402
-from recipes.analyze.report import find_results  # noqa: E402
+from recipes.analyze.sweep import find_results  # noqa: E402
 from recipes.config import EstimateConfig  # noqa: E402
 from recipes.offload import option_of as offload_option  # noqa: E402
 from recipes.predict.cost import fit_offload_rates  # noqa: E402

@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 from conftest import compose
 
-from recipes.analyze import advise, candidates, explain, predicted, report
+from recipes.analyze import advise, candidates, explain, pareto, predicted, report
 from recipes.analyze.plan import explain_plan
+from recipes.analyze.sweep import find_results, merge_module_times, merge_repeats
 
 #: (attention, recompute): (peak allocated GiB, peak reserved GiB, step s); None = out of memory.
 from recipes.files import GIB, MIB, write_json_atomic
@@ -131,7 +132,7 @@ def test_worst_rank_decides_fit(tmp_path):
     sweep = make_sweep(tmp_path, second_rank={"selective/core_attn": (19.5, 21.0, 0.250)})
     advice, _ = run_advise(sweep, budget=20)
     assert advice["choice"]["recompute"] == "full"  # core_attn's rank 1 reserves 21 GiB
-    rows = report.rank_rows(report.find_results(sweep))
+    rows = report.rank_rows(find_results(sweep))
     core = [r for r in rows if r["recompute"] == "selective/core_attn"]
     assert [(r["rank"], r["worst"], r["rank_label"]) for r in core] == [(0, False, "0"), (1, True, "1*")]
 
@@ -161,13 +162,13 @@ def test_cpu_results_rank_by_ledger_and_say_so(tmp_path):
 def test_report_rows_plot_and_csv(tmp_path):
     sweep = make_sweep(tmp_path, second_rank={"full": (13.0, 14.0, 0.266)})
     md = report.write_report(sweep)
-    rows = report.rank_rows(report.find_results(sweep))
+    rows = report.rank_rows(find_results(sweep))
     full0 = next(r for r in rows if r["recompute"] == "full" and r["rank"] == 0)
     assert full0["worst"] and full0["d_peak_gib"] == pytest.approx(13.3 - 38.9)
     control = next(r for r in rows if r["recompute"] == "control")
     assert control["control"] == "standard_attn unfused none"  # the control is compared with none
-    assert [r["recompute"] for r in report.point_rows(rows)][:2] == ["none", "control"]
-    front = report.pareto_front(report.point_rows(rows), "peak_allocated_gib")
+    assert [r["recompute"] for r in pareto.point_rows(rows)][:2] == ["none", "control"]
+    front = pareto.pareto_front(pareto.point_rows(rows), "peak_allocated_gib")
     assert [r["recompute"] for r in front] == ["none", "selective/mlp", "selective/core_attn", "full"]
     assert "| 0* |" in md and "peak alloc GiB" in md and "oom" in md
     png = sweep / "report.png"
@@ -311,7 +312,7 @@ def test_a_point_is_read_by_what_it_recomputed_not_by_its_option_name(tmp_path):
             "choices": {"model": "standard_attn", "attention": "unfused", "recompute": "control"}}
     write_json_atomic(run_dir / "result.json", merge_result(run_dir, meta, 1, None))
 
-    rows = {r["recompute"]: r for r in report.rank_rows(report.find_results(tmp_path))}
+    rows = {r["recompute"]: r for r in report.rank_rows(find_results(tmp_path))}
     assert set(rows) == {"control", "selective/core_attn"}
     assert rows["selective/core_attn"]["d_peak_gib"] == pytest.approx(18.0 - 38.9)
     advice, _ = run_advise(tmp_path, budget=20)
@@ -540,7 +541,7 @@ def test_an_offload_point_is_compared_with_the_no_offload_control(tmp_path):
         meta = {"name": name, "run_dir": str(run_dir), "config": cfg,
                 "choices": {"model": "standard_attn", "attention": "sdpa", "recompute": recompute, "offload": offload}}
         write_json_atomic(run_dir / "result.json", merge_result(run_dir, meta, 1, None))
-    rows = {r["point"]: r for r in report.rank_rows(report.find_results(sweep))}
+    rows = {r["point"]: r for r in report.rank_rows(find_results(sweep))}
     off = rows["standard_attn sdpa none offload=core_attn-attn_proj"]
     assert off["offload"] == "core_attn-attn_proj" and off["control"] == "standard_attn sdpa none"
     assert off["d_peak_gib"] == pytest.approx(19.10 - 20.41)
@@ -679,7 +680,7 @@ def test_a_base_point_run_in_several_processes_prices_replays_from_their_median_
     assert row["recompute_s"] == pytest.approx(4 * 8 * (1.5 - 0.3) * 1e-3)  # the median process's MLP less FC2
     names = [row["point"] for row in candidates.predicted_next_to_measured(sweep)]
     assert names.count("standard_attn sdpa none") == 1  # one row a point, not one a process
-    merged = report.merge_module_times([{"layers": [1, 2], "forward_ms": {"": [3.0, 5.0]}},
+    merged = merge_module_times([{"layers": [1, 2], "forward_ms": {"": [3.0, 5.0]}},
                                         {"layers": [1, 2], "forward_ms": {"": [2.0, 4.0]}},
                                         {"layers": [1, 2], "forward_ms": {"": [9.0, 1.0]}}, None])
     assert merged["forward_ms"][""] == [3.0, 4.0] and merged["replay_ms"] == {}
@@ -750,7 +751,7 @@ def test_offload_points_show_their_host_copies_and_reload_waits(capsys):
 
     results = [point("none", 0, 0.0), point("core_attn", 0, 0.004), point("core_attn", 1, 0.002),
                point("core_attn", 2, 0.003)]
-    rows = report.rank_rows(report.merge_repeats(results))
+    rows = report.rank_rows(merge_repeats(results))
     off = next(r for r in rows if r["offload"] == "core_attn")
     assert off["host_mib"] == 896 and off["moved_mib_per_step"] == 3584
     assert off["reload_wait_ms"] == pytest.approx(3.0)  # the median of the three processes

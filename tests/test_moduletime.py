@@ -516,7 +516,7 @@ def test_a_host_cost_measurement_notes_what_it_took_and_a_failed_one_gives_none(
 def test_a_repeated_point_keeps_every_processs_timeline():
     """merge_module_times: module times merge to medians, timelines do not merge (each is priced, then
     the median taken), so the merged point keeps them all."""
-    from recipes.analyze.report import merge_module_times
+    from recipes.analyze.sweep import merge_module_times
 
     runs = [{**_times([1, 2], mlp=ms), "marks": _layer_marks([1, 2], 0.01, ms)} for ms in (1.0, 3.0, 2.0)]
     merged = merge_module_times(runs)

@@ -38,7 +38,8 @@ from recipes.analyze.candidates import (
 )
 from recipes.analyze.explain import explain
 from recipes.analyze.predicted import advise_before_running, explain_prediction, recipe_budget
-from recipes.analyze.report import control_gap_pct, find_results
+from recipes.analyze.report import control_gap_pct
+from recipes.analyze.sweep import find_results
 from recipes.errors import ConfigError
 from recipes.files import GIB
 from recipes.recompute import NO_RECOMPUTE, is_full, recompute_order, selective_labels

@@ -7,7 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from recipes.analyze.plan import fewest_block_layers, plan, without_measured_ooms
-from recipes.analyze.report import find_results, merge_repeats, rank_rows
+from recipes.analyze.report import rank_rows
+from recipes.analyze.sweep import find_results, merge_repeats
 from recipes.errors import ConfigError
 from recipes.files import GIB
 from recipes.measure.profile import first_label_to_try, top_contributors

@@ -17,24 +17,21 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
-import statistics
 import sys
 from pathlib import Path
 
 from hydra.experimental.callback import Callback
 
 from recipes.analyze.logger import sweep_group, usable_logger
-from recipes.files import MIB, UnreadableFile, write_json_atomic
+from recipes.analyze.pareto import plot_pareto, point_rows
+from recipes.analyze.sweep import find_results, match_key, merge_repeats, write_manifest
+from recipes.files import MIB
 from recipes.measure.profile import plot_timelines
 from recipes.recompute import recompute_order
 from recipes.results import (
     NOT_MEASURED,  # config sections that do not change a measurement
     RankRow,
     first_sentence,
-    gpu_busy_s,
-    load_result,
-    measured_value,
     result_rows,
 )
 
@@ -75,149 +72,6 @@ GPU_CSV_KEYS = ["gpu_ms", "gpu_spread", "d_gpu_pct"]
 OFFLOAD_CSV_KEYS = ["host_mib", "moved_mib_per_step", "reload_wait_ms"]
 #: Step noise = median / fastest timed step - 1; above this, step-time deltas are contention, not recompute.
 NOISY_STEPS = 0.25
-
-
-_WARNED: set[Path] = set()
-
-
-def find_results(sweep_dir: Path) -> list[dict]:
-    """Every result.json under a sweep directory (one per point); a run directory also works.
-
-    Ordered by each point's overrides, not its directory name: a short name ends in a hash, which
-    would order points at random. Results without recorded overrides (before they were recorded)
-    order by the name of the directory they ran in, which spelled the overrides out."""
-    files = sorted(Path(sweep_dir).glob("*/result.json"))
-    if not files and (Path(sweep_dir) / "result.json").exists():
-        files = [Path(sweep_dir) / "result.json"]
-    results = []
-    for f in files:
-        try:
-            results.append(load_result(f))
-        except UnreadableFile as err:  # a kill mid-write elsewhere, a hand edit: name it, keep the rest
-            if f.resolve() not in _WARNED:  # once per file (the advisor reads a sweep several times)
-                _WARNED.add(f.resolve())
-                print(f"warning: skipped {err}", file=sys.stderr)
-    return sorted(results, key=_order)
-
-
-def _order(result: dict) -> str:
-    overrides = result.get("overrides")
-    if overrides:
-        return "__".join(str(o).replace("/", ".") for o in overrides)
-    return Path(result.get("run_dir") or "").name
-
-
-def write_manifest(sweep_dir: Path) -> Path:
-    """``manifest.json``: each point directory's full overrides, name and status (the directory names
-    are short; this says what each one ran)."""
-    manifest = {}
-    for f in sorted(Path(sweep_dir).glob("*/result.json")):
-        try:
-            r = load_result(f)
-        except UnreadableFile as err:
-            manifest[f.parent.name] = {"status": "unreadable", "error": str(err)}
-            continue
-        manifest[f.parent.name] = {"overrides": r.get("overrides"), "name": r.get("name"), "status": r.get("status")}
-    path = Path(sweep_dir) / "manifest.json"
-    write_json_atomic(path, manifest)
-    return path
-
-
-def _without_repeat(config: dict) -> dict:
-    """The config minus ``measure.repeat``: repetitions of a point measure the same thing."""
-    if isinstance(config.get("measure"), dict) and "repeat" in config["measure"]:
-        config = {**config, "measure": {k: v for k, v in config["measure"].items() if k != "repeat"}}
-    return config
-
-
-def match_key(result: dict, varied: tuple[str, ...] = ("recompute", "offload")) -> str:
-    """What must be equal for two points to be compared: everything but the ``varied`` sections
-    (recompute and activation offload: the two ways to buy memory, compared against one control)."""
-    config = result.get("config")
-    if not config:
-        choices = result.get("choices", {})
-        return "|".join(str(choices.get(k)) for k in ("model", "attention") if k not in varied)
-    rest = {k: v for k, v in _without_repeat(config).items() if k not in NOT_MEASURED + varied}
-    return json.dumps(rest, sort_keys=True, default=str)
-
-
-def merge_repeats(results: list[dict]) -> list[dict]:
-    """One result per point: completed repetitions of a point (``measure.repeat=0,1,2``, one process
-    each) merged. Per rank: step time = the median of the processes' medians, fastest = the fastest
-    step of any, ``step_time_spread`` = slowest / fastest process median - 1 (the between-process
-    noise that one process cannot show), peaks = the highest, module times (``measure.module_times``:
-    what the planner prices replays from) the median of the processes' for each module and layer.
-    Failed repetitions stay separate rows."""
-    groups: dict[str, list[dict]] = {}
-    out: list[dict] = []
-    for r in results:
-        if r.get("status") == "ok" and r.get("config"):
-            groups.setdefault(match_key(r, ()), []).append(r)
-        else:
-            out.append(r)
-    for same in groups.values():
-        if len(same) == 1:
-            out.append(same[0])
-            continue
-        merged = {**same[0], "repeats": len(same), "ranks": []}
-        for rank in same[0].get("ranks") or []:
-            peers = [next((x for x in r.get("ranks") or [] if x.get("rank") == rank.get("rank")), None) for r in same]
-            peers = [x for x in peers if x is not None]
-            timing = dict(rank.get("timing") or {})
-            medians = [x["timing"]["step_time_s"] for x in peers if (x.get("timing") or {}).get("step_time_s")]
-            if medians:
-                scale = statistics.median(medians) / timing["step_time_s"] if timing.get("step_time_s") else 1.0
-                timing.update(step_time_s=statistics.median(medians), step_time_spread=max(medians) / min(medians) - 1,
-                              step_time_min_s=min(x["timing"].get("step_time_min_s") or m
-                                                  for x, m in zip(peers, medians)), repeats=len(medians))
-                for key in ("tokens_per_s", "model_tflops_per_gpu", "hardware_tflops_per_gpu", "mfu"):
-                    if timing.get(key) is not None:
-                        timing[key] = timing[key] / scale
-            busy = [b for b in (gpu_busy_s(x) for x in peers) if b is not None]
-            trace = dict(rank.get("trace") or {})
-            if len(busy) > 1:
-                trace.update(gpu_busy_s=statistics.median(busy), gpu_busy_spread=max(busy) / min(busy) - 1)
-            memory = dict(rank.get("memory") or {})
-            for key in ("peak_allocated_gib", "peak_reserved_gib"):
-                values = [(x.get("memory") or {}).get(key) for x in peers]
-                if all(v is not None for v in values) and values:
-                    memory[key] = max(values)
-            if memory.get("peak_allocated_gib") is not None and memory.get("peak_reserved_gib") is not None:
-                memory["fragmentation_gib"] = memory["peak_reserved_gib"] - memory["peak_allocated_gib"]
-            times = merge_module_times([x.get("module_times") for x in peers])
-            offload = dict(rank.get("offload") or {})
-            waits = [w for x in peers if (w := measured_value((x.get("offload") or {}).get("reload_wait_s"))) is not None]
-            if len(waits) > 1:
-                offload["reload_wait_s"] = statistics.median(waits)
-            merged["ranks"].append({**rank, "timing": timing, "memory": memory or rank.get("memory"),
-                                    **({"trace": trace} if trace else {}),
-                                    **({"offload": offload} if offload else {}),
-                                    **({"module_times": times} if times else {})})
-        out.append(merged)
-    return out
-
-
-def merge_module_times(peers: list[dict | None]) -> dict | None:
-    """One point's module times (``recipes.measure.moduletime``) from its processes: for each module
-    and layer, the median of the processes that timed it with the same layers. One process's pass is
-    one forward and backward, and an MoE layer's forward (its stream waiting for the host) took 2.9 to
-    4.9 ms in three processes of one point on an H200 (docs/offload-log.md); None when none timed them."""
-    timed = [t for t in peers if t and "forward_ms" in t]
-    if len(timed) < 2:
-        return timed[0] if timed else None
-    same = [t for t in timed if t.get("layers") == timed[0].get("layers")]
-    merged = dict(same[0])
-    for key in ("forward_ms", "replay_ms"):
-        names = set().union(*((t.get(key) or {}).keys() for t in same))
-        merged[key] = {}
-        for name in sorted(names):
-            rows = [t[key][name] for t in same if name in (t.get(key) or {})]
-            merged[key][name] = [statistics.median(values) for values in zip(*rows)]
-    marks = [t["marks"] for t in same if t.get("marks")]  # timelines do not merge: priced each, then the median
-    if marks:
-        merged["marks"] = marks
-    return merged
-
 
 def _row(r: RankRow, name: str) -> dict:
     """A report row: the rank's ``RankRow`` numbers under the report's keys (deltas are added later)."""
@@ -321,86 +175,6 @@ def control_gap_pct(rows: list[dict]) -> float | None:
     the same computation in separate processes, so the sweep's noise floor between processes."""
     gaps = [abs(r["d_time_pct"]) for r in rows if r["recompute"] == "control" and r.get("d_time_pct") is not None]
     return max(gaps) if gaps else None
-
-
-def point_rows(rows: list[dict]) -> list[dict]:
-    """The rows that decide fit: each point's worst rank (or its only row)."""
-    return [r for r in rows if r["worst"] or r["rank"] is None]
-
-
-def memory_axis(rows: list[dict]) -> tuple[str, str]:
-    """The memory a point is judged by: peak allocated (GPU), else the activation ledger (CPU)."""
-    if any(r.get("peak_allocated_gib") is not None and r["status"] == "ok" for r in rows):
-        return "peak_allocated_gib", "peak allocated GiB (worst rank)"
-    return "ledger_mib", "activation ledger MiB (CPU run: no allocator peaks)"
-
-
-def pareto_front(rows: list[dict], mem_key: str) -> list[dict]:
-    """Points no other point beats on both memory and step time, fastest first."""
-    pts = [r for r in rows if r["status"] == "ok" and r.get(mem_key) is not None and r.get("step_ms") is not None]
-    front = [p for p in pts if not any(
-        q[mem_key] <= p[mem_key] and q["step_ms"] <= p["step_ms"]
-        and (q[mem_key] < p[mem_key] or q["step_ms"] < p["step_ms"]) for q in pts)]
-    return sorted(front, key=lambda p: p["step_ms"])
-
-
-def short_label(row: dict, rows: list[dict]) -> str:
-    """The recompute choice, with model/attention added only when the sweep varies them."""
-    parts = [row[k] for k in ("model", "attention") if len({r[k] for r in rows}) > 1]
-    return " ".join(str(p) for p in parts + [row["recompute"] or row["point"]])
-
-
-def plot_pareto(rows: list[dict], path: Path, title: str) -> Path:
-    """Peak memory against step time for every measured point, Pareto frontier marked; ``path``."""
-    # lazy: only when plotting
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    points = point_rows(rows)
-    mem_key, mem_label = memory_axis(points)
-    measured = [r for r in points
-                if r["status"] == "ok" and r.get(mem_key) is not None and r.get("step_ms") is not None]
-    front = pareto_front(points, mem_key)
-    fig, ax = plt.subplots(figsize=(8, 5.5), dpi=120)
-    ax.scatter([r["step_ms"] for r in measured], [r[mem_key] for r in measured], s=36, color="0.55",
-               zorder=2, label="measured point")
-    ax.plot([r["step_ms"] for r in front], [r[mem_key] for r in front], "-o", color="tab:red", ms=8,
-            drawstyle="steps-post", zorder=3, label="Pareto frontier (nothing is both faster and smaller)")
-    for group in _near(measured, mem_key):  # one label per cluster: none and control often coincide
-        ax.annotate("\n".join(short_label(r, points) for r in group), (group[0]["step_ms"], group[0][mem_key]),
-                    textcoords="offset points", xytext=(6, 4), fontsize=8, va="bottom")
-    lost = [f"{short_label(r, points)}: {r['status']}" for r in points if r not in measured]
-    if lost:
-        ax.text(0.99, 0.99, "not plotted\n" + "\n".join(lost), transform=ax.transAxes, ha="right",
-                va="top", fontsize=7, color="tab:red", bbox={"fc": "white", "ec": "0.8"})
-    ax.set_xlabel("step time ms (median of steady-state steps, worst rank)")
-    ax.set_ylabel(mem_label)
-    if mem_key == "ledger_mib":
-        title += "\nledger = bytes saved for backward in one micro-batch (activations only)"
-    ax.set_title(title, fontsize=9)
-    ax.margins(x=0.25, y=0.12)
-    ax.grid(alpha=0.3)
-    ax.legend(loc="best", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
-
-
-def _near(points: list[dict], mem_key: str, frac: float = 0.03) -> list[list[dict]]:
-    """Points closer than ``frac`` of both axis spans, grouped (for one label per group)."""
-    if not points:
-        return []
-    span = lambda k: (max(p[k] for p in points) - min(p[k] for p in points)) or 1.0  # noqa: E731
-    dx, dy = span("step_ms") * frac, span(mem_key) * frac
-    groups: list[list[dict]] = []
-    for p in sorted(points, key=lambda p: (p["step_ms"], p[mem_key])):
-        home = next((g for g in groups if abs(g[0]["step_ms"] - p["step_ms"]) <= dx
-                     and abs(g[0][mem_key] - p[mem_key]) <= dy), None)
-        home.append(p) if home is not None else groups.append([p])
-    return groups
 
 
 def format_markdown(rows: list[dict]) -> str:
