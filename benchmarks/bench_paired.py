@@ -338,7 +338,8 @@ def fit(dirs: list[str]) -> list[str]:
     priced at them."""
     from recipes.config import EstimateConfig
     from recipes.offload import modules_of
-    from recipes.predict.cost import fit_offload_rates, host_bound
+    from recipes.predict.copies import fit_offload_rates
+    from recipes.predict.cost import host_bound
 
     every = [r for d in dirs for _, r in saved(d)]
     used = [r for r in every if modules_of(r["raw"]["cfg"]) and not r["raw"]["cfg"]["recompute"]["recompute_granularity"]

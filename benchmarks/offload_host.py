@@ -12,7 +12,7 @@ recompute whose pass measured the manager's host cost (``offload_ms``, since 202
   (bench_paired's medians), and their ratio, the share of the added host work the step paid;
 - ``pass's price ms``: the same host work as the pass's synthetic measure prices it (a group's cost
   and each tensor's, ``recipes.measure.regions.offload_host_ms``, times the groups and tensors the
-  option moves a step), which ``recipes.predict.cost.timeline_offload_costs`` inserts.
+  option moves a step), which ``recipes.predict.copies.timeline_offload_costs`` inserts.
 
 Then the share paid by family and margin, and the least squares of the host added on the groups and
 tensors moved, against the synthetic measure's median rates.

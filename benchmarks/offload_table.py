@@ -32,7 +32,7 @@ from recipes.analyze.plan import rates as rates_of  # noqa: E402
 from recipes.analyze.sweep import find_results  # noqa: E402
 from recipes.config import EstimateConfig  # noqa: E402
 from recipes.offload import option_of as offload_option  # noqa: E402
-from recipes.predict.cost import fit_offload_rates  # noqa: E402
+from recipes.predict.copies import fit_offload_rates  # noqa: E402
 from recipes.recompute import option_of as recompute_option  # noqa: E402
 
 GIB = 2**30

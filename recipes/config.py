@@ -274,7 +274,7 @@ class EstimateConfig:
     # offload.link).
     mfu: float = 0.38
     host_link_gb_s: float = 50.0
-    # What activation offload's copies cost a step beyond the link (recipes.predict.cost): per group
+    # What activation offload's copies cost a step beyond the link (recipes.predict.copies): per group
     # moved (one layer's module: the manager's Python, events and stream waits at each group commit
     # and reload) and per GiB moved (out and back). Fitted to the five dense offload options one H200
     # paired against themselves paused in three processes each on two machines at the h200 size

@@ -294,7 +294,7 @@ def test_the_hosts_wait_at_the_steps_sync_caps_what_the_timeline_hides():
     assert Timeline.of({**marks, "step_host_wait_ms": 0.0}).added({0: (0.0, 4.0)}) == pytest.approx(4.0)
     assert Timeline.of({**marks, "step_host_wait_ms": 0.0}).added({0: (-1.0, 0.0)}) == pytest.approx(0.0)
     # the offload manager's host work, priced on such a timeline: its whole host time beyond the wait
-    from recipes.predict.cost import timeline_offload_costs
+    from recipes.predict.copies import timeline_offload_costs
 
     layer = {"names": ["1:self_attention.core_attention:pre", "1:self_attention.core_attention:end",
                        "1:self_attention.core_attention:bwd"], "offload_ms": {"group": 1.0, "tensor": 0.5}}
@@ -417,7 +417,7 @@ def test_offload_groups_cost_the_host_what_the_pass_measured_where_the_host_does
     point whose pass did not measure it has no such price. ``price`` adds it to the copies' fitted
     rates (what a step that hides it pays)."""
     from recipes.analyze.plan import price
-    from recipes.predict.cost import timeline_offload_costs
+    from recipes.predict.copies import timeline_offload_costs
     from recipes.predict.estimate import predict
 
     measured = {"offload_ms": {"group": 0.4, "tensor": 0.1}}

@@ -330,7 +330,7 @@ def test_exposed_transfer_model():
     compute never waits for it. Each group's backward end, moved or kept, issues the next reload (the
     last group moved first), which starts once the link is free and its copy out is done; the module's
     backward (the mirror of its forward span) waits for it. The overhead is per group and per GiB moved."""
-    from recipes.predict.cost import exposed_transfer_s
+    from recipes.predict.copies import exposed_transfer_s
 
     half = {"x": (0.0, 0.5)}  # a module over the first half of its layer's forward
     # 20 ms a copy each way: ready at 25 ms, back at 220 (issued as the kept layer's backward ends, at
@@ -370,7 +370,8 @@ def test_offload_groups_and_where_they_sit():
     """The estimator's groups: every offload point a layer has, in forward order, with the bytes it
     copies; the kept last layer's copy nothing; fused attention's projection is a group of its own.
     Their places in the layer come from the FLOPs, or from a base point's step timeline."""
-    from recipes.predict.cost import flop_positions, layer_forward_s, offload_positions
+    from recipes.predict.copies import flop_positions, offload_positions
+    from recipes.predict.cost import layer_forward_s
     from recipes.predict.estimate import predict
 
     cfg = compose("model=standard_attn", "offload=qkv_linear-core_attn-attn_proj", *EMULATED)

@@ -23,16 +23,8 @@ from recipes.errors import ConfigError
 from recipes.files import GIB
 from recipes.offload import offload_config, option_modules, rule_problem
 from recipes.offload import options_for as offload_options
-from recipes.predict.cost import (
-    ELEMENTWISE_REPLAYS,
-    exposed_transfer_s,
-    has_timeline,
-    layer_forward_s,
-    offload_overhead,
-    offload_positions,
-    recompute_by_process_s,
-    timeline_offload_costs,
-)
+from recipes.predict.copies import exposed_transfer_s, offload_overhead, offload_positions, timeline_offload_costs
+from recipes.predict.cost import ELEMENTWISE_REPLAYS, has_timeline, layer_forward_s, recompute_by_process_s
 from recipes.predict.estimate import held_host_bytes, num_microbatches, predict
 from recipes.predict.fit import FITS, TIGHT, fits, slack_for, verdict
 from recipes.recompute import guide_order, is_full, option_of, options_for, recompute_config, selective_labels

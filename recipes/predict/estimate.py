@@ -37,7 +37,8 @@ from recipes.predict.activations import (
     layer_terms,
     validate_for,
 )
-from recipes.predict.cost import exposed_transfer_s, flop_positions, layer_forward_s, offload_overhead
+from recipes.predict.copies import exposed_transfer_s, flop_positions, offload_overhead
+from recipes.predict.cost import layer_forward_s
 from recipes.predict.fit import slack_for
 from recipes.predict.offload import HostTerm, chunk_offload
 from recipes.predict.static import static_bytes
