@@ -653,6 +653,15 @@ def test_a_sweep_whose_base_point_timed_its_modules_prices_the_replays_from_them
     # GPU pass's 0.5: kept at PACE_RANGE's 0.9)
     assert p["timeline"] and row["recompute_s"] == pytest.approx(4 * 8 * 2 * 0.5e-3 * 0.9)
     assert "(replays on the base point's measured step timeline" in "\n".join(explain_plan(p, p["base"]))
+    assert "host_wait_ms" not in p and "grad-norm read" not in "\n".join(explain_plan(p, p["base"]))
+    # a base point that recorded its steps' wait at the grad-norm read: the plan says it; this replay's
+    # host work (a few us) is far below even no wait at all, so its price is the timeline's
+    rank["module_times"]["marks"]["step_host_wait_ms"] = 0.0
+    write_point(sweep, "sdpa", "none", [rank])
+    waited = candidates.sweep_plan(sweep, 20.0)
+    (same,) = [r for r in waited["rows"] if (r["recompute"], r["offload"]) == ("selective/mlp", "none")]
+    assert waited["host_wait_ms"] == 0.0 and same["recompute_s"] == pytest.approx(row["recompute_s"])
+    assert "steps waited 0.0 ms for the GPU at the grad-norm read" in "\n".join(explain_plan(waited, waited["base"]))
     rank.pop("module_times")
     write_point(sweep, "sdpa", "none", [rank])
     assert not candidates.sweep_plan(sweep, 20.0)["module_times"]  # without them: FLOPs, as before

@@ -24,7 +24,13 @@ from recipes.files import GIB
 from recipes.offload import offload_config, option_modules, rule_problem
 from recipes.offload import options_for as offload_options
 from recipes.predict.copies import exposed_transfer_s, offload_overhead, offload_positions, timeline_offload_costs
-from recipes.predict.cost import ELEMENTWISE_REPLAYS, has_timeline, layer_forward_s, recompute_by_process_s
+from recipes.predict.cost import (
+    ELEMENTWISE_REPLAYS,
+    has_timeline,
+    host_wait_ms,
+    layer_forward_s,
+    recompute_by_process_s,
+)
 from recipes.predict.estimate import held_host_bytes, num_microbatches, predict
 from recipes.predict.fit import FITS, TIGHT, fits, slack_for, verdict
 from recipes.recompute import guide_order, is_full, option_of, options_for, recompute_config, selective_labels
@@ -176,9 +182,11 @@ def plan(cfg: dict, budget_gib: float, tflops: float | None = None, link_gb_s: f
                          **({"recompute_num_layers": trial["recompute"]["recompute_num_layers"]}
                             if rc_option == "full/block" else {}),
                          **({"activation_offload_fraction": fraction} if modules and fraction < 1.0 else {})})
+    wait = host_wait_ms(module_times)
     return rank({"budget_gib": budget_gib, "family": cfg["model"]["family"], "tflops": tflops, "host_link_gb_s": link_gb_s,
                  "module_times": bool(module_times), "timeline": has_timeline(module_times),
-                 "allocator_slack": slack_for(cfg), "rows": rows, "refused": refused, "over_host": over_host})
+                 "allocator_slack": slack_for(cfg), "rows": rows, "refused": refused, "over_host": over_host,
+                 **({"host_wait_ms": wait} if wait is not None else {})})
 
 
 def rank(p: dict) -> dict:
@@ -270,6 +278,9 @@ def explain_plan(p: dict | None, base: str, measured: frozenset = frozenset()) -
                                               " (replays at the base point's measured module times)"
                                               if p.get("module_times") else "")
              + f" and a {p['host_link_gb_s']:g} GB/s host link:"]
+    if p.get("host_wait_ms") is not None:  # the margin the timeline's host work is priced against
+        lines.append(f"  the base point's steps waited {p['host_wait_ms']:.1f} ms for the GPU at the grad-norm read: "
+                     "host work a plan adds beyond that lengthens its step, and is priced so")
     over = p.get("over_host") or []
     if over:  # the one that needs the least host memory says what the host lacks
         least = min(over, key=lambda r: r["host_gib"])

@@ -187,6 +187,14 @@ def has_timeline(module_times: dict | None) -> bool:
     return bool(_timelines(module_times))
 
 
+def host_wait_ms(module_times: dict | None) -> float | None:
+    """The median over a point's processes of how long its measured steps' host waited for the GPU at
+    the grad-norm read (``Timeline.host_wait_ms``), or None where no process recorded it (before
+    2026-12-05): the margin added host work is priced against."""
+    waits = sorted(tl.host_wait_ms for tl in _timelines(module_times) if tl.host_wait_ms is not None)
+    return waits[len(waits) // 2] if waits else None
+
+
 def paced_timelines(module_times: dict | None, numbers: list[int]) -> list[Timeline]:
     """The point's timelines, each with its GPU work read at the pace its stream times give
     (``replay.stream_pace``; a process without one takes its point's others')."""
