@@ -736,6 +736,11 @@ def test_a_point_s_console_line_shows_its_gpu_busy_time(capsys):
     rank = {"rank": 0, "status": "ok", "timing": {"step_time_s": 0.29}, "trace": {"gpu_busy_s": 0.2379}}
     print_run({"name": "moe sdpa selective/moe_act", "status": "ok", "config": {}, "choices": {}, "ranks": [rank]})
     assert "step 290.0 ms | GPU busy 237.9 ms" in capsys.readouterr().out
+    # and, on a GPU, how long the host waited for it at the grad-norm read (near 0: host-bound)
+    for device, shown in (("NVIDIA H200", True), ("cpu", False)):
+        waited = {**rank, "device": device, "timing": {**rank["timing"], "host_wait_s": 0.0271}}
+        print_run({"name": "moe", "status": "ok", "config": {}, "choices": {}, "ranks": [waited]})
+        assert ("GPU busy 237.9 ms | host waited 27.1 ms" in capsys.readouterr().out) == shown
 
 
 def test_offload_points_show_their_host_copies_and_reload_waits(capsys):

@@ -29,6 +29,8 @@ def print_run(result: dict) -> None:
         parts.append(f"step {row.step_ms:.1f} ms")
     if row.gpu_ms is not None:  # measure.gpu_time: the step's GPU work, which the host's speed does not move
         parts.append(f"GPU busy {row.gpu_ms:.1f} ms")
+    if row.host_wait_s is not None and (row.device or "cpu") != "cpu":  # near 0: a host-bound step
+        parts.append(f"host waited {row.host_wait_s * 1e3:.1f} ms")
     if row.reload_wait_ms is not None:  # offload on a GPU: compute waiting for its tensors to come back
         parts.append(f"reload waits {row.reload_wait_ms:.1f} ms")
     if row.tokens_per_s is not None:
