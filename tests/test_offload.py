@@ -406,16 +406,16 @@ def test_host_memory_is_checked_against_the_prediction(megatron_world):
     """The controller's check: the estimator's host bytes (micro-batches in flight) against the host
     memory given; the prediction is what the run copies."""
     from recipes.predict.estimate import planned_host_bytes
-    from recipes.validate import validate
+    from recipes.run.controller import check_point
 
     cfg = compose("model=standard_attn", "offload=core_attn-attn_proj", *EMULATED)
     planned = planned_host_bytes(cfg, "cpu")
     assert planned == run_steps(cfg, steps=2)[1]["moved"]["d2h_bytes"]
-    validate(cfg, num_gpus=0, te_available=False, planned_host_bytes=planned)  # this machine has room
+    check_point(cfg, num_gpus=0)  # this machine has room
     small = compose("model=standard_attn", "offload=core_attn-attn_proj", *EMULATED,
                     f"offload.host_memory_gib={planned / 2**30 / 2}")
     with pytest.raises(ConfigError, match="predicted at 0.1 MiB of host memory per node"):
-        validate(small, num_gpus=0, te_available=False, planned_host_bytes=planned)
+        check_point(small, num_gpus=0)
     assert planned_host_bytes(compose("model=standard_attn")) is None
 
 

@@ -25,6 +25,7 @@ from generated import replace_section  # noqa: E402
 from recipes.config import compose_config  # noqa: E402
 from recipes.errors import ConfigError  # noqa: E402
 from recipes.validate import validate  # noqa: E402
+from recipes.validate.offload import host_memory_problem  # noqa: E402
 
 DOC = ROOT / "docs" / "compatibility.md"
 BEGIN = "<!-- BEGIN GENERATED: compatibility -->"
@@ -193,8 +194,11 @@ def refusal(row: Row) -> ConfigError:
     names another option)."""
     cfg = compose_config(list(row.overrides))
     try:
-        planned = int(row.planned_host_gib * 2**30) if row.planned_host_gib else None
-        validate(cfg, num_gpus=row.num_gpus, te_available=row.te_available, planned_host_bytes=planned)
+        validate(cfg, num_gpus=row.num_gpus, te_available=row.te_available)
+        # then the host copies, as the controller's check_point checks them once the rules pass
+        problem = host_memory_problem(cfg, int(row.planned_host_gib * 2**30)) if row.planned_host_gib else None
+        if problem:
+            raise ConfigError(*problem)
     except ConfigError as err:
         if err.option != row.option:
             raise SystemExit(

@@ -39,12 +39,10 @@ def gpu_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def validate(cfg: Any, num_gpus: int | None = None, te_available: bool | None = None,
-             planned_host_bytes: int | None = None) -> None:
-    """Refuse configurations that would crash, silently do nothing, or measure the wrong thing.
-
-    ``planned_host_bytes``: the host memory one rank's activation offload is predicted to hold (the
-    estimator's), checked against the node's host memory (``host_memory_problem``)."""
+def validate(cfg: Any, num_gpus: int | None = None, te_available: bool | None = None) -> None:
+    """Refuse configurations that would crash, silently do nothing, or measure the wrong thing. The
+    host memory activation offload's copies need is checked after these, once the estimator can predict
+    it (``recipes.validate.offload.host_memory_problem``, which the controller's ``check_point`` runs)."""
     if num_gpus is None:
         num_gpus = gpu_count()
     if te_available is None:
@@ -55,7 +53,7 @@ def validate(cfg: Any, num_gpus: int | None = None, te_available: bool | None = 
     check_attention(cfg, te_available)
     check_recompute(cfg)
     check_without_output_build(cfg, num_gpus)
-    check_offload(cfg, num_gpus, te_available, planned_host_bytes)
+    check_offload(cfg, num_gpus, te_available)
     check(num_gpus or not cfg["measure"]["trace_step"], "measure.trace_step", "it traces GPU kernels, copies and "
            "idle time; this machine has no GPU", "run it on a GPU, or leave measure.trace_step=false")
     check(num_gpus or cfg["measure"]["gpu_time"] is not True, "measure.gpu_time", "it times the GPU's busy time "
