@@ -7,7 +7,8 @@ recompute whose pass measured the manager's host cost (``offload_ms``, since 202
 
 - ``margin ms``: the option's off steps' median of step time less the host's own time (its time to
   return, less its wait at the grad-norm read): how far the host led the GPU, plus the optimizer's
-  GPU work left after the host returned;
+  GPU work left after the host returned; ``wait ms`` that wait alone, where the run recorded it
+  (since 2026-12-05: the margin ``recipes.predict.replay.Timeline.added`` prices against);
 - ``host added ms`` and ``added ms``: what the option added to the host's own time and to the step
   (bench_paired's medians), and their ratio, the share of the added host work the step paid;
 - ``pass's price ms``: the same host work as the pass's synthetic measure prices it (a group's cost
@@ -56,6 +57,7 @@ def rows(dirs: list[str]) -> list[dict]:
             out.append({"dir": os.path.basename(d), "process": n, "family": cfg["model"]["family"],
                         "option": r["option"], "groups": groups, "tensors": tensors,
                         "margin_ms": statistics.median(s - h for s, h in zip(raw["off_ms"], raw["off_host_ms"])),
+                        "wait_ms": statistics.median(raw["off_wait_ms"]) if raw.get("off_wait_ms") else None,
                         "host_added_ms": r["host_added_ms"], "added_ms": r["added_ms"],
                         "pass_ms": groups * cost["group"] + tensors * cost["tensor"], "cost": cost})
     return out
@@ -65,10 +67,11 @@ def report(dirs: list[str]) -> list[str]:
     import numpy as np
 
     every = rows(dirs)
-    lines = ["| run | process | model | option | margin ms | host added ms | added ms | added / host added "
-             "| pass's price ms | host added / pass's |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| run | process | model | option | margin ms | wait ms | host added ms | added ms | added / host added "
+             "| pass's price ms | host added / pass's |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in every:
-        lines.append(f"| {r['dir']} | {r['process']} | {r['family']} | {r['option']} | {r['margin_ms']:.1f} "
+        wait = "-" if r["wait_ms"] is None else f"{r['wait_ms']:.1f}"
+        lines.append(f"| {r['dir']} | {r['process']} | {r['family']} | {r['option']} | {r['margin_ms']:.1f} | {wait} "
                      f"| {r['host_added_ms']:+.1f} | {r['added_ms']:+.1f} | {r['added_ms'] / r['host_added_ms']:.2f} "
                      f"| {r['pass_ms']:.1f} | {r['host_added_ms'] / r['pass_ms']:.2f} |")
     lines += ["", "| model | margin | rows | added / host added: median (range) | host added / pass's price: median |",
