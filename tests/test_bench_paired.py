@@ -146,3 +146,44 @@ def test_the_fit_recovers_the_overhead_rates_the_added_times_were_made_with(mega
     for line in out[4:6]:  # each offload option priced at the fitted rates is what it measured
         cells = [c.strip() for c in line.split("|")]
         assert cells[7] in ("+0%", "-0%") and cells[9] in ("+0%", "-0%"), line
+
+
+def test_offload_host_reads_where_the_managers_host_work_showed_from_saved_processes(tmp_path):
+    """benchmarks/offload_host.py: per saved offload option, the off steps' margin (step less the host's
+    own time) and recorded wait, the share of the added host work the step paid, and the pass's price of
+    that host work (its group and tensor costs times what the option moves); the shares by margin; the
+    in-step cost a group and a tensor by least squares. Options with recompute, or whose pass did not
+    measure the manager, are left out."""
+    import sys
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        spec = importlib.util.spec_from_file_location("offload_host", REPO / "benchmarks" / "offload_host.py")
+        host = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(host)
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    cost = {"group": 0.5, "tensor": 0.1}
+
+    def saved(option: str, added: float, host_added: float, step: float, marks: dict | None = None) -> dict:
+        cfg = compose("model=moe", "size=tiny", "offload.min_offloaded_tensor_size=0", *(option.split()))
+        return {"option": option, "added_ms": added, "host_added_ms": host_added,
+                "raw": {"cfg": cfg, "off_ms": [step, step], "off_host_ms": [90.0, 90.0], "off_wait_ms": [3.0, 5.0],
+                        "module_times": [{"marks": {"offload_ms": cost} if marks is None else marks}]}}
+
+    rows = [saved("offload=core_attn", 18.0, 20.0, 100.0), saved("offload=expert_fc1", 5.0, 10.0, 150.0),
+            saved("recompute=selective/moe_act offload=core_attn", 30.0, 30.0, 100.0),  # not offload alone
+            saved("offload=moe_act", 5.0, 10.0, 100.0, marks={})]  # the pass did not measure the manager
+    (tmp_path / "run").mkdir()
+    with gzip.open(tmp_path / "run" / "process-0.json.gz", "wt") as f:
+        json.dump(rows, f)
+    read = host.rows([str(tmp_path / "run")])
+    assert [r["option"] for r in read] == ["offload=core_attn", "offload=expert_fc1"]
+    core, fc1 = read
+    groups, tensors = host.moved(rows[0]["raw"]["cfg"])
+    assert groups > 0 and tensors > groups  # core attention moves several tensors a group
+    assert core["margin_ms"] == 10.0 and core["wait_ms"] == 4.0 and fc1["margin_ms"] == 60.0
+    assert core["pass_ms"] == pytest.approx(groups * 0.5 + tensors * 0.1)
+    out = "\n".join(host.report([str(tmp_path / "run")]))
+    assert "| moe | under 40 ms | 1 | 0.90 (0.90-0.90) |" in out and "| moe | 40 ms or more | 1 | 0.50 (0.50-0.50) |" in out
+    assert "least squares over 2 rows" in out and "| run | 0 | moe | offload=core_attn | 10.0 | 4.0 | +20.0 | +18.0 | 0.90 |" in out
