@@ -127,7 +127,7 @@ def measure_option(overrides: list[str], option: str, rounds: int, passes: int =
 
     from recipes.build.compat import cuda_available, seed_model_parallel_rng
     from recipes.config import compose_config
-    from recipes.measure.moduletime import time_modules
+    from recipes.measure.moduletime import note_host_wait, time_modules
     from recipes.measure.offload import CopyTimeline, copy_overlap, host_link_bandwidth
     from recipes.run.trainer import Trainer
 
@@ -168,9 +168,10 @@ def measure_option(overrides: list[str], option: str, rounds: int, passes: int =
         added = sorted(a - b for a, b in zip(on_ms, off_ms))
         module_times = before[0]  # what a sweep's base point records: one pass after its steps
         marks = module_times.get("marks")
-        for timed in before + after:  # each pass with its steps' wait at the grad-norm read, as a sweep's base point
-            if isinstance(timed.get("marks"), dict) and "names" in timed["marks"] and _waits is not None:
-                timed["marks"]["step_host_wait_ms"] = statistics.median(off_wait)
+        if _waits is not None:  # each pass with its steps' wait at the grad-norm read, as a sweep's base point
+            wait = statistics.median(off_wait)
+            for timed in before + after:
+                note_host_wait(timed, wait)
         return {"option": option, "off_ms": statistics.median(off_ms), "on_ms": statistics.median(on_ms),
                 "added_ms": statistics.median(added),
                 "added_iqr_ms": [added[len(added) // 4], added[(3 * len(added)) // 4]],

@@ -289,6 +289,11 @@ def test_the_hosts_wait_at_the_steps_sync_caps_what_the_timeline_hides():
     five = {0: (5.0, 0.0)}  # 5 host ms where the host is 9 ms ahead of the GPU
     assert Timeline.of(marks).added(five) == pytest.approx(0.0)
     assert Timeline.of({**marks, "step_host_wait_ms": 3.0}).added(five) == pytest.approx(2.0)
+    from recipes.measure.moduletime import note_host_wait  # how a run puts its steps' wait there
+
+    noted, failed = {"marks": dict(marks)}, {"marks": {"error": "OutOfMemoryError"}}
+    note_host_wait(noted, 3.0), note_host_wait(failed, 3.0), note_host_wait(None, 3.0)
+    assert Timeline.of(noted["marks"]).added(five) == pytest.approx(2.0) and "step_host_wait_ms" not in failed["marks"]
     assert Timeline.of({**marks, "step_host_wait_ms": 30.0}).added(five) == pytest.approx(0.0)
     # GPU work inserted is the timeline's, whatever the wait; a saving of host time is no cost
     assert Timeline.of({**marks, "step_host_wait_ms": 0.0}).added({0: (0.0, 4.0)}) == pytest.approx(4.0)

@@ -5,11 +5,9 @@ from __future__ import annotations
 from recipes.analyze.candidates import FRAG_FRACTION, FRAG_MIN_GIB
 from recipes.analyze.plan import explain_plan, overrides_of
 from recipes.analyze.report import NOISY_STEPS
-from recipes.files import GIB
+from recipes.files import GIB, MIB
 from recipes.recompute import NO_RECOMPUTE
 from recipes.results import first_sentence
-
-MIB = 2**20
 
 
 def _name(c: dict, choice: dict) -> str:

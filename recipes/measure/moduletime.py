@@ -242,6 +242,15 @@ def _host_cost(measure, spent: dict[str, float], name: str) -> dict | None:
         spent[name] = round(time.perf_counter() - t0, 3)
 
 
+def note_host_wait(module_times: dict | None, wait_ms: float) -> None:
+    """Put the point's measured steps' wait for the GPU at the grad-norm read (``timing.host_wait_s``,
+    ms) on its timeline as ``step_host_wait_ms``, the margin ``recipes.predict.replay.Timeline.added``
+    prices added host work against; nothing where the pass recorded no timeline."""
+    marks = (module_times or {}).get("marks")
+    if isinstance(marks, dict) and "names" in marks:
+        marks["step_host_wait_ms"] = wait_ms
+
+
 def timeline(trainer) -> dict:
     """The marks of a host pass and a GPU pass (``ModuleTimer``): ``names``; ``host_ms`` the host's
     clock at each since the pass began; ``pass_ms`` the host pass from its start to the end of its

@@ -20,7 +20,7 @@ from recipes.files import GIB, write_json_atomic
 from recipes.measure.collections import window_record
 from recipes.measure.flops import step_flops
 from recipes.measure.labels import label_findings
-from recipes.measure.moduletime import time_modules
+from recipes.measure.moduletime import note_host_wait, time_modules
 from recipes.measure.offload import CopyTimeline, copy_overlap, host_link_bandwidth
 from recipes.measure.profile import profile_step
 from recipes.measure.routing import RoutingRecorder
@@ -170,12 +170,10 @@ def record_window(trainer: Trainer, cfg: dict, result: dict, window: Window, lab
         }
     if not trainer.offloading:  # before the profiled step: after it, the host passes read slower (docs/offload-log.md)
         record_module_times(trainer, cfg, result, marks)
-        step_marks = (result.get("module_times") or {}).get("marks")
-        # the margin the timeline's host work is priced against; under pipeline parallelism the host also
-        # waits for its neighbours' sends, a margin this wait does not see, so none is given there
-        if (isinstance(step_marks, dict) and "names" in step_marks and "host_wait_s" in result["timing"]
-                and cfg["parallel"]["pipeline_model_parallel_size"] == 1):
-            step_marks["step_host_wait_ms"] = result["timing"]["host_wait_s"] * 1e3
+        # under pipeline parallelism the host also waits for its neighbours' sends, a margin this wait
+        # does not see, so none is given there
+        if "host_wait_s" in result["timing"] and cfg["parallel"]["pipeline_model_parallel_size"] == 1:
+            note_host_wait(result.get("module_times"), result["timing"]["host_wait_s"] * 1e3)
     keep = trace_path(run_dir, torch.distributed.get_rank()) if cfg["measure"]["trace_step"] and run_dir else None
     if trainer.offloading:
         result.setdefault("offload", {"modules": modules_of(cfg)})
