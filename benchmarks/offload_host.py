@@ -8,7 +8,8 @@ recompute whose pass measured the manager's host cost (``offload_ms``, since 202
 - ``margin ms``: the option's off steps' median of step time less the host's own time (its time to
   return, less its wait at the grad-norm read): how far the host led the GPU, plus the optimizer's
   GPU work left after the host returned; ``wait ms`` that wait alone, where the run recorded it
-  (since 2026-12-05: the margin ``recipes.predict.replay.Timeline.added`` prices against);
+  (since 2026-12-05: the margin ``recipes.predict.replay.Timeline.added`` prices against); ``timeline's
+  lead ms`` how far the pass's timeline puts the GPU behind the host at its last mark;
 - ``host added ms`` and ``added ms``: what the option added to the host's own time and to the step
   (bench_paired's medians), and their ratio, the share of the added host work the step paid;
 - ``pass's price ms``: the same host work as the pass's synthetic measure prices it (a group's cost
@@ -41,6 +42,14 @@ def moved(cfg: dict) -> tuple[int, int]:
     return m * sum(len(t) for t in terms), m * sum(sum(t.values()) for t in terms)
 
 
+def lead(marks: dict) -> float | None:
+    """ms the pass's timeline has the GPU reach its last mark after the host issued it (None without one)."""
+    from recipes.predict.replay import Timeline
+
+    timeline = Timeline.of(marks)
+    return None if timeline is None else timeline.finish() - timeline.host[-1]
+
+
 def rows(dirs: list[str]) -> list[dict]:
     from benchmarks.bench_paired import saved
     from recipes.offload import modules_of
@@ -58,6 +67,7 @@ def rows(dirs: list[str]) -> list[dict]:
                         "option": r["option"], "groups": groups, "tensors": tensors,
                         "margin_ms": statistics.median(s - h for s, h in zip(raw["off_ms"], raw["off_host_ms"])),
                         "wait_ms": statistics.median(raw["off_wait_ms"]) if raw.get("off_wait_ms") else None,
+                        "lead_ms": lead(marks),
                         "host_added_ms": r["host_added_ms"], "added_ms": r["added_ms"],
                         "pass_ms": groups * cost["group"] + tensors * cost["tensor"], "cost": cost})
     return out
@@ -67,11 +77,11 @@ def report(dirs: list[str]) -> list[str]:
     import numpy as np
 
     every = rows(dirs)
-    lines = ["| run | process | model | option | margin ms | wait ms | host added ms | added ms | added / host added "
-             "| pass's price ms | host added / pass's |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| run | process | model | option | margin ms | wait ms | timeline's lead ms | host added ms | added ms "
+             "| added / host added | pass's price ms | host added / pass's |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in every:
-        wait = "-" if r["wait_ms"] is None else f"{r['wait_ms']:.1f}"
-        lines.append(f"| {r['dir']} | {r['process']} | {r['family']} | {r['option']} | {r['margin_ms']:.1f} | {wait} "
+        wait, ahead = ("-" if v is None else f"{v:.1f}" for v in (r["wait_ms"], r["lead_ms"]))
+        lines.append(f"| {r['dir']} | {r['process']} | {r['family']} | {r['option']} | {r['margin_ms']:.1f} | {wait} | {ahead} "
                      f"| {r['host_added_ms']:+.1f} | {r['added_ms']:+.1f} | {r['added_ms'] / r['host_added_ms']:.2f} "
                      f"| {r['pass_ms']:.1f} | {r['host_added_ms'] / r['pass_ms']:.2f} |")
     lines += ["", "| model | margin | rows | added / host added: median (range) | host added / pass's price: median |",

@@ -184,6 +184,8 @@ def test_offload_host_reads_where_the_managers_host_work_showed_from_saved_proce
     assert groups > 0 and tensors > groups  # core attention moves several tensors a group
     assert core["margin_ms"] == 10.0 and core["wait_ms"] == 4.0 and fc1["margin_ms"] == 60.0
     assert core["pass_ms"] == pytest.approx(groups * 0.5 + tensors * 0.1)
+    assert core["lead_ms"] is None  # no timeline in this pass; a timeline's: its GPU's lag at the last mark
+    assert host.lead({"names": ["a", "b"], "host_ms": [0.0, 1.0], "gpu_ms": [0.0, 5.0]}) == pytest.approx(4.0)
     out = "\n".join(host.report([str(tmp_path / "run")]))
     assert "| moe | under 40 ms | 1 | 0.90 (0.90-0.90) |" in out and "| moe | 40 ms or more | 1 | 0.50 (0.50-0.50) |" in out
-    assert "least squares over 2 rows" in out and "| run | 0 | moe | offload=core_attn | 10.0 | 4.0 | +20.0 | +18.0 | 0.90 |" in out
+    assert "least squares over 2 rows" in out and "| run | 0 | moe | offload=core_attn | 10.0 | 4.0 | - | +20.0 | +18.0 | 0.90 |" in out
