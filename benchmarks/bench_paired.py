@@ -90,6 +90,26 @@ def _device_allocs() -> tuple[int, int]:
     return stats.get("num_device_alloc", 0), stats.get("num_device_free", 0)
 
 
+def manager_calls(trainer, cuda: bool) -> dict:
+    """Where the offload manager's host time goes in a step, method by method
+    (``recipes.measure.offload.ManagerCalls``): one step with the option on and one with it switched
+    off, each with the host's own ms, and the planner's synthetic groups measured the same way
+    (``recipes.measure.regions.offload_calls``)."""
+    import torch
+
+    from recipes.measure.offload import ManagerCalls
+    from recipes.measure.regions import offload_calls
+
+    out = {}
+    for name, block in (("on", contextlib.nullcontext), ("off", partial(switched_off, trainer))):
+        host: list[float] = []
+        with block(), ManagerCalls() as timed:
+            _timed_step(trainer, cuda, host)
+        out[name] = {**timed.summary(), "host_ms": host[0]}
+    out["synthetic"] = offload_calls(torch.device("cuda" if cuda else "cpu"))
+    return out
+
+
 def option_overrides(option: str) -> list[str]:
     """``full`` -> ``recompute=full``; ``offload=core_attn recompute=selective/layernorm`` -> its overrides."""
     return option.split() if "=" in option else [f"recompute={option}"]
@@ -154,11 +174,12 @@ def measure_option(overrides: list[str], option: str, rounds: int, passes: int =
                             off_ms.append(_timed_step(trainer, cuda, off_host, off_allocs, off_wait))
         with off():
             after = [time_modules(trainer) for _ in range(passes - 1)]
-        clock = {}
+        clock, calls = {}, None
         if trainer.offloading:  # one more step, unprofiled: the copies and where compute stood still for reloads
             with CopyTimeline() as timeline:
                 _timed_step(trainer, cuda)
             clock = timeline.summary()
+            calls = manager_calls(trainer, cuda)
         exposed = None
         keep = Path(trace) if trace and trainer.offloading else None
         if trainer.offloading and (overlap := copy_overlap(trainer.step, keep)) is not None:
@@ -180,6 +201,7 @@ def measure_option(overrides: list[str], option: str, rounds: int, passes: int =
                 **({"reload_waits": clock["reload_waits"], "copies": clock.get("copies"),
                     "strided_out": clock.get("strided_out"),
                     "reload_wait_ms": None if (w := clock["reload_wait_s"]) is None else w * 1e3} if clock else {}),
+                **({"manager_calls": calls} if calls else {}),
                 "priced_on": "timeline" if isinstance(marks, dict) and "names" in marks else "module times",
                 "host_pass_ms": marks.get("pass_ms") if isinstance(marks, dict) else None,
                 "raw": {"cfg": cfg, "on_ms": on_ms, "off_ms": off_ms, "on_host_ms": on_host, "off_host_ms": off_host,
@@ -289,6 +311,36 @@ def step_copy_rows(rows: list[tuple[int, dict]]) -> list[str]:
     return [STEP_COPY_HEADER, *out, ""] if out else []
 
 
+CALLS_HEADER = ("| process | option | groups moved | tensors saved | manager ms: on / off | host added ms "
+                "| per moved group: step / synthetic | most self ms: step (synthetic, per group) |"
+                "\n|---|---|---|---|---|---|---|---|")
+
+
+def calls_rows(rows: list[tuple[int, dict]]) -> list[str]:
+    """Where a process timed its offload manager method by method (``manager_calls``): the host ms spent
+    in it with the option on and off, the host's own step time they added, and per moved group the
+    step's against the synthetic groups' the planner prices from, with the three methods that took most."""
+    out = []
+    for n, r in rows:
+        calls = r.get("manager_calls")
+        if not calls:
+            continue
+        on, off, syn = calls["on"], calls["off"], calls.get("synthetic")
+        moved = on["methods"].get("ChunkOffloadHandler.bulk_offload_group", [0])[0]
+        saved_ = on["methods"].get("ChunkOffloadHandler.tensor_push", [0])[0]
+        per = (on["total_ms"] - off["total_ms"]) / moved if moved else None
+        syn_moved = syn["methods"].get("ChunkOffloadHandler.bulk_offload_group", [0])[0] if syn else 0
+        syn_per = syn["total_ms"] / syn_moved if syn_moved else None
+        top = sorted(on["methods"].items(), key=lambda kv: -kv[1][1])[:3]
+        syn_methods = (syn or {}).get("methods", {})
+        shares = {k: f"{syn_methods[k][1] / syn_moved:.2f}" if k in syn_methods and syn_moved else "-" for k, _ in top}
+        most = "; ".join(f"{k.split('.')[-1]} {v[1]:.1f} ({shares[k]})" for k, v in top)
+        fmt = lambda x: f"{x:.2f}" if x is not None else "-"  # noqa: E731
+        out.append(f"| {n} | {r['option']} | {moved} | {saved_} | {on['total_ms']:.1f} / {off['total_ms']:.1f} "
+                   f"| {on['host_ms'] - off['host_ms']:+.1f} | {fmt(per)} / {fmt(syn_per)} | {most} |")
+    return [CALLS_HEADER, *out, ""] if out else []
+
+
 def summary(rows: dict[tuple[str, str], list[dict]]) -> list[str]:
     """Per (model, option): the processes' added ms and prices, their medians, and the median price
     of every module-time pass they recorded."""
@@ -319,7 +371,7 @@ def table(dirs: list[str]) -> None:
             rows.setdefault((r["raw"]["cfg"]["model"]["family"], r["option"]), []).append(r)
             print(row(n, r))
         print()
-        for line in copy_rows(numbered) + step_copy_rows(numbered):
+        for line in copy_rows(numbered) + step_copy_rows(numbered) + calls_rows(numbered):
             print(line)
     print("\n".join(summary(rows)))
 
@@ -426,7 +478,7 @@ def main() -> None:
             numbered.append((n, r))
             print(row(n, r), flush=True)
     print()
-    for line in copy_rows(numbered) + step_copy_rows(numbered):
+    for line in copy_rows(numbered) + step_copy_rows(numbered) + calls_rows(numbered):
         print(line)
     print("\n".join(summary(rows)))
 

@@ -95,6 +95,17 @@ def test_an_offload_option_is_priced_with_its_copies_and_listed_apart(megatron_w
     cfg = r["raw"]["cfg"]
     moved = sum(predict(cfg, "cpu")["host_groups_per_layer"]) * num_microbatches(cfg)
     assert r["reload_waits"] == moved > 0 and r["reload_wait_ms"] is None
+    # the manager timed method by method: on, every moved group's copy out and reload; paused, none; the
+    # synthetic groups the planner prices from, timed the same way (3 of their 4 moved)
+    calls = r["manager_calls"]
+    on, off, synthetic = (calls[k]["methods"] for k in ("on", "off", "synthetic"))
+    for group_call in ("ChunkOffloadHandler.bulk_offload_group", "ChunkOffloadHandler.bulk_reload_group"):
+        assert on[group_call][0] == moved and group_call not in off and synthetic[group_call][0] == 3
+    assert calls["on"]["total_ms"] > calls["off"]["total_ms"] >= 0
+    assert all(n > 0 and 0 <= own <= inclusive for n, own, inclusive in on.values())
+    assert calls["on"]["total_ms"] == pytest.approx(sum(v[1] for v in on.values()), abs=1e-3)
+    row = bench.calls_rows([(0, r)])[1]
+    assert row.startswith(f"| 0 | {option} | {moved} | {on['ChunkOffloadHandler.tensor_push'][0]} |")
     assert bench.reprice(r)["priced_ms"] == r["priced_ms"]
     lines = bench.copy_rows([(0, r)])
     assert lines[0] == bench.COPY_HEADER and lines[1].startswith(f"| 0 | {option} | - |")

@@ -124,5 +124,14 @@ def test_offload_host_ms_moves_groups_through_megatrons_manager(megatron_world, 
     warm = regions.OFFLOAD_GROUPS + 1  # the warm-up step moves every group, the last one too
     per_variant = warm + (repeats + 3) * regions.OFFLOAD_GROUPS  # then 3 untimed and the timed repetitions
     assert tensors == [few] * per_variant + [many] * per_variant
+    # the same groups timed method by method: each moved group copied out and reloaded once
+    tensors.clear()
+    calls = regions.offload_calls(torch.device("cpu"))
+    assert fgo.PipelineOffloadManager.OFFLOAD_MGR is model_manager
+    assert tensors == [many] * (warm + regions.OFFLOAD_GROUPS)  # its warm-up step, then the timed one
+    for method in ("bulk_offload_group", "bulk_reload_group"):
+        assert calls["methods"][f"ChunkOffloadHandler.{method}"][0] == regions.OFFLOAD_GROUPS
+    assert calls["methods"]["ChunkOffloadHandler.tensor_push"][0] == calls["groups"] * many
     monkeypatch.setattr("recipes.build.offload.copy_streams_ready", lambda device: False)
     assert regions.offload_host_ms(torch.device("cpu"), repeats=2) is None
+    assert regions.offload_calls(torch.device("cpu")) is None

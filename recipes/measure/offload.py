@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from pathlib import Path
 from typing import Protocol
@@ -238,3 +239,79 @@ def copy_overlap(step, keep: Path | None = None) -> tuple[dict, dict] | None:
     if summary is None:
         return None
     return dict(summary["copies"]), summary
+
+
+# --- Where the manager's host time goes ------------------------------------------------------------
+#: The manager's methods ``ManagerCalls`` times, by class: each group's commit and reload, the saved-tensor
+#: hooks (``tensor_push``, ``tensor_pop``), the copies' issue, the chunk handlers' set-up and the autograd
+#: functions that mark where each group begins and ends.
+MANAGER_METHODS = {
+    "ChunkOffloadHandler": ("tensor_push", "tensor_pop", "tensor_need_offloading_checker", "offload", "reload",
+                            "bulk_offload_group", "bulk_reload_group", "bulk_offload", "bulk_reload",
+                            "on_group_commit_forward", "on_group_start_forward", "on_group_commit_backward",
+                            "on_group_start_backward"),
+    "PipelineOffloadManager": ("__enter__", "__exit__", "init_model_chunk_offload_handler", "reset",
+                               "flush_delayed_groups", "push_offload_groups"),
+    "FineGrainedActivationOffloadingInterface": ("__enter__", "__exit__", "group_offload", "init_chunk_handler"),
+    "OffloadTensorGroup": ("wait_reload_event",),
+    "FineGrainedOffloadingGroupCommitFunction": ("forward", "backward"),
+    "FineGrainedOffloadingGroupStartFunction": ("forward", "backward"),
+}
+
+
+class ManagerCalls:
+    """While entered, times each call of megatron's offload manager's methods (``MANAGER_METHODS``) on
+    the host: its calls and its own ms (``self``: less the timed methods it called), per method, on
+    whichever thread runs it (the backward's run on autograd's). ``summary()`` gives
+    {"Class.method": [calls, self ms, inclusive ms]} and ``total_ms``, the sum of the self times: all
+    the host time spent inside the manager. What a step's offload costs the host, method by method,
+    against what ``recipes.measure.regions.offload_host_ms`` measures on its synthetic groups."""
+
+    def __enter__(self) -> ManagerCalls:
+        import inspect
+        import threading
+
+        from megatron.core.pipeline_parallel import fine_grained_activation_offload as fgo
+
+        self.calls: Counter = Counter()
+        self.self_ms: Counter = Counter()
+        self.inclusive_ms: Counter = Counter()
+        self._undo, local, calls = [], threading.local(), self
+
+        def timed(key, plain):
+            def call(*args, **kwargs):
+                stack = getattr(local, "stack", None)
+                if stack is None:
+                    stack = local.stack = []
+                stack.append(0.0)  # the time of timed calls inside this one
+                start = time.perf_counter()
+                try:
+                    return plain(*args, **kwargs)
+                finally:
+                    spent = (time.perf_counter() - start) * 1e3
+                    inner = stack.pop()
+                    if stack:
+                        stack[-1] += spent
+                    calls.calls[key] += 1
+                    calls.self_ms[key] += spent - inner
+                    calls.inclusive_ms[key] += spent
+            return call
+
+        for cls_name, methods in MANAGER_METHODS.items():
+            cls = getattr(fgo, cls_name)
+            for name in methods:
+                static = inspect.getattr_static(cls, name)
+                plain = getattr(cls, name)
+                wrapped = timed(f"{cls_name}.{name}", plain)
+                setattr(cls, name, staticmethod(wrapped) if isinstance(static, staticmethod) else wrapped)
+                self._undo.append((cls, name, static))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for owner, name, value in reversed(self._undo):
+            setattr(owner, name, value)
+
+    def summary(self) -> dict:
+        return {"methods": {k: [n, round(self.self_ms[k], 4), round(self.inclusive_ms[k], 4)]
+                            for k, n in sorted(self.calls.items())},
+                "total_ms": round(sum(self.self_ms.values()), 4)}

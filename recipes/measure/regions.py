@@ -116,44 +116,75 @@ def offload_host_ms(device: torch.device, repeats: int = REPEATS) -> dict[str, f
     waited for: the stream is drained before each repetition. Uses a manager of its own and puts the
     model's back after; None where this machine has no copy streams (a CPU without the emulation,
     ``recipes.build.offload``)."""
-    from megatron.core.pipeline_parallel.fine_grained_activation_offload import (
-        FineGrainedActivationOffloadingInterface as off_interface,
-    )
-    from megatron.core.pipeline_parallel.fine_grained_activation_offload import PipelineOffloadManager
-
     from recipes.build.offload import copy_streams_ready
 
     if not copy_streams_ready(device):
         return None
     x = torch.randn(512, 512, device=device, requires_grad=True)  # 1 MiB fp32: above any size floor
+    per_group = {}
+    with _own_manager() as fresh:
+        for tensors in OFFLOAD_TENSORS:
+            _synthetic_step(x, True, tensors)  # the manager's warm-up step plans its groups
+            moved = _host_ms(partial(_synthetic_step, x, True, tensors), device, repeats)
+            per_group[tensors] = (moved - _host_ms(partial(_synthetic_step, x, False, tensors), device, repeats)
+                                  ) / OFFLOAD_GROUPS
+            fresh()  # each variant plans afresh
+    few, many = OFFLOAD_TENSORS
+    tensor = max((per_group[many] - per_group[few]) / (many - few), 0.0)
+    return {"group": round(max(per_group[few] - few * tensor, 0.0), 4), "tensor": round(tensor, 4)}
 
-    def step(offload: bool, tensors: int) -> None:
-        off_interface.init_chunk_handler(pp_rank=0, vp_size=None, vp_stage=None, min_offloaded_tensor_size=0,
-                                         delta_offload_bytes_across_pp_ranks=0, activation_offload_fraction=1.0)
-        h = x
-        for _ in range(OFFLOAD_GROUPS + 1):
-            group = off_interface(offload, h, "core_attn")
-            with group as h:
-                for _ in range(tensors):
-                    h = torch.sigmoid(h)  # saves its output
-            h = group.group_offload(h, forced_released_tensors=[])
-        h.sum().backward()
-        off_interface.reset()
+
+def offload_calls(device: torch.device) -> dict | None:
+    """``offload_host_ms``'s synthetic step with 4 tensors a group, once more after the manager's
+    warm-up, with the manager's methods timed (``recipes.measure.offload.ManagerCalls.summary``): what
+    its groups cost method by method, beside a real step's. None where ``offload_host_ms`` is."""
+    from recipes.build.offload import copy_streams_ready
+    from recipes.measure.offload import ManagerCalls
+
+    if not copy_streams_ready(device):
+        return None
+    x = torch.randn(512, 512, device=device, requires_grad=True)
+    with _own_manager():
+        _synthetic_step(x, True, OFFLOAD_TENSORS[-1])
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        with ManagerCalls() as calls:
+            _synthetic_step(x, True, OFFLOAD_TENSORS[-1])
+    return {**calls.summary(), "groups": OFFLOAD_GROUPS + 1, "tensors_per_group": OFFLOAD_TENSORS[-1]}
+
+
+def _synthetic_step(x: torch.Tensor, offload: bool, tensors: int) -> None:
+    """``OFFLOAD_GROUPS`` + 1 groups through megatron's offload interface, each saving ``tensors``
+    outputs of a sigmoid, then their backward (the manager keeps the last group)."""
+    from megatron.core.pipeline_parallel.fine_grained_activation_offload import (
+        FineGrainedActivationOffloadingInterface as off_interface,
+    )
+
+    off_interface.init_chunk_handler(pp_rank=0, vp_size=None, vp_stage=None, min_offloaded_tensor_size=0,
+                                     delta_offload_bytes_across_pp_ranks=0, activation_offload_fraction=1.0)
+    h = x
+    for _ in range(OFFLOAD_GROUPS + 1):
+        group = off_interface(offload, h, "core_attn")
+        with group as h:
+            for _ in range(tensors):
+                h = torch.sigmoid(h)  # saves its output
+        h = group.group_offload(h, forced_released_tensors=[])
+    h.sum().backward()
+    off_interface.reset()
+
+
+@contextmanager
+def _own_manager():
+    """A fresh offload manager for the block, the model's put back after; yields a function that
+    starts another fresh one."""
+    from megatron.core.pipeline_parallel.fine_grained_activation_offload import PipelineOffloadManager
 
     model_manager = PipelineOffloadManager.OFFLOAD_MGR
     PipelineOffloadManager.reset_instance()
     try:
-        per_group = {}
-        for tensors in OFFLOAD_TENSORS:
-            step(True, tensors)  # the manager's warm-up step plans its groups
-            moved = _host_ms(partial(step, True, tensors), device, repeats)
-            per_group[tensors] = (moved - _host_ms(partial(step, False, tensors), device, repeats)) / OFFLOAD_GROUPS
-            PipelineOffloadManager.reset_instance()  # each variant plans afresh
+        yield PipelineOffloadManager.reset_instance
     finally:
         PipelineOffloadManager.OFFLOAD_MGR = model_manager
-    few, many = OFFLOAD_TENSORS
-    tensor = max((per_group[many] - per_group[few]) / (many - few), 0.0)
-    return {"group": round(max(per_group[few] - few * tensor, 0.0), 4), "tensor": round(tensor, 4)}
 
 
 @contextmanager
