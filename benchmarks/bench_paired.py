@@ -110,6 +110,22 @@ def manager_calls(trainer, cuda: bool) -> dict:
     return out
 
 
+def gpu_work(trainer) -> dict:
+    """The GPU's side of the option: one step on and one switched off, each under torch's profiler
+    recording CUDA activity only (``recipes.measure.steptrace.trace_step``): the compute kernels' busy
+    ms, the GPU's busy ms (copies too) and its idle ms within the step's span, and the kernels that took
+    most. Where the option's added step time is more than its kernels added, the GPU waited for the host."""
+    from recipes.measure.steptrace import trace_step
+
+    out = {}
+    for name, block in (("on", contextlib.nullcontext), ("off", partial(switched_off, trainer))):
+        with block():
+            s = trace_step(trainer.step, host=False)
+        out[name] = {"kernel_busy_ms": s["kernel_busy_s"] * 1e3, "gpu_busy_ms": s["gpu_busy_s"] * 1e3,
+                     "gpu_idle_ms": s["gpu_idle_s"] * 1e3, "kernels": s["kernels"]}
+    return out
+
+
 def option_overrides(option: str) -> list[str]:
     """``full`` -> ``recompute=full``; ``offload=core_attn recompute=selective/layernorm`` -> its overrides."""
     return option.split() if "=" in option else [f"recompute={option}"]
@@ -180,6 +196,7 @@ def measure_option(overrides: list[str], option: str, rounds: int, passes: int =
                 _timed_step(trainer, cuda)
             clock = timeline.summary()
             calls = manager_calls(trainer, cuda)
+        gpu = gpu_work(trainer) if cuda else None
         exposed = None
         keep = Path(trace) if trace and trainer.offloading else None
         if trainer.offloading and (overlap := copy_overlap(trainer.step, keep)) is not None:
@@ -201,7 +218,7 @@ def measure_option(overrides: list[str], option: str, rounds: int, passes: int =
                 **({"reload_waits": clock["reload_waits"], "copies": clock.get("copies"),
                     "strided_out": clock.get("strided_out"),
                     "reload_wait_ms": None if (w := clock["reload_wait_s"]) is None else w * 1e3} if clock else {}),
-                **({"manager_calls": calls} if calls else {}),
+                **({"manager_calls": calls} if calls else {}), **({"gpu_work": gpu} if gpu else {}),
                 "priced_on": "timeline" if isinstance(marks, dict) and "names" in marks else "module times",
                 "host_pass_ms": marks.get("pass_ms") if isinstance(marks, dict) else None,
                 "raw": {"cfg": cfg, "on_ms": on_ms, "off_ms": off_ms, "on_host_ms": on_host, "off_host_ms": off_host,
@@ -311,6 +328,28 @@ def step_copy_rows(rows: list[tuple[int, dict]]) -> list[str]:
     return [STEP_COPY_HEADER, *out, ""] if out else []
 
 
+GPU_HEADER = ("| process | option | added ms | kernels busy ms: on / off | kernels added ms | GPU idle ms: on / off "
+              "| the kernels that grew most, ms |\n|---|---|---|---|---|---|---|")
+
+
+def gpu_rows(rows: list[tuple[int, dict]]) -> list[str]:
+    """Where a process profiled the GPU's side of its option (``gpu_work``): what its kernels added
+    beside what its step added, and the GPU's idle time each way."""
+    out = []
+    for n, r in rows:
+        gpu = r.get("gpu_work")
+        if not gpu:
+            continue
+        on, off = gpu["on"], gpu["off"]
+        before = {k["name"]: k["ms"] for k in off["kernels"]}
+        grew = sorted(((k["ms"] - before.get(k["name"], 0.0), k["name"]) for k in on["kernels"]), reverse=True)[:2]
+        grew = "; ".join(f"{name[:40]} {ms:+.1f}" for ms, name in grew if ms > 0.05) or "-"
+        out.append(f"| {n} | {r['option']} | {r['added_ms']:+.1f} | {on['kernel_busy_ms']:.1f} / {off['kernel_busy_ms']:.1f} "
+                   f"| {on['kernel_busy_ms'] - off['kernel_busy_ms']:+.1f} | {on['gpu_idle_ms']:.1f} / {off['gpu_idle_ms']:.1f} "
+                   f"| {grew} |")
+    return [GPU_HEADER, *out, ""] if out else []
+
+
 CALLS_HEADER = ("| process | option | groups moved | tensors saved | manager ms: on / off | host added ms "
                 "| per moved group: step / synthetic | most self ms: step (synthetic, per group) |"
                 "\n|---|---|---|---|---|---|---|---|")
@@ -371,7 +410,7 @@ def table(dirs: list[str]) -> None:
             rows.setdefault((r["raw"]["cfg"]["model"]["family"], r["option"]), []).append(r)
             print(row(n, r))
         print()
-        for line in copy_rows(numbered) + step_copy_rows(numbered) + calls_rows(numbered):
+        for line in copy_rows(numbered) + step_copy_rows(numbered) + calls_rows(numbered) + gpu_rows(numbered):
             print(line)
     print("\n".join(summary(rows)))
 
@@ -478,7 +517,7 @@ def main() -> None:
             numbered.append((n, r))
             print(row(n, r), flush=True)
     print()
-    for line in copy_rows(numbered) + step_copy_rows(numbered) + calls_rows(numbered):
+    for line in copy_rows(numbered) + step_copy_rows(numbered) + calls_rows(numbered) + gpu_rows(numbered):
         print(line)
     print("\n".join(summary(rows)))
 

@@ -200,3 +200,16 @@ def test_offload_host_reads_where_the_managers_host_work_showed_from_saved_proce
     out = "\n".join(host.report([str(tmp_path / "run")]))
     assert "| moe | under 40 ms | 1 | 0.90 (0.90-0.90) |" in out and "| moe | 40 ms or more | 1 | 0.50 (0.50-0.50) |" in out
     assert "least squares over 2 rows" in out and "| run | 0 | moe | offload=core_attn | 10.0 | 4.0 | - | +20.0 | +18.0 | 0.90 |" in out
+
+
+def test_the_gpu_side_of_an_option_is_tabled_beside_its_added_time():
+    """gpu_rows: the kernels' busy time on and off and what they added, the GPU's idle time, and the
+    kernels that grew; a process that profiled nothing (a CPU) has no row."""
+    bench = _bench()
+    kernels = lambda norm: [{"name": "rms_norm", "ms": norm, "calls": 64}, {"name": "gemm", "ms": 200.0, "calls": 9}]  # noqa: E731
+    r = {"option": "selective/layernorm", "added_ms": 4.7,
+         "gpu_work": {"on": {"kernel_busy_ms": 252.0, "gpu_busy_ms": 253.0, "gpu_idle_ms": 20.0, "kernels": kernels(3.4)},
+                      "off": {"kernel_busy_ms": 250.0, "gpu_busy_ms": 251.0, "gpu_idle_ms": 17.5, "kernels": kernels(1.7)}}}
+    lines = bench.gpu_rows([(2, r), (3, {"option": "full", "added_ms": 1.0})])
+    assert lines[0] == bench.GPU_HEADER and len(lines) == 3
+    assert lines[1] == "| 2 | selective/layernorm | +4.7 | 252.0 / 250.0 | +2.0 | 20.0 / 17.5 | rms_norm +1.7 |"
