@@ -175,11 +175,11 @@ def _is_server_of(proc: Path, parent: int) -> bool:
 def test_only_sweep_points_of_one_local_process_fork(monkeypatch):
     from conftest import compose
 
-    from recipes.run import controller
+    from recipes.run import multirun, workers
 
-    monkeypatch.setattr(controller, "in_multirun", lambda: True)
-    assert controller.uses_fork_server(compose())
-    assert not controller.uses_fork_server(compose("fork_server=false"))
-    assert not controller.uses_fork_server(compose("parallel=dp2"))
-    monkeypatch.setattr(controller, "in_multirun", lambda: False)
-    assert not controller.uses_fork_server(compose())  # one run: nothing to share the imports with
+    monkeypatch.setattr(multirun, "in_multirun", lambda: True)
+    assert workers.uses_fork_server(compose())
+    assert not workers.uses_fork_server(compose("fork_server=false"))
+    assert not workers.uses_fork_server(compose("parallel=dp2"))
+    monkeypatch.setattr(multirun, "in_multirun", lambda: False)
+    assert not workers.uses_fork_server(compose())  # one run: nothing to share the imports with

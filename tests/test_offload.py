@@ -504,7 +504,7 @@ def test_one_hardware_queue_is_asked_for_only_under_tensor_parallelism(monkeypat
     the compute stream (measured on the H200: docs/offload-log.md). megatron needs it for TP's comm order."""
     from conftest import compose
 
-    from recipes.run.controller import worker_environment
+    from recipes.run.workers import worker_environment
 
     monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
     assert "CUDA_DEVICE_MAX_CONNECTIONS" not in worker_environment(compose("offload=core_attn"))

@@ -204,7 +204,7 @@ def test_torchrun_commands():
 def test_a_single_process_worker_binds_its_own_free_port(monkeypatch):
     """One process: MASTER_PORT=0, so its store binds a free port when it starts (a port picked by the
     controller could be taken by another process meanwhile); several processes: torchrun's."""
-    from recipes.run.controller import worker_environment
+    from recipes.run.workers import worker_environment
 
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)

@@ -228,7 +228,7 @@ def test_a_sweep_knows_every_points_recompute_before_its_first():
     params and the command line), so the first point can start what a later one needs."""
     from omegaconf import OmegaConf
 
-    from recipes.run.controller import swept_recompute
+    from recipes.run.multirun import swept_recompute
     from recipes.validate.share_storage import share_storage_labels
 
     plain = compose("recompute=none")
@@ -247,13 +247,13 @@ def test_a_sweep_knows_every_points_recompute_before_its_first():
                                                     ("selective/mlp", 0, False)])
 def test_a_gpu_run_that_recomputes_without_output_builds_megatrons_extension_ahead(monkeypatch, recompute, gpus,
                                                                                      started):
-    from recipes.run import controller
+    from recipes.run import workers
 
     calls = []
-    monkeypatch.setattr(controller, "SHARE_STORAGE_BUILD", {})
-    monkeypatch.setattr(controller, "gpu_count", lambda: gpus)
-    monkeypatch.setattr(controller, "start_share_storage_build", lambda env: calls.append(env) or "proc")
+    monkeypatch.setattr(workers, "SHARE_STORAGE_BUILD", {})
+    monkeypatch.setattr(workers, "gpu_count", lambda: gpus)
+    monkeypatch.setattr(workers, "start_share_storage_build", lambda env: calls.append(env) or "proc")
     plain = compose(f"recompute={recompute}")
-    controller.build_share_storage_ahead(plain, {"X": "1"})
-    controller.build_share_storage_ahead(plain, {"X": "1"})  # once a controller
+    workers.build_share_storage_ahead(plain, {"X": "1"})
+    workers.build_share_storage_ahead(plain, {"X": "1"})  # once a controller
     assert calls == ([{"X": "1"}] if started else [])
