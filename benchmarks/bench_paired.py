@@ -28,8 +28,11 @@ measured (``recipes.measure.offload.host_link_bandwidth``, the slower direction)
 runs two more steps after its rounds: one timing where compute waits for each reload
 (``recipes.measure.offload.CopyTimeline``: ``reload waits ms``, against the price's stall), and one
 profiled, the copies' time with no kernel beside them (``exposed ms``; the profiler slows the host, and
-with it the forward the copies hide under). On a CPU it runs, for tests, at whatever size is given;
-times mean nothing there.
+with it the forward the copies hide under). It then times the offload manager method by method in a
+step on and one off (``recipes.measure.offload.ManagerCalls``, beside the planner's synthetic groups
+timed the same way), and for every option profiles the GPU alone in a step on and one off: what the
+kernels added beside what the step added (where the step grew by more, the GPU waited for the host).
+On a CPU it runs, for tests, at whatever size is given; times mean nothing there.
 """
 
 from __future__ import annotations
