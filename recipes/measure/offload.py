@@ -15,6 +15,8 @@
 
 from __future__ import annotations
 
+import inspect
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -268,9 +270,6 @@ class ManagerCalls:
     against what ``recipes.measure.regions.offload_host_ms`` measures on its synthetic groups."""
 
     def __enter__(self) -> ManagerCalls:
-        import inspect
-        import threading
-
         from megatron.core.pipeline_parallel import fine_grained_activation_offload as fgo
 
         self.calls: Counter = Counter()
