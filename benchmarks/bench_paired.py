@@ -93,6 +93,12 @@ def _device_allocs() -> tuple[int, int]:
     return stats.get("num_device_alloc", 0), stats.get("num_device_free", 0)
 
 
+def each_way(trainer) -> tuple:
+    """("on", the option as built) and ("off", ``switched_off``): the blocks a one-step measurement
+    runs under, each way."""
+    return ("on", contextlib.nullcontext), ("off", partial(switched_off, trainer))
+
+
 def manager_calls(trainer, cuda: bool) -> dict:
     """Where the offload manager's host time goes in a step, method by method
     (``recipes.measure.offload.ManagerCalls``): one step with the option on and one with it switched
@@ -104,7 +110,7 @@ def manager_calls(trainer, cuda: bool) -> dict:
     from recipes.measure.regions import offload_calls
 
     out = {}
-    for name, block in (("on", contextlib.nullcontext), ("off", partial(switched_off, trainer))):
+    for name, block in each_way(trainer):
         host: list[float] = []
         with block(), ManagerCalls() as timed:
             _timed_step(trainer, cuda, host)
@@ -117,11 +123,12 @@ def gpu_work(trainer) -> dict:
     """The GPU's side of the option: one step on and one switched off, each under torch's profiler
     recording CUDA activity only (``recipes.measure.steptrace.trace_step``): the compute kernels' busy
     ms, the GPU's busy ms (copies too) and its idle ms within the step's span, and the kernels that took
-    most. Where the option's added step time is more than its kernels added, the GPU waited for the host."""
+    most (``steptrace.TOP_KERNELS`` of them: a kernel the option adds shows where it is among those).
+    Where the option's added step time is more than its kernels added, the GPU waited for the host."""
     from recipes.measure.steptrace import trace_step
 
     out = {}
-    for name, block in (("on", contextlib.nullcontext), ("off", partial(switched_off, trainer))):
+    for name, block in each_way(trainer):
         with block():
             s = trace_step(trainer.step, host=False)
         out[name] = {"kernel_busy_ms": s["kernel_busy_s"] * 1e3, "gpu_busy_ms": s["gpu_busy_s"] * 1e3,
