@@ -116,11 +116,9 @@ def offload_host_ms(device: torch.device, repeats: int = REPEATS) -> dict[str, f
     waited for: the stream is drained before each repetition. Uses a manager of its own and puts the
     model's back after; None where this machine has no copy streams (a CPU without the emulation,
     ``recipes.build.offload``)."""
-    from recipes.build.offload import copy_streams_ready
-
-    if not copy_streams_ready(device):
+    x = _synthetic_input(device)
+    if x is None:
         return None
-    x = torch.randn(512, 512, device=device, requires_grad=True)  # 1 MiB fp32: above any size floor
     per_group = {}
     with _own_manager() as fresh:
         for tensors in OFFLOAD_TENSORS:
@@ -138,12 +136,11 @@ def offload_calls(device: torch.device) -> dict | None:
     """``offload_host_ms``'s synthetic step with 4 tensors a group, once more after the manager's
     warm-up, with the manager's methods timed (``recipes.measure.offload.ManagerCalls.summary``): what
     its groups cost method by method, beside a real step's. None where ``offload_host_ms`` is."""
-    from recipes.build.offload import copy_streams_ready
     from recipes.measure.offload import ManagerCalls
 
-    if not copy_streams_ready(device):
+    x = _synthetic_input(device)
+    if x is None:
         return None
-    x = torch.randn(512, 512, device=device, requires_grad=True)
     with _own_manager():
         _synthetic_step(x, True, OFFLOAD_TENSORS[-1])
         if device.type == "cuda":
@@ -151,6 +148,14 @@ def offload_calls(device: torch.device) -> dict | None:
         with ManagerCalls() as calls:
             _synthetic_step(x, True, OFFLOAD_TENSORS[-1])
     return {**calls.summary(), "groups": OFFLOAD_GROUPS + 1, "tensors_per_group": OFFLOAD_TENSORS[-1]}
+
+
+def _synthetic_input(device: torch.device) -> torch.Tensor | None:
+    """The synthetic step's input, 1 MiB of fp32 (above any size floor); None where this machine has no
+    copy streams (a CPU without the emulation, ``recipes.build.offload``)."""
+    from recipes.build.offload import copy_streams_ready
+
+    return torch.randn(512, 512, device=device, requires_grad=True) if copy_streams_ready(device) else None
 
 
 def _synthetic_step(x: torch.Tensor, offload: bool, tensors: int) -> None:
