@@ -317,6 +317,11 @@ def test_where_the_offload_managers_host_work_shows_regenerates_identically():
                          capture_output=True, text=True, timeout=300, check=True).stdout
     assert out == (OFFLOAD / "offload_host_2026-12-05.md").read_text()
     assert "| moe | under 40 ms | 16 | 0.91 (0.44-1.08) | 1.88 |" in out
+    # 12:35's runs, which also recorded each step's wait at the grad-norm read
+    dirs = [str((OFFLOAD / "paired_offload_2026-12-05" / d).relative_to(REPO)) for d in ("1235_moe", "1239_standard_attn")]
+    out = subprocess.run([sys.executable, "benchmarks/offload_host.py", *dirs], cwd=REPO,
+                         capture_output=True, text=True, timeout=300, check=True).stdout
+    assert out == (OFFLOAD / "offload_host_2026-12-05_1235.md").read_text() and "| 15.3 |" in out
 
 
 def test_the_label_sweeps_of_2026_12_04_regenerate_identically():
@@ -353,7 +358,9 @@ def test_the_paired_runs_of_2026_12_05_regenerate_identically():
     moe_act and 25 GiB pick three more on a second machine, with the reload waits measured;
     paired_2026-12-05.md, MoE's moe_act-layernorm recompute; paired_offload_2026-12-05_0408.md, the
     dense options with their copies on the step's clock; _0506.md, MLA's offload and MoE's 25 GiB pick
-    beside its offload alone; priced with today's time model (docs/offload-log.md)."""
+    beside its offload alone; _1235.md, MoE's moe_act-layernorm, 25 GiB pick and its offload alone, dense
+    layernorm and qkv_linear, with the manager's calls and the GPU's work; priced with today's time
+    model (docs/offload-log.md)."""
     import subprocess
 
     h200 = REPO / "docs" / "offload-h200"
@@ -365,7 +372,9 @@ def test_the_paired_runs_of_2026_12_05_regenerate_identically():
             ("paired_offload_2026-12-05_0408", "paired_offload_2026-12-05", ("0408_standard_attn",),
              "| standard_attn | offload=qkv_linear | 3 | +3.9, +3.4, +6.5 |"),
             ("paired_offload_2026-12-05_0506", "paired_offload_2026-12-05", ("0506_mla", "0510_moe"),
-             "| mla | offload=qkv_linear | 2 | +12.4, +5.8 |")):
+             "| mla | offload=qkv_linear | 2 | +12.4, +5.8 |"),
+            ("paired_offload_2026-12-05_1235", "paired_offload_2026-12-05", ("1235_moe", "1239_standard_attn"),
+             "| moe | offload=core_attn offload.activation_offload_fraction=0.75 | 3 | +34.5, +16.5, +34.4 |")):
         done = subprocess.run([sys.executable, "benchmarks/bench_paired.py", "--table",
                                *(str((h200 / folder / d).relative_to(REPO)) for d in dirs)],
                               cwd=REPO, capture_output=True, text=True, timeout=300, check=True)

@@ -415,6 +415,38 @@ def test_a_region_costs_the_host_what_the_pass_measured_for_its_kind_and_its_fun
     assert cost("selective/moe", before) == pytest.approx(2 * (est["replay_region_ms"] + 3.0))
 
 
+def test_a_regions_forward_machinery_costs_the_step_where_the_forward_is_host_bound():
+    """A region's forward part (recipes.measure.regions.region_forward_host_ms: the RNG states, the
+    first call under no_grad, the output freed) runs where its module's forward does. On a timeline
+    whose forward is host-bound and whose backward the GPU bounds by far (a dense step's first
+    micro-batch), the backward's part is hidden and the forward's is step time: each region costs its
+    forward part. Where the whole step is host-bound the split moves nothing; a pass without the
+    forward part prices the whole region at the replay, as before."""
+    from recipes.predict.cost import timeline_recompute_costs
+
+    regions = {"region_ms": {"without_output": 0.3, "checkpoint": 0.2}, "region_function_ms": {"moe_act": 0.25}}
+    split = {**regions, "region_forward_ms": {"without_output": 0.1, "checkpoint": 0.05}}
+
+    def cost(option: str, marks: dict) -> float:
+        cfg = compose("model=moe", "size=h200", f"recompute={option}", "model.num_layers=2")
+        return timeline_recompute_costs(cfg, {"layers": [1, 2], "marks": marks})[0] * 1e3
+
+    def gpu_bound_backward(marks: dict) -> dict:
+        work = [10.0 if name.endswith(":bwd") else w for name, w in zip(marks["names"], marks["gpu_ms"])]
+        return {**marks, "gpu_ms": work}
+
+    ahead = gpu_bound_backward(_region_marks([1, 2], split))
+    assert cost("selective/layernorm", gpu_bound_backward(_region_marks([1, 2], regions))) == pytest.approx(0.0)
+    assert cost("selective/layernorm", ahead) == pytest.approx(2 * 2 * 0.1)  # two norms a layer
+    assert cost("selective/moe_act", ahead) == pytest.approx(2 * 0.1)
+    assert cost("selective/moe", ahead) == pytest.approx(2 * (0.05 + 0.03))  # and the MoE layer's GPU work
+    # all host-bound: the region costs the same wherever its parts run
+    assert cost("selective/layernorm", _region_marks([1, 2], split)) == pytest.approx(2 * 2 * (0.3 + 1.0))
+    # a forward part above the whole (noise) is capped at the whole
+    over = {**regions, "region_forward_ms": {"without_output": 0.5}}
+    assert cost("selective/layernorm", gpu_bound_backward(_region_marks([1, 2], over))) == pytest.approx(2 * 2 * 0.3)
+
+
 def test_offload_groups_cost_the_host_what_the_pass_measured_where_the_host_does_not_lead():
     """timeline_offload_costs: each moved group's measured host cost (a group's plus a tensor's each)
     is inserted half at its module's forward end and half at its backward start, every micro-batch: on
@@ -564,8 +596,10 @@ def test_on_a_gpu_the_timeline_replays_to_the_pass_it_was_measured_in(megatron_w
     kinds = {"checkpoint"} | ({"without_output"} if share_storage_built() is not False else set())
     assert set(marks["region_ms"]) == kinds
     assert all(0.0 < ms < 5.0 for ms in marks["region_ms"].values()), marks["region_ms"]
+    assert set(marks["region_forward_ms"]) == kinds
+    assert all(0.0 <= ms < 5.0 for ms in marks["region_forward_ms"].values()), marks["region_forward_ms"]
     # what an offload group costs the host through megatron's manager (this point offloads nothing)
     assert 0.0 < marks["offload_ms"]["group"] < 5.0 and 0.0 <= marks["offload_ms"]["tensor"] < 1.0, marks["offload_ms"]
     # what the two measurements added to the pass, in seconds
-    assert set(marks["host_cost_s"]) == {"region", "offload"} and all(0.0 < s < 60 for s in marks["host_cost_s"].values())
+    assert set(marks["host_cost_s"]) == {"region", "region_forward", "offload"} and all(0.0 < s < 60 for s in marks["host_cost_s"].values())
     assert 0.0 < marks["region_function_ms"]["moe_act"] < 5.0

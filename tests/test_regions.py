@@ -11,7 +11,7 @@ def test_region_host_ms_replays_each_kind_of_region(megatron_world, monkeypatch)
     from megatron.core.tensor_parallel import random as r
 
     from recipes.build.compat import seed_model_parallel_rng
-    from recipes.measure.regions import region_host_ms
+    from recipes.measure.regions import region_forward_host_ms, region_host_ms
 
     seed_model_parallel_rng(1234)
     replays = {"without_output": 0, "checkpoint": 0}
@@ -31,6 +31,12 @@ def test_region_host_ms_replays_each_kind_of_region(megatron_world, monkeypatch)
     assert set(ms) == {"without_output", "checkpoint"}
     assert replays == {"without_output": 5 + 3, "checkpoint": 5 + 3}
     assert all(0.0 <= v < 50.0 for v in ms.values())
+    # the forward's part: each region still replays (its backward runs, untimed after each forward);
+    # on a CPU a forward's machinery is tens of microseconds, within the noise, so only its range is asked
+    forward = region_forward_host_ms(torch.device("cpu"), repeats=5)
+    assert set(forward) == {"without_output", "checkpoint"}
+    assert replays == {"without_output": 2 * (5 + 3), "checkpoint": 2 * (5 + 3)}
+    assert all(0.0 <= v < 50.0 for v in forward.values()), forward
     # where CheckpointWithoutOutput would first have to build megatron's C++ extension, that kind is
     # left out (the price falls back to estimate.replay_region_ms for it)
     monkeypatch.setattr("recipes.measure.regions._without_output_ready", lambda device: False)

@@ -36,7 +36,7 @@ from collections import defaultdict
 import torch
 
 from recipes.measure.collections import collector_off
-from recipes.measure.regions import function_host_ms, offload_host_ms, region_host_ms
+from recipes.measure.regions import function_host_ms, offload_host_ms, region_forward_host_ms, region_host_ms
 
 #: The modules timed, by name relative to their layer ("" the layer; a name a layer lacks is skipped).
 TIMED = ("", "input_layernorm", "pre_mlp_layernorm", "self_attention", "self_attention.core_attention",
@@ -260,10 +260,11 @@ def timeline(trainer) -> dict:
     hooks cost the host (``recipes.predict.replay`` takes it off); ``nograd_names`` and
     ``nograd_host_ms`` the forwards' marks and host clock in a forward-only pass under no_grad (after
     one unmarked: a process's first no-grad forward took 2-3x as long on the H200); ``region_ms`` what
-    a checkpoint region of each kind costs this host beyond its function, ``region_function_ms``
+    a checkpoint region of each kind costs this host beyond its function (``region_forward_ms``: its
+    forward's part), ``region_function_ms``
     the median host ms of each elementwise region's function in the host pass, ``offload_ms`` what
     an offload group costs this host, a group and a tensor (``recipes.measure.regions``), and
-    ``host_cost_s`` the seconds those two measurements added to the pass."""
+    ``host_cost_s`` the seconds those measurements added to the pass."""
     light = ModuleTimer(trainer.chunks, True, marks="light")
     l0 = _pass(trainer, light)
     host = ModuleTimer(trainer.chunks, True, marks="host")
@@ -300,5 +301,6 @@ def timeline(trainer) -> dict:
             "nograd_names": [m[0] for m in nograd.marks],
             "nograd_host_ms": [round((m[1] - n0) * 1e3, 4) for m in nograd.marks],
             "region_ms": _host_cost(region_host_ms, spent, "region"),
+            "region_forward_ms": _host_cost(region_forward_host_ms, spent, "region_forward"),
             "region_function_ms": {label: round(sorted(ms)[len(ms) // 2], 4) for label, ms in functions.items() if ms},
             "offload_ms": _host_cost(offload_host_ms, spent, "offload"), "host_cost_s": spent}

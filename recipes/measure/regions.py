@@ -13,6 +13,7 @@ two kinds of region: ``CheckpointWithoutOutput`` (``without_output``: the elemen
 ``mla_up_proj``, and our ``mlp``) and ``tensor_parallel.checkpoint`` (``checkpoint``: ``full``,
 ``core_attn``, ``moe``, ``shared_experts``, ``mlp`` with ``recompute.mlp_replays_fc2``).
 A kind that cannot be measured without building megatron's C++ extension first is left out.
+``region_forward_host_ms`` measures the forward's part of it, which runs where the region's module runs.
 ``function_host_ms`` times the functions an elementwise region replays that are not timed modules
 (``REGION_FUNCTIONS``). The module-time pass records both (``recipes.measure.moduletime.timeline``)
 and ``recipes.predict.cost`` prices a region from them.
@@ -43,25 +44,28 @@ REGION_FUNCTIONS = {"moe_act": ("recipes.build.experts", "GroupedExperts", "acti
 REPEATS = 30
 
 
-def _host_ms(run, device: torch.device, repeats: int) -> float:
-    """The median host ms of ``run()`` (the stream drained before each: the host never waits)."""
+def _host_ms(run, device: torch.device, repeats: int, then=None) -> float:
+    """The median host ms of ``run()`` (the stream drained before each: the host never waits);
+    ``then(result)`` runs after each, untimed."""
     times = []
     for i in range(repeats + 3):
         if device.type == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()
-        run()
+        out = run()
         if i >= 3:
             times.append((time.perf_counter() - start) * 1e3)
+        if then is not None:
+            then(out)
     return statistics.median(times)
 
 
-def region_host_ms(device: torch.device, repeats: int = REPEATS) -> dict[str, float]:
-    """Host ms a region of each kind costs beyond the function it replays: a one-kernel function, its
-    output used by a multiply (which saves it, as FC2 saves the activation), and the backward, with
-    the function checkpointed minus without, minus one more call of the function under grad (the
-    replay's own work, which a price takes from the function's measured host time). Megatron's RNG
-    tracker must be seeded (``recipes.build.compat.seed_model_parallel_rng``)."""
+def _region_forwards(device: torch.device):
+    """The measured variants' forwards, each returning its loss: (plain, one call of the function
+    under grad, {kind: the function in a region of that kind}): a one-kernel function, its output used
+    by a multiply (which saves it, as FC2 saves the activation). A kind this machine cannot run without
+    building megatron's C++ extension first is left out. Megatron's RNG tracker must be seeded
+    (``recipes.build.compat.seed_model_parallel_rng``)."""
     from megatron.core import tensor_parallel
 
     x = torch.randn(64, 64, device=device, requires_grad=True)
@@ -69,16 +73,16 @@ def region_host_ms(device: torch.device, repeats: int = REPEATS) -> dict[str, fl
     fn = torch.sigmoid
 
     def plain():
-        (fn(x) * w).sum().backward()
+        return (fn(x) * w).sum()
 
     def without_output():
         region = tensor_parallel.CheckpointWithoutOutput()
         out = region.checkpoint(fn, x) * w
         region.discard_output_and_register_recompute(out)
-        out.sum().backward()
+        return out.sum()
 
     def checkpoint():
-        (tensor_parallel.checkpoint(fn, False, x) * w).sum().backward()
+        return (tensor_parallel.checkpoint(fn, False, x) * w).sum()
 
     def call():
         with torch.enable_grad():
@@ -87,8 +91,32 @@ def region_host_ms(device: torch.device, repeats: int = REPEATS) -> dict[str, fl
     kinds = {"without_output": without_output, "checkpoint": checkpoint}
     if not _without_output_ready(device):
         del kinds["without_output"]
-    base, once = _host_ms(plain, device, repeats), _host_ms(call, device, repeats)
-    return {kind: round(max(_host_ms(run, device, repeats) - base - once, 0.0), 4) for kind, run in kinds.items()}
+    return plain, call, kinds
+
+
+def _backward(loss: torch.Tensor) -> None:
+    loss.backward()
+
+
+def region_host_ms(device: torch.device, repeats: int = REPEATS) -> dict[str, float]:
+    """Host ms a region of each kind costs beyond the function it replays, forward and backward: the
+    function checkpointed minus without, minus one more call of the function under grad (the replay's
+    own work, which a price takes from the function's measured host time)."""
+    plain, call, kinds = _region_forwards(device)
+    step = lambda forward: lambda: forward().backward()  # noqa: E731
+    base, once = _host_ms(step(plain), device, repeats), _host_ms(call, device, repeats)
+    return {kind: round(max(_host_ms(step(run), device, repeats) - base - once, 0.0), 4) for kind, run in kinds.items()}
+
+
+def region_forward_host_ms(device: torch.device, repeats: int = REPEATS) -> dict[str, float]:
+    """The part of ``region_host_ms`` the forward costs (the backward run untimed after it): saving
+    the RNG states, the first call under no_grad, and for ``without_output`` freeing the output and
+    registering its replay. It runs where the region's module runs, so it costs a step where the host
+    is behind there even when backward leads by far (a dense step's first forward)."""
+    plain, _, kinds = _region_forwards(device)
+    base = _host_ms(plain, device, repeats, then=_backward)
+    return {kind: round(max(_host_ms(run, device, repeats, then=_backward) - base, 0.0), 4)
+            for kind, run in kinds.items()}
 
 
 def _without_output_ready(device: torch.device) -> bool:

@@ -210,7 +210,8 @@ def timeline_recompute_costs(cfg: dict, module_times: dict, elementwise_s: float
     """Seconds per step the run's recompute adds, from the base point's timeline
     (``recipes.predict.replay``): each replayed forward (its modules' host and GPU time in that layer)
     inserted where its backward runs it, with a checkpoint region's host cost (of its kind, as the pass
-    measured it: ``recipes.measure.regions``; before 2026-12-04 19:30 UTC ``estimate.replay_region_ms``);
+    measured it: ``recipes.measure.regions``; before 2026-12-04 19:30 UTC ``estimate.replay_region_ms``),
+    its forward's part where the region's first module starts (where the pass measured that part);
     an elementwise replay as host work (a region and its function: as measured, ``_elementwise_host_ms``,
     else its kernels at ``estimate.launch_us``) and GPU work (its share of ``elementwise_s``, the elementwise labels' bytes
     a micro-batch). Each timeline's GPU work is read at the pace the point's stream times give
@@ -243,6 +244,13 @@ def timeline_recompute_costs(cfg: dict, module_times: dict, elementwise_s: float
                     slot = inserted.setdefault(j, [0.0, 0.0])
                     slot[0] -= saved
                 region = (tl.region_ms or {}).get(kind, region_ms)
+                ahead = min((tl.region_forward_ms or {}).get(kind, 0.0), region)
+                starts = tl.where(number, replayed[0] if replayed else ELEMENTWISE_FUNCTION[at], "pre") or \
+                    tl.where(number, at, "pre")
+                if ahead and len(starts) == len(spots):  # the region's forward machinery, where it runs
+                    for j in starts:
+                        inserted.setdefault(j, [0.0, 0.0])[0] += ahead
+                    region -= ahead
                 for k, j in enumerate(spots):
                     host, gpu = region, 0.0
                     for n, f in enumerate(forwards):

@@ -16,7 +16,9 @@ one day and its GPU time on another (docs/offload-log.md): the host's lead diffe
 The GPU pass's sleeps let its kernels run faster than a step's; ``stream_pace`` says by how much, from
 the module-time pass, and the GPU work is read at the step's pace (``Timeline.scaled``). A checkpoint
 also runs its region's first forward under no_grad, which costs the host less (``Timeline.nograd``,
-from a forward-only pass): where the host is behind, that is taken off the step.
+from a forward-only pass): where the host is behind, that is taken off the step. The region's own
+machinery costs the host in the forward too (``Timeline.region_forward_ms``), where a dense step's host
+is barely ahead in its first micro-batch, however far ahead its backward runs.
 """
 
 from __future__ import annotations
@@ -49,6 +51,9 @@ class Timeline:
     #: region's function (``recipes.measure.regions``); None where the pass did not record them
     region_ms: dict | None = None
     region_function_ms: dict | None = None
+    #: the part of ``region_ms`` each kind's forward costs (where its module runs); None where the
+    #: pass did not record it (before 2026-12-05, 13:00 UTC): the whole cost is placed at the replay
+    region_forward_ms: dict | None = None
     #: host ms an offload group costs, fixed and a tensor, forward and backward together
     #: (``recipes.measure.regions.offload_host_ms``); None where the pass did not record it
     offload_ms: dict | None = None
@@ -81,8 +86,8 @@ class Timeline:
             nograd = cls(list(nograd), [h - cost * j for j, h in enumerate(marks["nograd_host_ms"])],
                          [0.0] * len(nograd))
         return cls(list(names), [h - cost * j for j, h in enumerate(marks["host_ms"])], work, nograd or None,
-                   marks.get("region_ms"), marks.get("region_function_ms") or {}, marks.get("offload_ms"),
-                   marks.get("step_host_wait_ms"))
+                   marks.get("region_ms"), marks.get("region_function_ms") or {}, marks.get("region_forward_ms"),
+                   marks.get("offload_ms"), marks.get("step_host_wait_ms"))
 
     @cached_property
     def _index(self) -> dict[str, list[int]]:
