@@ -410,11 +410,16 @@ def saved(d: str) -> list[tuple[int, dict]]:
     return [(int(f.split("-")[1].split(".")[0]), r) for f in files for r in load(os.path.join(d, f))]
 
 
-def table(dirs: list[str]) -> None:
-    """Every saved process under ``dirs``, priced with this code, and the summary over them all."""
+def table(dirs: list[str], summary_only: bool = False) -> None:
+    """Every saved process under ``dirs``, priced with this code, and the summary over them all (alone
+    with ``summary_only``: every machine's processes of an option pooled, the target's own test)."""
     rows: dict[tuple[str, str], list[dict]] = {}
     for d in dirs:
         numbered = [(n, reprice(r)) for n, r in saved(d)]
+        if summary_only:
+            for _, r in numbered:
+                rows.setdefault((r["raw"]["cfg"]["model"]["family"], r["option"]), []).append(r)
+            continue
         print(f"{d} ({len({n for n, _ in numbered})} processes)\n\n{ROW_HEADER}")
         for n, r in numbered:
             rows.setdefault((r["raw"]["cfg"]["model"]["family"], r["option"]), []).append(r)
@@ -482,14 +487,16 @@ def main() -> None:
     parser.add_argument("--save", help="write each process's steps, config and module times to SAVE/process-N.json.gz")
     parser.add_argument("--table", nargs="+", metavar="DIR", help="no run: price the processes saved in DIRs with "
                         "this code and print their rows and the summary over them all")
+    parser.add_argument("--summary", nargs="+", metavar="DIR", help="no run: as --table, the summary over them all "
+                        "alone")
     parser.add_argument("--fit", nargs="+", metavar="DIR", help="no run: fit estimate.offload_ms_per_group and "
                         "_per_gib to the offload options saved in DIRs (those without recompute, of a step that is "
                         "not host-bound) and print every saved option's summary priced at them")
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # a child: measure, print JSON
     parser.add_argument("--traces", help=argparse.SUPPRESS)  # a child: where its offload options' traces go
     args, overrides = parser.parse_known_args()
-    if args.table:
-        table(args.table)
+    if args.table or args.summary:
+        table(args.table or args.summary, summary_only=bool(args.summary))
         return
     if args.fit:
         print("\n".join(fit(args.fit)))

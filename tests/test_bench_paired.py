@@ -42,6 +42,11 @@ def test_an_option_is_timed_against_itself_switched_off_and_priced_on_its_own_pa
     bench.table([str(saved)])
     out = capsys.readouterr().out
     assert "| 0 | selective/moe |" in out and "| moe | selective/moe | 1 |" in out
+    # --summary: the same saved process twice (two machines' runs of an option), pooled, no process rows
+    bench.table([str(saved), str(saved)], summary_only=True)
+    out = capsys.readouterr().out
+    assert out.startswith("| model | option | processes |") and "| 0 | selective/moe |" not in out
+    assert f"| moe | selective/moe | 2 | {r['added_ms']:+.1f}, {r['added_ms']:+.1f} |" in out
 
 
 def test_switched_off_pauses_offload_for_the_step_and_it_moves_again_after(megatron_world):
