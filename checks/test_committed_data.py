@@ -359,8 +359,9 @@ def test_the_paired_runs_of_2026_12_05_regenerate_identically():
     paired_2026-12-05.md, MoE's moe_act-layernorm recompute; paired_offload_2026-12-05_0408.md, the
     dense options with their copies on the step's clock; _0506.md, MLA's offload and MoE's 25 GiB pick
     beside its offload alone; _1235.md, MoE's moe_act-layernorm, 25 GiB pick and its offload alone, dense
-    layernorm and qkv_linear, with the manager's calls and the GPU's work; priced with today's time
-    model (docs/offload-log.md)."""
+    layernorm and qkv_linear, with the manager's calls and the GPU's work; _1351.md, dense layernorm and
+    core_attn with each region's forward part measured, MoE's moe_act-layernorm, moe_act offload and 25
+    GiB pick; priced with today's time model (docs/offload-log.md)."""
     import subprocess
 
     h200 = REPO / "docs" / "offload-h200"
@@ -374,11 +375,32 @@ def test_the_paired_runs_of_2026_12_05_regenerate_identically():
             ("paired_offload_2026-12-05_0506", "paired_offload_2026-12-05", ("0506_mla", "0510_moe"),
              "| mla | offload=qkv_linear | 2 | +12.4, +5.8 |"),
             ("paired_offload_2026-12-05_1235", "paired_offload_2026-12-05", ("1235_moe", "1239_standard_attn"),
-             "| moe | offload=core_attn offload.activation_offload_fraction=0.75 | 3 | +34.5, +16.5, +34.4 |")):
+             "| moe | offload=core_attn offload.activation_offload_fraction=0.75 | 3 | +34.5, +16.5, +34.4 |"),
+            ("paired_offload_2026-12-05_1351", "paired_offload_2026-12-05", ("1351_standard_attn", "1355_moe"),
+             "| standard_attn | selective/layernorm | 3 | +3.3, +0.9, +4.2 | +3.3 | +4.9 |")):
         done = subprocess.run([sys.executable, "benchmarks/bench_paired.py", "--table",
                                *(str((h200 / folder / d).relative_to(REPO)) for d in dirs)],
                               cwd=REPO, capture_output=True, text=True, timeout=300, check=True)
         assert done.stdout == (OFFLOAD / f"{name}.md").read_text() and row in done.stdout, name
+
+
+#: Every paired process recorded with the pass's host-cost measurements (a checkpoint region's from
+#: 2026-12-04 19:25 UTC, the offload manager's from 21:17): the 20% target's scoreboard.
+PAIRED_EVERY = ("paired_2026-12-04/19[23]*_*", "paired_offload_2026-12-04/211[79]_*", "paired_2026-12-05/[0-9]*_*",
+                "paired_offload_2026-12-05/[0-9]*_*")
+
+
+def test_every_paired_process_pooled_regenerates_identically():
+    """docs/offload-h200/paired_every.md: bench_paired.py --summary over every paired process that
+    recorded the host-cost measurements today's price reads, on every machine, priced with today's
+    time model (docs/offload.md's standing against the 20% target)."""
+    import subprocess
+
+    dirs = [str(p.relative_to(REPO)) for pattern in PAIRED_EVERY for p in sorted(OFFLOAD.glob(pattern))]
+    out = subprocess.run([sys.executable, "benchmarks/bench_paired.py", "--summary", *dirs], cwd=REPO,
+                         capture_output=True, text=True, timeout=600, check=True).stdout
+    assert out == (OFFLOAD / "paired_every.md").read_text()
+    assert "| moe | selective/moe_act | 5 | +8.0, +23.0, +13.0, +18.4, +13.9 |" in out
 
 
 def test_the_paired_runs_of_2026_12_04_regenerate_identically():
