@@ -404,6 +404,11 @@ def summary(rows: dict[tuple[str, str], list[dict]]) -> list[str]:
     return out
 
 
+def pool(rows: dict[tuple[str, str], list[dict]], r: dict) -> None:
+    """Add a measured option to the summary's rows, under its model family and option."""
+    rows.setdefault((r["raw"]["cfg"]["model"]["family"], r["option"]), []).append(r)
+
+
 def saved(d: str) -> list[tuple[int, dict]]:
     """The options the processes saved under ``d`` measured, each with its process's number."""
     files = sorted(f for f in os.listdir(d) if f.startswith("process-") and f.endswith(".json.gz"))  # not traces
@@ -416,13 +421,12 @@ def table(dirs: list[str], summary_only: bool = False) -> None:
     rows: dict[tuple[str, str], list[dict]] = {}
     for d in dirs:
         numbered = [(n, reprice(r)) for n, r in saved(d)]
+        for _, r in numbered:
+            pool(rows, r)
         if summary_only:
-            for _, r in numbered:
-                rows.setdefault((r["raw"]["cfg"]["model"]["family"], r["option"]), []).append(r)
             continue
         print(f"{d} ({len({n for n, _ in numbered})} processes)\n\n{ROW_HEADER}")
         for n, r in numbered:
-            rows.setdefault((r["raw"]["cfg"]["model"]["family"], r["option"]), []).append(r)
             print(row(n, r))
         print()
         for line in copy_rows(numbered) + step_copy_rows(numbered) + calls_rows(numbered) + gpu_rows(numbered):
@@ -466,7 +470,7 @@ def fit(dirs: list[str]) -> list[str]:
     rows: dict[tuple[str, str], list[dict]] = {}
     for r in every:
         r = reprice(at_rates(r, a, b))
-        rows.setdefault((r["raw"]["cfg"]["model"]["family"], r["option"]), []).append(r)
+        pool(rows, r)
     return [f"estimate.offload_ms_per_group={a:.3f} estimate.offload_ms_per_gib={b:.2f} (least squares over "
             f"{len(used)} processes' options)", "", *summary(rows)]
 
@@ -530,7 +534,7 @@ def main() -> None:
             with gzip.open(os.path.join(args.save, f"process-{n}.json.gz"), "wt") as f:
                 json.dump(results, f)
         for r in results:
-            rows.setdefault((r["raw"]["cfg"]["model"]["family"], r["option"]), []).append(r)
+            pool(rows, r)
             numbered.append((n, r))
             print(row(n, r), flush=True)
     print()

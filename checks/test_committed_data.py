@@ -309,19 +309,19 @@ def test_where_the_offload_managers_host_work_shows_regenerates_identically():
     pass's synthetic measure prices (docs/offload-log.md)."""
     import subprocess
 
-    dirs = [str((OFFLOAD / d).relative_to(REPO)) for d in (
-        "paired_offload_2026-12-04/2117_moe", "paired_offload_2026-12-04/2119_standard_attn",
-        *(f"paired_offload_2026-12-05/{d}" for d in ("0235_standard_attn", "0408_standard_attn", "0239_moe",
-                                                     "0251_moe_again", "0510_moe", "0506_mla")))]
-    out = subprocess.run([sys.executable, "benchmarks/offload_host.py", *dirs], cwd=REPO,
-                         capture_output=True, text=True, timeout=300, check=True).stdout
-    assert out == (OFFLOAD / "offload_host_2026-12-05.md").read_text()
-    assert "| moe | under 40 ms | 16 | 0.91 (0.44-1.08) | 1.88 |" in out
-    # 12:35's runs, which also recorded each step's wait at the grad-norm read
-    dirs = [str((OFFLOAD / "paired_offload_2026-12-05" / d).relative_to(REPO)) for d in ("1235_moe", "1239_standard_attn")]
-    out = subprocess.run([sys.executable, "benchmarks/offload_host.py", *dirs], cwd=REPO,
-                         capture_output=True, text=True, timeout=300, check=True).stdout
-    assert out == (OFFLOAD / "offload_host_2026-12-05_1235.md").read_text() and "| 15.3 |" in out
+    for name, runs, row in (
+            ("offload_host_2026-12-05", ("paired_offload_2026-12-04/2117_moe", "paired_offload_2026-12-04/2119_standard_attn",
+                                         *(f"paired_offload_2026-12-05/{d}" for d in (
+                                             "0235_standard_attn", "0408_standard_attn", "0239_moe", "0251_moe_again",
+                                             "0510_moe", "0506_mla"))),
+             "| moe | under 40 ms | 16 | 0.91 (0.44-1.08) | 1.88 |"),
+            # 12:35's runs, which also recorded each step's wait at the grad-norm read
+            ("offload_host_2026-12-05_1235", ("paired_offload_2026-12-05/1235_moe",
+                                              "paired_offload_2026-12-05/1239_standard_attn"), "| 15.3 |")):
+        dirs = [str((OFFLOAD / d).relative_to(REPO)) for d in runs]
+        out = subprocess.run([sys.executable, "benchmarks/offload_host.py", *dirs], cwd=REPO,
+                             capture_output=True, text=True, timeout=300, check=True).stdout
+        assert out == (OFFLOAD / f"{name}.md").read_text() and row in out, name
 
 
 def test_the_label_sweeps_of_2026_12_04_regenerate_identically():

@@ -94,16 +94,15 @@ def _region_forwards(device: torch.device):
     return plain, call, kinds
 
 
-def _backward(loss: torch.Tensor) -> None:
-    loss.backward()
-
-
 def region_host_ms(device: torch.device, repeats: int = REPEATS) -> dict[str, float]:
     """Host ms a region of each kind costs beyond the function it replays, forward and backward: the
     function checkpointed minus without, minus one more call of the function under grad (the replay's
     own work, which a price takes from the function's measured host time)."""
     plain, call, kinds = _region_forwards(device)
-    step = lambda forward: lambda: forward().backward()  # noqa: E731
+
+    def step(forward):
+        return lambda: forward().backward()
+
     base, once = _host_ms(step(plain), device, repeats), _host_ms(call, device, repeats)
     return {kind: round(max(_host_ms(step(run), device, repeats) - base - once, 0.0), 4) for kind, run in kinds.items()}
 
@@ -114,8 +113,8 @@ def region_forward_host_ms(device: torch.device, repeats: int = REPEATS) -> dict
     registering its replay. It runs where the region's module runs, so it costs a step where the host
     is behind there even when backward leads by far (a dense step's first forward)."""
     plain, _, kinds = _region_forwards(device)
-    base = _host_ms(plain, device, repeats, then=_backward)
-    return {kind: round(max(_host_ms(run, device, repeats, then=_backward) - base, 0.0), 4)
+    base = _host_ms(plain, device, repeats, then=torch.Tensor.backward)
+    return {kind: round(max(_host_ms(run, device, repeats, then=torch.Tensor.backward) - base, 0.0), 4)
             for kind, run in kinds.items()}
 
 
