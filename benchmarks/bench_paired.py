@@ -56,14 +56,15 @@ sys.path.insert(0, REPO)
 from benchmarks.bench_hostbound import defaults  # noqa: E402  (model=moe size=h200 unless named, profile=none)
 
 _waits = None  # recipes.measure.syncs.ItemWaits, entered for a measuring process's lifetime (measure)
+_collected = None  # GcTime, the same
 
 
 def _timed_step(trainer, cuda: bool, host: list | None = None, allocs: list | None = None,
-                waits: list | None = None) -> float:
+                waits: list | None = None, collected: list | None = None) -> float:
     """The step's ms from a drained stream to its end; with ``host``, also appends the host's own
     ms: until ``step()`` returned, less its waits in ``Tensor.item`` (megatron's grad-norm read), and
     with ``waits`` those waits (ms); with ``allocs`` (a GPU), the step's ``cudaMalloc`` and ``cudaFree``
-    calls (each free waits for the device)."""
+    calls (each free waits for the device); with ``collected``, the garbage collector's ms in it."""
     import torch
 
     if cuda:
@@ -71,6 +72,8 @@ def _timed_step(trainer, cuda: bool, host: list | None = None, allocs: list | No
         counts = _device_allocs() if allocs is not None else None
     if _waits is not None:
         _waits.seconds = 0.0
+    if _collected is not None:
+        _collected.ms = 0.0
     start = time.perf_counter()
     trainer.step()
     returned = time.perf_counter()
@@ -83,6 +86,8 @@ def _timed_step(trainer, cuda: bool, host: list | None = None, allocs: list | No
         host.append((returned - start - waited) * 1e3)
     if waits is not None:
         waits.append(waited * 1e3)
+    if collected is not None and _collected is not None:
+        collected.append(round(_collected.ms, 3))
     return (time.perf_counter() - start) * 1e3
 
 
@@ -117,6 +122,58 @@ def manager_calls(trainer, cuda: bool) -> dict:
         out[name] = {**timed.summary(), "host_ms": host[0]}
     out["synthetic"] = offload_calls(torch.device("cuda" if cuda else "cpu"))
     return out
+
+
+class GcTime:
+    """Python's garbage collector's ms and collections while entered (``ms``, ``runs``; the caller
+    resets them), on whichever thread it runs: host time no timed method owns, where a step makes
+    more objects (an offload group's tags, states and events) and so collects more often."""
+
+    def __init__(self) -> None:
+        self.ms, self.runs, self._start = 0.0, 0, 0.0
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.ms += (time.perf_counter() - self._start) * 1e3
+            self.runs += 1
+
+    def __enter__(self) -> GcTime:
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self._callback)
+
+
+#: The operators and CUDA calls ``host_ops`` keeps: those whose host time grew most with the option.
+TOP_OPS = 12
+
+
+def host_ops(trainer, cuda: bool) -> dict:
+    """Where the option's host time goes outside Python: one step on and one switched off, each under
+    torch's profiler (CPU activity, and CUDA's where there is a GPU: its runtime calls, on every thread,
+    the backward's too), each way the operators' and calls' self host ms summed (``self_ms``) and the
+    garbage collector's ms; and the ``TOP_OPS`` whose self ms grew most: [name, calls on, calls off,
+    ms on, ms off]. The profiler's recording inflates each op's time; the rest of the step's host
+    added is Python of its own (the manager's methods, ``manager_calls``)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    each = {}
+    for name, block in each_way(trainer):
+        host: list[float] = []
+        with block(), GcTime() as collected, profile(activities=activities) as prof:
+            _timed_step(trainer, cuda, host)
+        ops = {e.key: (e.count, e.self_cpu_time_total / 1e3) for e in prof.key_averages()}
+        each[name] = {"host_ms": host[0], "self_ms": sum(ms for _, ms in ops.values()), "gc_ms": collected.ms,
+                      "gc_runs": collected.runs, "ops": ops}
+    on, off = each["on"]["ops"], each["off"]["ops"]
+    grew = sorted(on, key=lambda k: off.get(k, (0, 0.0))[1] - on[k][1])[:TOP_OPS]
+    top = [[k, on[k][0], off.get(k, (0, 0.0))[0], round(on[k][1], 3), round(off.get(k, (0, 0.0))[1], 3)]
+           for k in grew]
+    return {**{name: {k: round(v, 3) for k, v in e.items() if k != "ops"} for name, e in each.items()}, "top": top}
 
 
 def gpu_work(trainer) -> dict:
@@ -190,14 +247,15 @@ def measure_option(overrides: list[str], option: str, rounds: int, passes: int =
         with off():
             before = [time_modules(trainer) for _ in range(passes)]
         on_ms, off_ms, on_host, off_host, on_allocs, off_allocs, on_wait, off_wait = [], [], [], [], [], [], [], []
+        on_gc, off_gc = [], []
         for r in range(max(1, rounds // run_length)):
             for on in ((True, False) if r % 2 == 0 else (False, True)):
                 for _ in range(run_length):
                     if on:
-                        on_ms.append(_timed_step(trainer, cuda, on_host, on_allocs, on_wait))
+                        on_ms.append(_timed_step(trainer, cuda, on_host, on_allocs, on_wait, on_gc))
                     else:
                         with off():
-                            off_ms.append(_timed_step(trainer, cuda, off_host, off_allocs, off_wait))
+                            off_ms.append(_timed_step(trainer, cuda, off_host, off_allocs, off_wait, off_gc))
         with off():
             after = [time_modules(trainer) for _ in range(passes - 1)]
         clock, calls = {}, None
@@ -206,6 +264,7 @@ def measure_option(overrides: list[str], option: str, rounds: int, passes: int =
                 _timed_step(trainer, cuda)
             clock = timeline.summary()
             calls = manager_calls(trainer, cuda)
+        ops = host_ops(trainer, cuda)
         gpu = gpu_work(trainer) if cuda else None
         exposed = None
         keep = Path(trace) if trace and trainer.offloading else None
@@ -229,10 +288,11 @@ def measure_option(overrides: list[str], option: str, rounds: int, passes: int =
                     "strided_out": clock.get("strided_out"),
                     "reload_wait_ms": None if (w := clock["reload_wait_s"]) is None else w * 1e3} if clock else {}),
                 **({"manager_calls": calls} if calls else {}), **({"gpu_work": gpu} if gpu else {}),
+                "host_ops": ops,
                 "priced_on": "timeline" if isinstance(marks, dict) and "names" in marks else "module times",
                 "host_pass_ms": marks.get("pass_ms") if isinstance(marks, dict) else None,
                 "raw": {"cfg": cfg, "on_ms": on_ms, "off_ms": off_ms, "on_host_ms": on_host, "off_host_ms": off_host,
-                        "on_wait_ms": on_wait, "off_wait_ms": off_wait,
+                        "on_wait_ms": on_wait, "off_wait_ms": off_wait, "on_gc_ms": on_gc, "off_gc_ms": off_gc,
                         "on_allocs": on_allocs, "off_allocs": off_allocs, "run_length": run_length,
                         "module_times": before + after, "copy_timeline": clock.get("copy_timeline")}}
     finally:
@@ -245,9 +305,10 @@ def measure(overrides: list[str], options: list[str], rounds: int, passes: int, 
     from recipes.measure.syncs import ItemWaits
     from recipes.run.worker import init_one_rank
 
-    global _waits
+    global _waits, _collected
     init_one_rank(compose_config(overrides))
     _waits = ItemWaits().__enter__()  # this process measures and exits: never left
+    _collected = GcTime().__enter__()
     import torch
 
     results = []
@@ -390,6 +451,29 @@ def calls_rows(rows: list[tuple[int, dict]]) -> list[str]:
     return [CALLS_HEADER, *out, ""] if out else []
 
 
+OPS_HEADER = ("| process | option | host added ms: paired steps / profiled | ops' self ms: on / off | GC ms: on / off "
+              "(paired steps' median) | the ops whose host ms grew most: calls on / off, ms on / off |"
+              "\n|---|---|---|---|---|---|")
+
+
+def ops_rows(rows: list[tuple[int, dict]]) -> list[str]:
+    """Where a process profiled its option's host side (``host_ops``): the operators' and CUDA calls'
+    self host ms each way, the garbage collector's, and the four ops that grew most."""
+    out = []
+    for n, r in rows:
+        ops = r.get("host_ops")
+        if not ops:
+            continue
+        on, off = ops["on"], ops["off"]
+        paired = [statistics.median(r["raw"][k]) if r["raw"].get(k) else None for k in ("on_gc_ms", "off_gc_ms")]
+        gc_ = f"{on['gc_ms']:.1f} / {off['gc_ms']:.1f}" + (
+            f" ({paired[0]:.1f} / {paired[1]:.1f})" if None not in paired else "")
+        grew = "; ".join(f"{k[:32]} {a} / {b}, {x:.1f} / {y:.1f}" for k, a, b, x, y in ops["top"][:4])
+        out.append(f"| {n} | {r['option']} | {r['host_added_ms']:+.1f} / {on['host_ms'] - off['host_ms']:+.1f} "
+                   f"| {on['self_ms']:.1f} / {off['self_ms']:.1f} | {gc_} | {grew} |")
+    return [OPS_HEADER, *out, ""] if out else []
+
+
 def summary(rows: dict[tuple[str, str], list[dict]]) -> list[str]:
     """Per (model, option): the processes' added ms and prices, their medians, and the median price
     of every module-time pass they recorded."""
@@ -429,7 +513,8 @@ def table(dirs: list[str], summary_only: bool = False) -> None:
         for n, r in numbered:
             print(row(n, r))
         print()
-        for line in copy_rows(numbered) + step_copy_rows(numbered) + calls_rows(numbered) + gpu_rows(numbered):
+        for line in (copy_rows(numbered) + step_copy_rows(numbered) + calls_rows(numbered) + ops_rows(numbered)
+                     + gpu_rows(numbered)):
             print(line)
     print("\n".join(summary(rows)))
 
@@ -538,7 +623,8 @@ def main() -> None:
             numbered.append((n, r))
             print(row(n, r), flush=True)
     print()
-    for line in copy_rows(numbered) + step_copy_rows(numbered) + calls_rows(numbered) + gpu_rows(numbered):
+    for line in (copy_rows(numbered) + step_copy_rows(numbered) + calls_rows(numbered) + ops_rows(numbered)
+                     + gpu_rows(numbered)):
         print(line)
     print("\n".join(summary(rows)))
 
