@@ -384,6 +384,22 @@ def test_the_paired_runs_of_2026_12_05_regenerate_identically():
         assert done.stdout == (OFFLOAD / f"{name}.md").read_text() and row in done.stdout, name
 
 
+def test_the_h100_paired_run_regenerates_identically():
+    """docs/offload-h100/paired_2026-12-05_1520.md: the same paired measurement on an H100 (80 GB), its
+    host side profiled each way (``host_ops``): a second GPU's view of the options priced worst on the
+    H200, kept apart from the H200's scoreboard."""
+    import subprocess
+
+    runs = REPO / "docs" / "offload-h100" / "paired_2026-12-05"
+    done = subprocess.run([sys.executable, "benchmarks/bench_paired.py", "--table",
+                           *(str((runs / d).relative_to(REPO)) for d in ("1520_moe", "1526_standard_attn"))],
+                          cwd=REPO, capture_output=True, text=True, timeout=300, check=True)
+    out = done.stdout
+    assert out == (REPO / "docs" / "offload-h100" / "paired_2026-12-05_1520.md").read_text()
+    assert "| moe | offload=moe_act | 3 | +39.1, +40.5, +34.6 | +39.1 | +26.9 | -31% |" in out
+    assert "| process | option | host added ms: paired steps / profiled |" in out
+
+
 #: Every paired process recorded with the pass's host-cost measurements (a checkpoint region's from
 #: 2026-12-04 19:25 UTC, the offload manager's from 21:17): the 20% target's scoreboard.
 PAIRED_EVERY = ("paired_2026-12-04/19[23]*_*", "paired_offload_2026-12-04/211[79]_*", "paired_2026-12-05/[0-9]*_*",

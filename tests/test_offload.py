@@ -562,3 +562,17 @@ def test_a_term_of_several_tensors_is_weighed_tensor_by_tensor_against_the_minim
     moved = sum(default["host_groups_per_layer"])
     assert moved == 7 and every["host_bytes"] - default["host_bytes"] == moved * rope
     assert default["host_bytes"] == 588 * 2**20
+
+
+def test_the_copy_interference_benchmark_says_it_needs_a_gpu():
+    """benchmarks/bench_copy_interference.py times pinned copies over the host link: without a GPU it
+    stops before building anything, naming what it needs."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    done = subprocess.run([sys.executable, "benchmarks/bench_copy_interference.py"], cwd=REPO, capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert done.returncode == 1 and "needs a CUDA GPU" in done.stderr, done.stderr[-500:]
