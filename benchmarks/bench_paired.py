@@ -31,7 +31,9 @@ profiled, the copies' time with no kernel beside them (``exposed ms``; the profi
 with it the forward the copies hide under). It then times the offload manager method by method in a
 step on and one off (``recipes.measure.offload.ManagerCalls``, beside the planner's synthetic groups
 timed the same way), and for every option profiles the GPU alone in a step on and one off: what the
-kernels added beside what the step added (where the step grew by more, the GPU waited for the host).
+kernels added beside what the step added (where the step grew by more, the GPU waited for the host),
+and the host's side in one more pair (``host_ops``: the operators' and CUDA calls' self host ms, the
+ones that grew most, and the garbage collector's ms, which every paired step records too).
 On a CPU it runs, for tests, at whatever size is given; times mean nothing there.
 """
 
