@@ -354,6 +354,19 @@ def row(n: int, r: dict) -> str:
             f"| {r['priced_on']} | {host} |")
 
 
+def _table(header: str, lines: list[str]) -> list[str]:
+    """A table's lines, a blank line after; none where no process recorded what it shows."""
+    return [header, *lines, ""] if lines else []
+
+
+def _each_way(rows: list[tuple[int, dict]], key: str):
+    """The processes whose option recorded ``key``, a measurement with the option on and switched off:
+    (process number, result, on, off, the whole record)."""
+    for n, r in rows:
+        if r.get(key):
+            yield n, r, r[key]["on"], r[key]["off"], r[key]
+
+
 COPY_HEADER = ("| process | option | link GB/s | copies ms (priced) | stall ms (priced) | reload waits ms (measured) "
                "| overhead ms (priced) | exposed ms (profiled step) | added ms | cudaMalloc, cudaFree a step: on / off |\n"
                "|---|---|---|---|---|---|---|---|---|---|")
@@ -374,7 +387,7 @@ def copy_rows(rows: list[tuple[int, dict]]) -> list[str]:
             waited = f"{r['reload_wait_ms']:.1f}" if r.get("reload_wait_ms") is not None else "-"  # saved before it: -
             out.append(f"| {n} | {r['option']} | {link} | {r['priced_copy_ms']:.1f} | {r['priced_stall_ms']:.1f} "
                        f"| {waited} | {r['priced_overhead_ms']:.1f} | {exposed} | {r['added_ms']:+.1f} | {calls} |")
-    return [COPY_HEADER, *out, ""] if out else []
+    return _table(COPY_HEADER, out)
 
 
 STEP_COPY_HEADER = ("| process | option | link GB/s (copies alone) | out GB/s (in the step) | back GB/s (in the step) "
@@ -398,7 +411,7 @@ def step_copy_rows(rows: list[tuple[int, dict]]) -> list[str]:
         strided = ", ".join(f"{k} {v}" for k, v in strided.items()) if strided is not None else "-"
         out.append(f"| {n} | {r['option']} | {link} | {rate[0]} | {rate[1]} | {r['reload_wait_ms']:.1f} | {longest} "
                    f"| {strided} |")
-    return [STEP_COPY_HEADER, *out, ""] if out else []
+    return _table(STEP_COPY_HEADER, out)
 
 
 GPU_HEADER = ("| process | option | added ms | kernels busy ms: on / off | kernels added ms | GPU idle ms: on / off "
@@ -409,18 +422,14 @@ def gpu_rows(rows: list[tuple[int, dict]]) -> list[str]:
     """Where a process profiled the GPU's side of its option (``gpu_work``): what its kernels added
     beside what its step added, and the GPU's idle time each way."""
     out = []
-    for n, r in rows:
-        gpu = r.get("gpu_work")
-        if not gpu:
-            continue
-        on, off = gpu["on"], gpu["off"]
+    for n, r, on, off, _ in _each_way(rows, "gpu_work"):
         before = {k["name"]: k["ms"] for k in off["kernels"]}
         grew = sorted(((k["ms"] - before.get(k["name"], 0.0), k["name"]) for k in on["kernels"]), reverse=True)[:2]
         grew = "; ".join(f"{name[:40]} {ms:+.1f}" for ms, name in grew if ms > 0.05) or "-"
         out.append(f"| {n} | {r['option']} | {r['added_ms']:+.1f} | {on['kernel_busy_ms']:.1f} / {off['kernel_busy_ms']:.1f} "
                    f"| {on['kernel_busy_ms'] - off['kernel_busy_ms']:+.1f} | {on['gpu_idle_ms']:.1f} / {off['gpu_idle_ms']:.1f} "
                    f"| {grew} |")
-    return [GPU_HEADER, *out, ""] if out else []
+    return _table(GPU_HEADER, out)
 
 
 CALLS_HEADER = ("| process | option | groups moved | tensors saved | manager ms: on / off | host added ms "
@@ -433,11 +442,8 @@ def calls_rows(rows: list[tuple[int, dict]]) -> list[str]:
     in it with the option on and off, the host's own step time they added, and per moved group the
     step's against the synthetic groups' the planner prices from, with the three methods that took most."""
     out = []
-    for n, r in rows:
-        calls = r.get("manager_calls")
-        if not calls:
-            continue
-        on, off, syn = calls["on"], calls["off"], calls.get("synthetic")
+    for n, r, on, off, calls in _each_way(rows, "manager_calls"):
+        syn = calls.get("synthetic")
         moved = on["methods"].get("ChunkOffloadHandler.bulk_offload_group", [0])[0]
         saved_ = on["methods"].get("ChunkOffloadHandler.tensor_push", [0])[0]
         per = (on["total_ms"] - off["total_ms"]) / moved if moved else None
@@ -450,7 +456,7 @@ def calls_rows(rows: list[tuple[int, dict]]) -> list[str]:
         fmt = lambda x: f"{x:.2f}" if x is not None else "-"  # noqa: E731
         out.append(f"| {n} | {r['option']} | {moved} | {saved_} | {on['total_ms']:.1f} / {off['total_ms']:.1f} "
                    f"| {on['host_ms'] - off['host_ms']:+.1f} | {fmt(per)} / {fmt(syn_per)} | {most} |")
-    return [CALLS_HEADER, *out, ""] if out else []
+    return _table(CALLS_HEADER, out)
 
 
 OPS_HEADER = ("| process | option | host added ms: paired steps / profiled | ops' self ms: on / off | GC ms: on / off "
@@ -462,18 +468,14 @@ def ops_rows(rows: list[tuple[int, dict]]) -> list[str]:
     """Where a process profiled its option's host side (``host_ops``): the operators' and CUDA calls'
     self host ms each way, the garbage collector's, and the four ops that grew most."""
     out = []
-    for n, r in rows:
-        ops = r.get("host_ops")
-        if not ops:
-            continue
-        on, off = ops["on"], ops["off"]
+    for n, r, on, off, ops in _each_way(rows, "host_ops"):
         paired = [statistics.median(r["raw"][k]) if r["raw"].get(k) else None for k in ("on_gc_ms", "off_gc_ms")]
         gc_ = f"{on['gc_ms']:.1f} / {off['gc_ms']:.1f}" + (
             f" ({paired[0]:.1f} / {paired[1]:.1f})" if None not in paired else "")
         grew = "; ".join(f"{k[:32]} {a} / {b}, {x:.1f} / {y:.1f}" for k, a, b, x, y in ops["top"][:4])
         out.append(f"| {n} | {r['option']} | {r['host_added_ms']:+.1f} / {on['host_ms'] - off['host_ms']:+.1f} "
                    f"| {on['self_ms']:.1f} / {off['self_ms']:.1f} | {gc_} | {grew} |")
-    return [OPS_HEADER, *out, ""] if out else []
+    return _table(OPS_HEADER, out)
 
 
 def summary(rows: dict[tuple[str, str], list[dict]]) -> list[str]:
