@@ -157,9 +157,10 @@ def host_ops(trainer, cuda: bool) -> dict:
     """Where the option's host time goes outside Python: one step on and one switched off, each under
     torch's profiler (CPU activity, and CUDA's where there is a GPU: its runtime calls, on every thread,
     the backward's too), each way the operators' and calls' self host ms summed (``self_ms``) and the
-    garbage collector's ms; and the ``TOP_OPS`` whose self ms grew most: [name, calls on, calls off,
-    ms on, ms off]. The profiler's recording inflates each op's time; the rest of the step's host
-    added is Python of its own (the manager's methods, ``manager_calls``)."""
+    garbage collector's ms; the ``TOP_OPS`` whose self ms grew most (``top``: [name, calls on, calls
+    off, ms on, ms off]) and every op called a different number of times each way (``calls_changed``,
+    the same). The profiler's recording inflates each op's time; the rest of the step's host added is
+    Python of its own (the manager's methods, ``manager_calls``)."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
@@ -172,10 +173,18 @@ def host_ops(trainer, cuda: bool) -> dict:
         each[name] = {"host_ms": host[0], "self_ms": sum(ms for _, ms in ops.values()), "gc_ms": collected.ms,
                       "gc_runs": collected.runs, "ops": ops}
     on, off = each["on"]["ops"], each["off"]["ops"]
-    grew = sorted(on, key=lambda k: off.get(k, (0, 0.0))[1] - on[k][1])[:TOP_OPS]
-    top = [[k, on[k][0], off.get(k, (0, 0.0))[0], round(on[k][1], 3), round(off.get(k, (0, 0.0))[1], 3)]
-           for k in grew]
-    return {**{name: {k: round(v, 3) for k, v in e.items() if k != "ops"} for name, e in each.items()}, "top": top}
+
+    def entry(k):
+        (n_on, ms_on), (n_off, ms_off) = on.get(k, (0, 0.0)), off.get(k, (0, 0.0))
+        return [k, n_on, n_off, round(ms_on, 3), round(ms_off, 3)]
+
+    grown = lambda k: on.get(k, (0, 0.0))[1] - off.get(k, (0, 0.0))[1]  # noqa: E731
+    top = [entry(k) for k in sorted(on, key=grown, reverse=True)[:TOP_OPS]]
+    # what the option calls that the step switched off does not, or more often: counted, not timed
+    called = [entry(k) for k in sorted(set(on) | set(off), key=grown, reverse=True)
+              if on.get(k, (0, 0.0))[0] != off.get(k, (0, 0.0))[0]]
+    return {**{name: {k: round(v, 3) for k, v in e.items() if k != "ops"} for name, e in each.items()},
+            "top": top, "calls_changed": called}
 
 
 def gpu_work(trainer) -> dict:

@@ -117,13 +117,13 @@ def test_an_offload_option_is_priced_with_its_copies_and_listed_apart(megatron_w
     # the host side profiled each way: the group marks' autograd functions run for every group (moved
     # or kept) on, never switched off; the copies out and back are copy ops the paused step does not run
     ops = r["host_ops"]
-    top = {name: (calls_on, calls_off) for name, calls_on, calls_off, _, _ in ops["top"]}
-    marks, copies = top["FineGrainedOffloadingGroupCommitFunction"], top["aten::copy_"]
-    assert marks[0] >= moved and marks[1] == 0 and copies[0] >= copies[1] + 2 * moved, top
-    assert ops["on"]["self_ms"] > 0 and ops["off"]["self_ms"] > 0 and ops["on"]["gc_runs"] >= 0
+    called = {name: (calls_on, calls_off) for name, calls_on, calls_off, _, _ in ops["calls_changed"]}
+    marks, copies = called["FineGrainedOffloadingGroupCommitFunction"], called["aten::copy_"]
+    assert marks[0] >= moved and marks[1] == 0 and copies[0] >= copies[1] + 2 * moved, called
+    assert "aten::addmm" not in called and "aten::mm" not in called  # the model's own ops, as many each way
+    assert len(ops["top"]) == bench.TOP_OPS and ops["on"]["self_ms"] > 0 and ops["off"]["self_ms"] > 0
     lines = bench.ops_rows([(0, r)])
     assert lines[0] == bench.OPS_HEADER and lines[1].startswith(f"| 0 | {option} | {r['host_added_ms']:+.1f} / ")
-    assert "FineGrainedOffloadingGroup" in lines[1]
 
 
 def test_gc_time_counts_the_collectors_runs_on_any_thread():
@@ -131,14 +131,18 @@ def test_gc_time_counts_the_collectors_runs_on_any_thread():
     import threading
 
     bench = _bench()
-    with bench.GcTime() as collected:
-        gc.collect()
-        worker = threading.Thread(target=gc.collect)
-        worker.start()
-        worker.join()
-    assert collected.runs == 2 and collected.ms > 0
-    gc.collect()  # after the block: not counted, the callback removed
-    assert collected.runs == 2 and collected._callback not in gc.callbacks
+    gc.disable()  # no collection of the allocator's own in between: the two called for, counted
+    try:
+        with bench.GcTime() as collected:
+            gc.collect()
+            worker = threading.Thread(target=gc.collect)
+            worker.start()
+            worker.join()
+        assert collected.runs == 2 and collected.ms > 0
+        gc.collect()  # after the block: not counted, the callback removed
+        assert collected.runs == 2 and collected._callback not in gc.callbacks
+    finally:
+        gc.enable()
 
 
 def test_the_copies_on_the_steps_clock_are_tabled_where_a_gpu_timed_them():
