@@ -28,6 +28,34 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+def side_copies(nbytes: int):
+    """Pinned host buffers, device buffers and two side streams: (queue, busy). ``queue(direction, n)``
+    queues n copies of ``nbytes`` on them and returns at once: ``d2h`` and ``h2d`` each on a stream
+    of its own, ``both`` on both, ``d2d`` device to device (any other direction, none); ``busy()``
+    whether any is still copying."""
+    import torch
+
+    pinned, pinned2 = (torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(2))
+    gbuf, gbuf2 = (torch.empty(nbytes, dtype=torch.uint8, device="cuda") for _ in range(2))
+    side, side2 = torch.cuda.Stream(), torch.cuda.Stream()
+
+    def queue(direction: str, n: int) -> None:
+        with torch.cuda.stream(side):
+            for _ in range(n):
+                if direction in ("d2h", "both"):
+                    pinned.copy_(gbuf, non_blocking=True)
+        with torch.cuda.stream(side2):
+            for _ in range(n):
+                if direction in ("h2d", "both"):
+                    gbuf2.copy_(pinned2, non_blocking=True)
+        if direction == "d2d":
+            with torch.cuda.stream(side):
+                for _ in range(n):
+                    gbuf2.copy_(gbuf, non_blocking=True)
+
+    return queue, lambda: not (side.query() and side2.query())
+
+
 def host_beside_copies() -> list[str]:
     import torch
 
@@ -45,24 +73,7 @@ def host_beside_copies() -> list[str]:
             d[i & 4095] = i
         return (time.perf_counter() - t) * 1e3
 
-    big = 512 << 20
-    pinned, pinned2 = (torch.empty(big, dtype=torch.uint8, pin_memory=True) for _ in range(2))
-    gbuf, gbuf2 = (torch.empty(big, dtype=torch.uint8, device="cuda") for _ in range(2))
-    side, side2 = torch.cuda.Stream(), torch.cuda.Stream()
-
-    def queue(direction, n=30):
-        with torch.cuda.stream(side):
-            for _ in range(n):
-                if direction in ("d2h", "both"):
-                    pinned.copy_(gbuf, non_blocking=True)
-        with torch.cuda.stream(side2):
-            for _ in range(n):
-                if direction in ("h2d", "both"):
-                    gbuf2.copy_(pinned2, non_blocking=True)
-        if direction == "d2d":
-            with torch.cuda.stream(side):
-                for _ in range(n):
-                    gbuf2.copy_(gbuf, non_blocking=True)
+    queue, busy = side_copies(512 << 20)
 
     out = []
     for fn in (launches, python):
@@ -74,12 +85,12 @@ def host_beside_copies() -> list[str]:
             for mode in ("idle", "d2h", "h2d", "both", "d2d"):
                 torch.cuda.synchronize()
                 if mode != "idle":
-                    queue(mode)
+                    queue(mode, 30)
                     time.sleep(0.02)
                 ms = fn()
-                busy = not (side.query() and side2.query())
+                copying = busy()
                 torch.cuda.synchronize()
-                res.setdefault(mode, []).append((ms, busy))
+                res.setdefault(mode, []).append((ms, copying))
         base = statistics.median(m for m, _ in res["idle"])
         out.append(fn.__name__ + " " + " ".join(
             f"{k}: {statistics.median(m for m, _ in v):.2f} ms ({statistics.median(m for m, _ in v) / base:.3f}x, "
@@ -101,28 +112,19 @@ def step_beside_copies(overrides: list[str]) -> list[str]:
     init_one_rank(cfg)
     seed_model_parallel_rng(cfg["train"]["seed"])
     trainer = Trainer(cfg)
-    big = 256 << 20
-    pinned, pinned2 = (torch.empty(big, dtype=torch.uint8, pin_memory=True) for _ in range(2))
-    gbuf, gbuf2 = (torch.empty(big, dtype=torch.uint8, device="cuda") for _ in range(2))
-    side, side2 = torch.cuda.Stream(), torch.cuda.Stream()
+    queue, busy = side_copies(256 << 20)
 
     def step(mode, waits):
-        direction, n_copies = mode
         torch.cuda.synchronize()
-        with torch.cuda.stream(side):
-            for _ in range(n_copies if direction == "d2h" else 0):
-                pinned.copy_(gbuf, non_blocking=True)
-        with torch.cuda.stream(side2):
-            for _ in range(n_copies if direction == "h2d" else 0):
-                gbuf2.copy_(pinned2, non_blocking=True)
+        queue(*mode)
         waits.seconds = 0.0
         t = time.perf_counter()
         trainer.step()
         returned = time.perf_counter()
         host = (returned - t - waits.seconds) * 1e3
-        busy = not (side.query() and side2.query())
+        copying = busy()
         torch.cuda.synchronize()
-        return host, (time.perf_counter() - t) * 1e3, busy
+        return host, (time.perf_counter() - t) * 1e3, copying
 
     modes = [("none", 0), ("d2h", 15), ("d2h", 30), ("h2d", 15), ("h2d", 30)]
     out, res = [], {}

@@ -58,7 +58,7 @@ sys.path.insert(0, REPO)
 from benchmarks.bench_hostbound import defaults  # noqa: E402  (model=moe size=h200 unless named, profile=none)
 
 _waits = None  # recipes.measure.syncs.ItemWaits, entered for a measuring process's lifetime (measure)
-_collected = None  # GcTime, the same
+_collected = None  # recipes.measure.collections.CollectionMeter, installed the same
 
 
 def _timed_step(trainer, cuda: bool, host: list | None = None, allocs: list | None = None,
@@ -74,8 +74,7 @@ def _timed_step(trainer, cuda: bool, host: list | None = None, allocs: list | No
         counts = _device_allocs() if allocs is not None else None
     if _waits is not None:
         _waits.seconds = 0.0
-    if _collected is not None:
-        _collected.ms = 0.0
+    collections = _collected.snapshot() if _collected is not None else None
     start = time.perf_counter()
     trainer.step()
     returned = time.perf_counter()
@@ -88,8 +87,8 @@ def _timed_step(trainer, cuda: bool, host: list | None = None, allocs: list | No
         host.append((returned - start - waited) * 1e3)
     if waits is not None:
         waits.append(waited * 1e3)
-    if collected is not None and _collected is not None:
-        collected.append(round(_collected.ms, 3))
+    if collected is not None and collections is not None:
+        collected.append(round(_collected.since(collections)[1] * 1e3, 3))
     return (time.perf_counter() - start) * 1e3
 
 
@@ -126,29 +125,6 @@ def manager_calls(trainer, cuda: bool) -> dict:
     return out
 
 
-class GcTime:
-    """Python's garbage collector's ms and collections while entered (``ms``, ``runs``; the caller
-    resets them), on whichever thread it runs: host time no timed method owns, where a step makes
-    more objects (an offload group's tags, states and events) and so collects more often."""
-
-    def __init__(self) -> None:
-        self.ms, self.runs, self._start = 0.0, 0, 0.0
-
-    def _callback(self, phase: str, info: dict) -> None:
-        if phase == "start":
-            self._start = time.perf_counter()
-        else:
-            self.ms += (time.perf_counter() - self._start) * 1e3
-            self.runs += 1
-
-    def __enter__(self) -> GcTime:
-        gc.callbacks.append(self._callback)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        gc.callbacks.remove(self._callback)
-
-
 #: The operators and CUDA calls ``host_ops`` keeps: those whose host time grew most with the option.
 TOP_OPS = 12
 
@@ -163,15 +139,21 @@ def host_ops(trainer, cuda: bool) -> dict:
     Python of its own (the manager's methods, ``manager_calls``)."""
     from torch.profiler import ProfilerActivity, profile
 
+    from recipes.measure.collections import CollectionMeter
+
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     each = {}
     for name, block in each_way(trainer):
         host: list[float] = []
-        with block(), GcTime() as collected, profile(activities=activities) as prof:
-            _timed_step(trainer, cuda, host)
+        meter = CollectionMeter().install()  # the collector's pauses, on whichever thread it runs
+        try:
+            with block(), profile(activities=activities) as prof:
+                _timed_step(trainer, cuda, host)
+        finally:
+            meter.uninstall()
         ops = {e.key: (e.count, e.self_cpu_time_total / 1e3) for e in prof.key_averages()}
-        each[name] = {"host_ms": host[0], "self_ms": sum(ms for _, ms in ops.values()), "gc_ms": collected.ms,
-                      "gc_runs": collected.runs, "ops": ops}
+        each[name] = {"host_ms": host[0], "self_ms": sum(ms for _, ms in ops.values()),
+                      "gc_ms": meter.pause_s * 1e3, "gc_runs": sum(meter.collections), "ops": ops}
     on, off = each["on"]["ops"], each["off"]["ops"]
 
     def entry(k):
@@ -313,13 +295,14 @@ def measure_option(overrides: list[str], option: str, rounds: int, passes: int =
 def measure(overrides: list[str], options: list[str], rounds: int, passes: int, run_length: int = 1,
             traces: str | None = None) -> list[dict]:
     from recipes.config import compose_config
+    from recipes.measure.collections import CollectionMeter
     from recipes.measure.syncs import ItemWaits
     from recipes.run.worker import init_one_rank
 
     global _waits, _collected
     init_one_rank(compose_config(overrides))
     _waits = ItemWaits().__enter__()  # this process measures and exits: never left
-    _collected = GcTime().__enter__()
+    _collected = CollectionMeter().install()
     import torch
 
     results = []
@@ -487,6 +470,12 @@ def ops_rows(rows: list[tuple[int, dict]]) -> list[str]:
     return _table(OPS_HEADER, out)
 
 
+def process_tables(numbered: list[tuple[int, dict]]) -> list[str]:
+    """Every per-process table a run's processes recorded, in order (each absent where none did)."""
+    return (copy_rows(numbered) + step_copy_rows(numbered) + calls_rows(numbered) + ops_rows(numbered)
+            + gpu_rows(numbered))
+
+
 def summary(rows: dict[tuple[str, str], list[dict]]) -> list[str]:
     """Per (model, option): the processes' added ms and prices, their medians, and the median price
     of every module-time pass they recorded."""
@@ -526,8 +515,7 @@ def table(dirs: list[str], summary_only: bool = False) -> None:
         for n, r in numbered:
             print(row(n, r))
         print()
-        for line in (copy_rows(numbered) + step_copy_rows(numbered) + calls_rows(numbered) + ops_rows(numbered)
-                     + gpu_rows(numbered)):
+        for line in process_tables(numbered):
             print(line)
     print("\n".join(summary(rows)))
 
@@ -636,8 +624,7 @@ def main() -> None:
             numbered.append((n, r))
             print(row(n, r), flush=True)
     print()
-    for line in (copy_rows(numbered) + step_copy_rows(numbered) + calls_rows(numbered) + ops_rows(numbered)
-                     + gpu_rows(numbered)):
+    for line in process_tables(numbered):
         print(line)
     print("\n".join(summary(rows)))
 

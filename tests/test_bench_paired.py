@@ -126,25 +126,6 @@ def test_an_offload_option_is_priced_with_its_copies_and_listed_apart(megatron_w
     assert lines[0] == bench.OPS_HEADER and lines[1].startswith(f"| 0 | {option} | {r['host_added_ms']:+.1f} / ")
 
 
-def test_gc_time_counts_the_collectors_runs_on_any_thread():
-    import gc
-    import threading
-
-    bench = _bench()
-    gc.disable()  # no collection of the allocator's own in between: the two called for, counted
-    try:
-        with bench.GcTime() as collected:
-            gc.collect()
-            worker = threading.Thread(target=gc.collect)
-            worker.start()
-            worker.join()
-        assert collected.runs == 2 and collected.ms > 0
-        gc.collect()  # after the block: not counted, the callback removed
-        assert collected.runs == 2 and collected._callback not in gc.callbacks
-    finally:
-        gc.enable()
-
-
 def test_the_copies_on_the_steps_clock_are_tabled_where_a_gpu_timed_them():
     """step_copy_rows: the rate each direction ran at inside the step, the waits and the three longest,
     numbered in the order compute met them; a process without a clock (a CPU) has no row."""

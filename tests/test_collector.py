@@ -101,3 +101,23 @@ def test_a_negative_interval_is_refused_naming_the_option():
     with pytest.raises(ConfigError) as err:
         validate(compose("size=tiny", "train.manual_gc_interval=-1"))
     assert "train.manual_gc_interval" in str(err.value) and "100" in str(err.value)
+
+
+def test_the_meter_counts_the_collectors_runs_on_any_thread():
+    """A collection on another thread (autograd's backward runs on one) pauses the host too: counted;
+    once uninstalled, nothing more is."""
+    import threading
+
+    gc.disable()  # no collection of the allocator's own in between: the two called for, counted
+    try:
+        meter = CollectionMeter().install()
+        gc.collect()
+        worker = threading.Thread(target=gc.collect)
+        worker.start()
+        worker.join()
+        meter.uninstall()
+        assert sum(meter.collections) == 2 and meter.pause_s > 0
+        gc.collect()  # after: not counted, the callback removed
+        assert sum(meter.collections) == 2 and meter._callback not in gc.callbacks
+    finally:
+        gc.enable()
