@@ -51,7 +51,7 @@ def lead(marks: dict) -> float | None:
 
 
 def rows(dirs: list[str]) -> list[dict]:
-    from benchmarks.bench_paired import saved
+    from benchmarks.paired_tables import saved
     from recipes.offload import modules_of
 
     out = []

@@ -14,15 +14,24 @@ import pytest
 from conftest import REPO, build_trainer, compose
 
 
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def _bench():
-    spec = importlib.util.spec_from_file_location("bench_paired", REPO / "benchmarks" / "bench_paired.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return bench
+    return _load("bench_paired")
+
+
+def _tables():
+    """benchmarks/paired_tables.py: the saved processes read back and tabled."""
+    return _load("paired_tables")
 
 
 def test_an_option_is_timed_against_itself_switched_off_and_priced_on_its_own_pass(megatron_world, tmp_path, capsys):
-    bench = _bench()
+    bench, tables = _bench(), _tables()
     r = bench.measure_option(["model=moe", "size=tiny", "profile=none"], "selective/moe", rounds=2, passes=2)
     raw = r["raw"]
     assert len(raw["on_ms"]) == len(raw["off_ms"]) == 2 and len(raw["module_times"]) == 3  # 2 before, 1 after
@@ -32,18 +41,18 @@ def test_an_option_is_timed_against_itself_switched_off_and_priced_on_its_own_pa
     assert all(h <= t for h, t in zip(raw["off_host_ms"], raw["off_ms"]))
     assert r["added_ms"] == statistics.median(a - b for a, b in zip(raw["on_ms"], raw["off_ms"]))
     assert r["priced_on"] == "module times" and r["priced_ms"] > 0  # a CPU records no timeline
-    assert bench.reprice(r)["priced_ms"] == r["priced_ms"]  # the saved pass prices the same with this code
+    assert tables.reprice(r)["priced_ms"] == r["priced_ms"]  # the saved pass prices the same with this code
     saved = tmp_path / "run"
     saved.mkdir()
     with gzip.open(saved / "process-0.json.gz", "wt") as f:
         json.dump([r], f)
     (saved / "process-0").mkdir()  # where --keep-traces puts the process's traces: not a process
     (saved / "process-0" / "trace-option-0.json.gz").write_bytes(b"")
-    bench.table([str(saved)])
+    tables.table([str(saved)])
     out = capsys.readouterr().out
     assert "| 0 | selective/moe |" in out and "| moe | selective/moe | 1 |" in out
     # --summary: the same saved process twice (two machines' runs of an option), pooled, no process rows
-    bench.table([str(saved), str(saved)], summary_only=True)
+    tables.table([str(saved), str(saved)], summary_only=True)
     out = capsys.readouterr().out
     assert out.startswith("| model | option | processes |") and "| 0 | selective/moe |" not in out
     assert f"| moe | selective/moe | 2 | {r['added_ms']:+.1f}, {r['added_ms']:+.1f} |" in out
@@ -88,7 +97,7 @@ def test_an_option_is_recompute_or_overrides():
 
 
 def test_an_offload_option_is_priced_with_its_copies_and_listed_apart(megatron_world, capsys):
-    bench = _bench()
+    bench, tables = _bench(), _tables()
     option = "offload=core_attn-attn_proj offload.emulate_on_cpu=true offload.min_offloaded_tensor_size=0"
     r = bench.measure_option(["model=standard_attn", "size=tiny", "profile=none"], option, rounds=1)
     assert r["priced_copy_ms"] > 0 and r["priced_ms"] == pytest.approx(
@@ -109,11 +118,11 @@ def test_an_offload_option_is_priced_with_its_copies_and_listed_apart(megatron_w
     assert calls["on"]["total_ms"] > calls["off"]["total_ms"] >= 0
     assert all(n > 0 and 0 <= own <= inclusive for n, own, inclusive in on.values())
     assert calls["on"]["total_ms"] == pytest.approx(sum(v[1] for v in on.values()), abs=1e-3)
-    row = bench.calls_rows([(0, r)])[1]
+    row = tables.calls_rows([(0, r)])[1]
     assert row.startswith(f"| 0 | {option} | {moved} | {on['ChunkOffloadHandler.tensor_push'][0]} |")
-    assert bench.reprice(r)["priced_ms"] == r["priced_ms"]
-    lines = bench.copy_rows([(0, r)])
-    assert lines[0] == bench.COPY_HEADER and lines[1].startswith(f"| 0 | {option} | - |")
+    assert tables.reprice(r)["priced_ms"] == r["priced_ms"]
+    lines = tables.copy_rows([(0, r)])
+    assert lines[0] == tables.COPY_HEADER and lines[1].startswith(f"| 0 | {option} | - |")
     # the host side profiled each way: the group marks' autograd functions run for every group (moved
     # or kept) on, never switched off; the copies out and back are copy ops the paused step does not run
     ops = r["host_ops"]
@@ -122,26 +131,26 @@ def test_an_offload_option_is_priced_with_its_copies_and_listed_apart(megatron_w
     assert marks[0] >= moved and marks[1] == 0 and copies[0] >= copies[1] + 2 * moved, called
     assert "aten::addmm" not in called and "aten::mm" not in called  # the model's own ops, as many each way
     assert len(ops["top"]) == bench.TOP_OPS and ops["on"]["self_ms"] > 0 and ops["off"]["self_ms"] > 0
-    lines = bench.ops_rows([(0, r)])
-    assert lines[0] == bench.OPS_HEADER and lines[1].startswith(f"| 0 | {option} | {r['host_added_ms']:+.1f} / ")
+    lines = tables.ops_rows([(0, r)])
+    assert lines[0] == tables.OPS_HEADER and lines[1].startswith(f"| 0 | {option} | {r['host_added_ms']:+.1f} / ")
 
 
 def test_the_copies_on_the_steps_clock_are_tabled_where_a_gpu_timed_them():
     """step_copy_rows: the rate each direction ran at inside the step, the waits and the three longest,
     numbered in the order compute met them; a process without a clock (a CPU) has no row."""
-    bench = _bench()
+    tables = _tables()
     spans = [["out", "core_attn", 2 * 10**9, 0.0, 40.0], ["back", "core_attn", 2 * 10**9, 50.0, 90.0],
              ["wait", "core_attn", 0, 60.0, 61.5], ["wait", "attn_proj", 0, 70.0, 70.2],
              ["wait", "core_attn", 0, 80.0, 83.0], ["wait", "attn_proj", 0, 95.0, 95.1]]
     r = {"option": "offload=core_attn", "link_gb_s": 55.2, "reload_wait_ms": 4.8,
          "copies": {"d2h_gb_s": 50.0, "h2d_gb_s": 50.0}, "raw": {"copy_timeline": spans}}
-    lines = bench.step_copy_rows([(1, r)])
-    assert lines[0] == bench.STEP_COPY_HEADER
+    lines = tables.step_copy_rows([(1, r)])
+    assert lines[0] == tables.STEP_COPY_HEADER
     assert lines[1] == ("| 1 | offload=core_attn | 55.2 | 50.0 | 50.0 | 4.8 "
                         "| core_attn #2 3.0, core_attn #0 1.5, attn_proj #1 0.2 | - |")
-    assert bench.step_copy_rows([(1, {**r, "strided_out": {"core_attn": 5, "attn_proj": 0}})])[1].endswith(
+    assert tables.step_copy_rows([(1, {**r, "strided_out": {"core_attn": 5, "attn_proj": 0}})])[1].endswith(
         "| core_attn 5, attn_proj 0 |")
-    assert bench.step_copy_rows([(1, {**r, "copies": None})]) == []
+    assert tables.step_copy_rows([(1, {**r, "copies": None})]) == []
 
 
 def test_the_fit_recovers_the_overhead_rates_the_added_times_were_made_with(megatron_world, tmp_path):
@@ -153,7 +162,7 @@ def test_the_fit_recovers_the_overhead_rates_the_added_times_were_made_with(mega
 
     from recipes.config import EstimateConfig
 
-    bench = _bench()
+    bench, tables = _bench(), _tables()
     base = ["model=standard_attn", "size=tiny", "profile=none"]
     emulated = "offload.emulate_on_cpu=true offload.min_offloaded_tensor_size=0"
     rows = [bench.measure_option(base, f"offload={o} {emulated}", rounds=1)
@@ -162,13 +171,13 @@ def test_the_fit_recovers_the_overhead_rates_the_added_times_were_made_with(mega
     a, b = 0.5, 7.0
     assert (a, b) != (EstimateConfig().offload_ms_per_group, EstimateConfig().offload_ms_per_gib)
     for r in rows:
-        r["added_ms"] = bench.reprice(bench.at_rates(r, a, b))["priced_ms"] + (3.0 if "recompute=" in r["option"] else 0)
+        r["added_ms"] = tables.reprice(tables.at_rates(r, a, b))["priced_ms"] + (3.0 if "recompute=" in r["option"] else 0)
     with gzip.open(tmp_path / "process-0.json.gz", "wt") as f:
         json.dump(rows, f)
-    out = bench.fit([str(tmp_path)])
+    out = tables.fit([str(tmp_path)])
     assert out[0] == f"estimate.offload_ms_per_group={a:.3f} estimate.offload_ms_per_gib={b:.2f} " \
                      "(least squares over 2 processes' options)"
-    assert out[2] == bench.summary({})[0] and len(out) == 7
+    assert out[2] == tables.summary({})[0] and len(out) == 7
     for line in out[4:6]:  # each offload option priced at the fitted rates is what it measured
         cells = [c.strip() for c in line.split("|")]
         assert cells[7] in ("+0%", "-0%") and cells[9] in ("+0%", "-0%"), line
@@ -220,11 +229,11 @@ def test_offload_host_reads_where_the_managers_host_work_showed_from_saved_proce
 def test_the_gpu_side_of_an_option_is_tabled_beside_its_added_time():
     """gpu_rows: the kernels' busy time on and off and what they added, the GPU's idle time, and the
     kernels that grew; a process that profiled nothing (a CPU) has no row."""
-    bench = _bench()
+    tables = _tables()
     kernels = lambda norm: [{"name": "rms_norm", "ms": norm, "calls": 64}, {"name": "gemm", "ms": 200.0, "calls": 9}]  # noqa: E731
     r = {"option": "selective/layernorm", "added_ms": 4.7,
          "gpu_work": {"on": {"kernel_busy_ms": 252.0, "gpu_busy_ms": 253.0, "gpu_idle_ms": 20.0, "kernels": kernels(3.4)},
                       "off": {"kernel_busy_ms": 250.0, "gpu_busy_ms": 251.0, "gpu_idle_ms": 17.5, "kernels": kernels(1.7)}}}
-    lines = bench.gpu_rows([(2, r), (3, {"option": "full", "added_ms": 1.0})])
-    assert lines[0] == bench.GPU_HEADER and len(lines) == 3
+    lines = tables.gpu_rows([(2, r), (3, {"option": "full", "added_ms": 1.0})])
+    assert lines[0] == tables.GPU_HEADER and len(lines) == 3
     assert lines[1] == "| 2 | selective/layernorm | +4.7 | 252.0 / 250.0 | +2.0 | 20.0 / 17.5 | rms_norm +1.7 |"
