@@ -239,7 +239,8 @@ ROUTED = ("permutation indices (int64)", "expert fc1 input (permuted)", "permute
 
 
 def test_routed_share_scales_only_the_routed_rows_under_expert_parallel(capsys):
-    from recipes.predict.activations import balanced_rows, dims, routed_rows
+    from recipes.predict.activations import balanced_rows, routed_rows
+    from recipes.predict.dims import dims
 
     cfg = compose("model=moe", "size=h200", "parallel=ep2")
     balanced, bound = predict(cfg, "cuda", routed_share=1), predict(cfg, "cuda")  # default: the bound
@@ -276,8 +277,9 @@ def test_the_imbalance_bound_is_a_config_field():
 def test_recorded_rows_price_each_layer(tmp_path):
     """A rank's recorded rows (``moe_routing``) price its ledger layer by layer, exactly; its peak at
     the timed steps' worst micro-batch."""
-    from recipes.predict.activations import balanced_rows, dims
+    from recipes.predict.activations import balanced_rows
     from recipes.predict.compare import recorded_shares
+    from recipes.predict.dims import dims
 
     cfg = compose("model=moe", "parallel=ep2")
     n, layers = balanced_rows(dims(cfg, "cpu")), cfg["model"]["num_layers"]

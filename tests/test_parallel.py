@@ -387,8 +387,9 @@ def assert_recorded_routing_prices_each_rank_exactly(result: dict) -> None:
     """Each EP rank records the rows routed to its experts (``moe_routing``); priced at them, the
     estimator's per-rank ledger is the measured one, byte for byte (issue 23: only this term missed
     on two H200s). Balanced routing is not: the two ranks' rows differ."""
-    from recipes.predict.activations import balanced_rows, dims
+    from recipes.predict.activations import balanced_rows
     from recipes.predict.compare import compare_result, format_comparison
+    from recipes.predict.dims import dims
     from recipes.predict.estimate import predict
 
     cfg = result["config"]

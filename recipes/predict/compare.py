@@ -6,7 +6,8 @@ from fractions import Fraction
 
 from recipes.config import upgrade
 from recipes.files import GIB
-from recipes.predict.activations import balanced_rows, dims
+from recipes.predict.activations import balanced_rows
+from recipes.predict.dims import dims
 from recipes.predict.estimate import predict
 from recipes.recompute import MLP_KIND
 from recipes.results import result_rows

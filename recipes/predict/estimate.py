@@ -25,21 +25,12 @@ from recipes.config import EstimateConfig, compose_config, upgrade
 from recipes.errors import ConfigError
 from recipes.files import GIB
 from recipes.offload import modules_of
-from recipes.predict.activations import (
-    Dims,
-    Term,
-    dims,
-    embedding_terms,
-    global_layer_terms,
-    head_terms,
-    is_gdn_layer,
-    is_moe_layer,
-    layer_terms,
-    validate_for,
-)
+from recipes.predict.activations import embedding_terms, global_layer_terms, head_terms, is_moe_layer, layer_terms
 from recipes.predict.copies import exposed_transfer_s, flop_positions, offload_overhead
 from recipes.predict.cost import layer_forward_s
+from recipes.predict.dims import Dims, Term, dims, validate_for
 from recipes.predict.fit import slack_for
+from recipes.predict.gdn_terms import is_gdn_layer
 from recipes.predict.offload import HostTerm, chunk_offload
 from recipes.predict.static import static_bytes
 from recipes.recompute import (

@@ -22,7 +22,7 @@ What the copies and the recompute cost a step's time is ``recipes.predict.cost``
 from __future__ import annotations
 
 from recipes.offload import modules_of
-from recipes.predict.activations import Dims, Term
+from recipes.predict.dims import Dims, Term
 
 #: A host term: (kind, what, bytes kept on the device before offload, bytes copied to the host, the
 #: offload module whose group copies it).
