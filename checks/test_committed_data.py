@@ -400,6 +400,19 @@ def test_the_h100_paired_run_regenerates_identically():
     assert "| process | option | host added ms: paired steps / profiled |" in out
 
 
+def test_the_h100_recompute_labels_regenerate_identically():
+    """docs/offload-h100/paired_2026-12-05_1758.md: MoE's moe_act-layernorm beside its two labels alone,
+    paired in three processes on an H100 (each option's price reads its own pass: the host's pace moved
+    between the options of one process)."""
+    import subprocess
+
+    done = subprocess.run([sys.executable, "benchmarks/bench_paired.py", "--table",
+                           "docs/offload-h100/paired_2026-12-05/1758_moe"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300, check=True)
+    assert done.stdout == (REPO / "docs" / "offload-h100" / "paired_2026-12-05_1758.md").read_text()
+    assert "| moe | selective/moe_act-layernorm | 3 | +40.3, +9.7, +5.1 | +9.7 | +4.8 | -50% |" in done.stdout
+
+
 #: Every paired process recorded with the pass's host-cost measurements (a checkpoint region's from
 #: 2026-12-04 19:25 UTC, the offload manager's from 21:17): the 20% target's scoreboard.
 PAIRED_EVERY = ("paired_2026-12-04/19[23]*_*", "paired_offload_2026-12-04/211[79]_*", "paired_2026-12-05/[0-9]*_*",
