@@ -384,33 +384,26 @@ def test_the_paired_runs_of_2026_12_05_regenerate_identically():
         assert done.stdout == (OFFLOAD / f"{name}.md").read_text() and row in done.stdout, name
 
 
-def test_the_h100_paired_run_regenerates_identically():
+def test_the_h100_paired_runs_regenerate_identically():
     """docs/offload-h100/paired_2026-12-05_1520.md: the same paired measurement on an H100 (80 GB), its
     host side profiled each way (``host_ops``): a second GPU's view of the options priced worst on the
-    H200, kept apart from the H200's scoreboard."""
+    H200; _1758.md: MoE's moe_act-layernorm beside its two labels alone (each option's price reads its
+    own pass: the host's pace moved between the options of one process). Kept apart from the H200's
+    scoreboard."""
     import subprocess
 
-    runs = REPO / "docs" / "offload-h100" / "paired_2026-12-05"
-    done = subprocess.run([sys.executable, "benchmarks/bench_paired.py", "--table",
-                           *(str((runs / d).relative_to(REPO)) for d in ("1520_moe", "1526_standard_attn"))],
-                          cwd=REPO, capture_output=True, text=True, timeout=300, check=True)
-    out = done.stdout
-    assert out == (REPO / "docs" / "offload-h100" / "paired_2026-12-05_1520.md").read_text()
-    assert "| moe | offload=moe_act | 3 | +39.1, +40.5, +34.6 | +39.1 | +26.9 | -31% |" in out
-    assert "| process | option | host added ms: paired steps / profiled |" in out
-
-
-def test_the_h100_recompute_labels_regenerate_identically():
-    """docs/offload-h100/paired_2026-12-05_1758.md: MoE's moe_act-layernorm beside its two labels alone,
-    paired in three processes on an H100 (each option's price reads its own pass: the host's pace moved
-    between the options of one process)."""
-    import subprocess
-
-    done = subprocess.run([sys.executable, "benchmarks/bench_paired.py", "--table",
-                           "docs/offload-h100/paired_2026-12-05/1758_moe"],
-                          cwd=REPO, capture_output=True, text=True, timeout=300, check=True)
-    assert done.stdout == (REPO / "docs" / "offload-h100" / "paired_2026-12-05_1758.md").read_text()
-    assert "| moe | selective/moe_act-layernorm | 3 | +40.3, +9.7, +5.1 | +9.7 | +4.8 | -50% |" in done.stdout
+    h100 = REPO / "docs" / "offload-h100"
+    for name, dirs, rows in (
+            ("paired_2026-12-05_1520", ("1520_moe", "1526_standard_attn"),
+             ("| moe | offload=moe_act | 3 | +39.1, +40.5, +34.6 | +39.1 | +26.9 | -31% |",
+              "| process | option | host added ms: paired steps / profiled |")),
+            ("paired_2026-12-05_1758", ("1758_moe",),
+             ("| moe | selective/moe_act-layernorm | 3 | +40.3, +9.7, +5.1 | +9.7 | +4.8 | -50% |",))):
+        done = subprocess.run([sys.executable, "benchmarks/bench_paired.py", "--table",
+                               *(str((h100 / "paired_2026-12-05" / d).relative_to(REPO)) for d in dirs)],
+                              cwd=REPO, capture_output=True, text=True, timeout=300, check=True)
+        assert done.stdout == (h100 / f"{name}.md").read_text(), name
+        assert all(row in done.stdout for row in rows), name
 
 
 #: Every paired process recorded with the pass's host-cost measurements (a checkpoint region's from
