@@ -5,6 +5,8 @@ process, next to the planner's price from that process's own timeline.
     python benchmarks/bench_paired.py --processes 1 model=standard_attn size=h200 --options full,selective/mlp
     python benchmarks/bench_paired.py --processes 1 model=standard_attn size=h200 \
       --options "offload=core_attn,recompute=selective/layernorm offload=attn_norm-mlp_norm"
+    python benchmarks/bench_paired.py --together --processes 3 --rounds 16 model=moe size=h200 \
+      --options selective/moe_act,selective/layernorm,selective/moe_act-layernorm
 
 An option is a recompute option (``full``, ``selective/moe``), or overrides separated by spaces
 (``offload=core_attn``, ``recompute=selective/moe_act offload=moe_act offload.activation_offload_fraction=0.75``).
@@ -34,6 +36,13 @@ timed the same way), and for every option profiles the GPU alone in a step on an
 kernels added beside what the step added (where the step grew by more, the GPU waited for the host),
 and the host's side in one more pair (``host_ops``: the operators' and CUDA calls' self host ms, the
 ones that grew most, and the garbage collector's ms, which every paired step records too).
+
+Options measured one after another meet the machine at different moments, and an MoE step's host
+pace drifts over minutes: one option can come out cheaper than another that replays all it does.
+``--together`` measures selective recompute options at one machine state: one model is built with
+every label they name, and each round steps each option in turn (its labels on, the rest switched off,
+``recipes.measure.labels.labels_disabled``) beside its own step switched off, the options' order turned
+by one each round. Full recompute and offload are built into the model and are measured without it.
 On a CPU it runs, for tests, at whatever size is given; times mean nothing there. Its saved processes
 are read back, priced with today's code and tabled by ``benchmarks/paired_tables.py`` (``--table``,
 ``--summary``, ``--fit``).
@@ -51,6 +60,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections import Counter
 from functools import partial
 from pathlib import Path
 
@@ -205,41 +215,93 @@ def switched_off(trainer):
         yield
 
 
+class Paired:
+    """One option's paired steps in a process: each step's ms, host ms, wait at the grad-norm read,
+    collector ms and device allocations, with the option on and switched off (``off``: the block the
+    off steps run under)."""
+
+    def __init__(self, trainer, cuda: bool, off):
+        self.trainer, self.cuda, self.off = trainer, cuda, off
+        self.ms = {True: [], False: []}
+        self.host, self.allocs = {True: [], False: []}, {True: [], False: []}
+        self.wait, self.gc = {True: [], False: []}, {True: [], False: []}
+
+    def step(self, on: bool) -> None:
+        with contextlib.nullcontext() if on else self.off():
+            self.ms[on].append(_timed_step(self.trainer, self.cuda, self.host[on], self.allocs[on], self.wait[on],
+                                           self.gc[on]))
+
+    def pair(self, r: int, run_length: int = 1) -> None:
+        """Round ``r``'s steps: ``run_length`` on then as many off, or off then on (odd rounds)."""
+        for on in ((True, False) if r % 2 == 0 else (False, True)):
+            for _ in range(run_length):
+                self.step(on)
+
+    def result(self, option: str, cfg: dict, module_times: list[dict], link_gb_s: float | None,
+               run_length: int = 1) -> dict:
+        """The option's figures from its steps, priced on the first of ``module_times`` (what a sweep's
+        base point records: one pass after its steps) at ``link_gb_s``."""
+        from recipes.measure.moduletime import note_host_wait
+
+        on_ms, off_ms = self.ms[True], self.ms[False]
+        added = sorted(a - b for a, b in zip(on_ms, off_ms))
+        marks = module_times[0].get("marks")
+        if _waits is not None:  # each pass with its steps' wait at the grad-norm read, as a sweep's base point
+            wait = statistics.median(self.wait[False])
+            for timed in module_times:
+                note_host_wait(timed, wait)
+        return {"option": option, "off_ms": statistics.median(off_ms), "on_ms": statistics.median(on_ms),
+                "added_ms": statistics.median(added),
+                "added_iqr_ms": [added[len(added) // 4], added[(3 * len(added)) // 4]],
+                "host_added_ms": statistics.median(a - b for a, b in zip(self.host[True], self.host[False])),
+                **price(cfg, module_times[0], link_gb_s), "link_gb_s": link_gb_s,
+                "priced_on": "timeline" if isinstance(marks, dict) and "names" in marks else "module times",
+                "host_pass_ms": marks.get("pass_ms") if isinstance(marks, dict) else None,
+                "raw": {"cfg": cfg, "on_ms": on_ms, "off_ms": off_ms, "on_host_ms": self.host[True],
+                        "off_host_ms": self.host[False], "on_wait_ms": self.wait[True], "off_wait_ms": self.wait[False],
+                        "on_gc_ms": self.gc[True], "off_gc_ms": self.gc[False], "on_allocs": self.allocs[True],
+                        "off_allocs": self.allocs[False], "run_length": run_length, "module_times": module_times}}
+
+
+def _build(cfg: dict):
+    """The worker's ``Trainer`` for ``cfg``, seeded as a run is, and whether it runs on a GPU."""
+    from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
+
+    from recipes.build.compat import cuda_available, seed_model_parallel_rng
+    from recipes.run.trainer import Trainer
+
+    destroy_moe_metrics_tracker()  # a process global sized by the first MoE model (see tests/conftest.py)
+    seed_model_parallel_rng(cfg["train"]["seed"])
+    return Trainer(cfg), cuda_available()
+
+
+def _warm(trainer, cuda: bool, off) -> None:
+    """Two steps each way before anything is timed."""
+    for _ in range(2):
+        _timed_step(trainer, cuda)
+        with off():
+            _timed_step(trainer, cuda)
+
+
 def measure_option(overrides: list[str], option: str, rounds: int, passes: int = 1, run_length: int = 1,
                    trace: str | None = None) -> dict:
     """One option in this process: the paired steps and its price on this process's timeline.
     ``run_length``: steps in a row each way (1: on/off, off/on, ...; 4: 4 on, 4 off, 4 off, 4 on, ...);
     ``trace``: where an offload option's profiled step's trace is kept (gzipped)."""
-    from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
-
-    from recipes.build.compat import cuda_available, seed_model_parallel_rng
     from recipes.config import compose_config
-    from recipes.measure.moduletime import note_host_wait, time_modules
+    from recipes.measure.moduletime import time_modules
     from recipes.measure.offload import CopyTimeline, copy_overlap, host_link_bandwidth
-    from recipes.run.trainer import Trainer
 
     cfg = compose_config([*overrides, *option_overrides(option)])
-    destroy_moe_metrics_tracker()  # a process global sized by the first MoE model (see tests/conftest.py)
-    seed_model_parallel_rng(cfg["train"]["seed"])
-    trainer, cuda = Trainer(cfg), cuda_available()
+    trainer, cuda = _build(cfg)
     try:
         off = partial(switched_off, trainer)
-        for _ in range(2):
-            _timed_step(trainer, cuda)
-            with off():
-                _timed_step(trainer, cuda)
+        _warm(trainer, cuda, off)
         with off():
             before = [time_modules(trainer) for _ in range(passes)]
-        on_ms, off_ms, on_host, off_host, on_allocs, off_allocs, on_wait, off_wait = [], [], [], [], [], [], [], []
-        on_gc, off_gc = [], []
+        steps = Paired(trainer, cuda, off)
         for r in range(max(1, rounds // run_length)):
-            for on in ((True, False) if r % 2 == 0 else (False, True)):
-                for _ in range(run_length):
-                    if on:
-                        on_ms.append(_timed_step(trainer, cuda, on_host, on_allocs, on_wait, on_gc))
-                    else:
-                        with off():
-                            off_ms.append(_timed_step(trainer, cuda, off_host, off_allocs, off_wait, off_gc))
+            steps.pair(r, run_length)
         with off():
             after = [time_modules(trainer) for _ in range(passes - 1)]
         clock, calls = {}, None
@@ -256,35 +318,86 @@ def measure_option(overrides: list[str], option: str, rounds: int, passes: int =
             exposed = overlap[0]["exposed_s"] * 1e3
         link = host_link_bandwidth() if trainer.offloading else None
         link_gb_s = min(link["d2h_gb_s"], link["h2d_gb_s"]) if link else None
-        added = sorted(a - b for a, b in zip(on_ms, off_ms))
-        module_times = before[0]  # what a sweep's base point records: one pass after its steps
-        marks = module_times.get("marks")
-        if _waits is not None:  # each pass with its steps' wait at the grad-norm read, as a sweep's base point
-            wait = statistics.median(off_wait)
-            for timed in before + after:
-                note_host_wait(timed, wait)
-        return {"option": option, "off_ms": statistics.median(off_ms), "on_ms": statistics.median(on_ms),
-                "added_ms": statistics.median(added),
-                "added_iqr_ms": [added[len(added) // 4], added[(3 * len(added)) // 4]],
-                "host_added_ms": statistics.median(a - b for a, b in zip(on_host, off_host)),
-                **price(cfg, module_times, link_gb_s), "exposed_ms": exposed, "link_gb_s": link_gb_s,
-                **({"reload_waits": clock["reload_waits"], "copies": clock.get("copies"),
-                    "strided_out": clock.get("strided_out"),
-                    "reload_wait_ms": None if (w := clock["reload_wait_s"]) is None else w * 1e3} if clock else {}),
-                **({"manager_calls": calls} if calls else {}), **({"gpu_work": gpu} if gpu else {}),
-                "host_ops": ops,
-                "priced_on": "timeline" if isinstance(marks, dict) and "names" in marks else "module times",
-                "host_pass_ms": marks.get("pass_ms") if isinstance(marks, dict) else None,
-                "raw": {"cfg": cfg, "on_ms": on_ms, "off_ms": off_ms, "on_host_ms": on_host, "off_host_ms": off_host,
-                        "on_wait_ms": on_wait, "off_wait_ms": off_wait, "on_gc_ms": on_gc, "off_gc_ms": off_gc,
-                        "on_allocs": on_allocs, "off_allocs": off_allocs, "run_length": run_length,
-                        "module_times": before + after, "copy_timeline": clock.get("copy_timeline")}}
+        out = steps.result(option, cfg, before + after, link_gb_s, run_length)
+        out.update(exposed_ms=exposed, host_ops=ops, **({"gpu_work": gpu} if gpu else {}),
+                   **({"manager_calls": calls} if calls else {}))
+        if clock:
+            w = clock["reload_wait_s"]
+            out.update(reload_waits=clock["reload_waits"], copies=clock.get("copies"),
+                       strided_out=clock.get("strided_out"), reload_wait_ms=None if w is None else w * 1e3)
+            out["raw"]["copy_timeline"] = clock.get("copy_timeline")
+        return out
+    finally:
+        trainer.close()
+
+
+def together_labels(options: list[str]) -> list[frozenset]:
+    """Each option's selective labels, for ``--together``; refused, naming the fix, where an option
+    is not a set of selective labels (full recompute and offload are built into the model, not
+    switched per step)."""
+    from recipes.recompute import selective_labels
+
+    labels = [selective_labels(o) if "=" not in o else None for o in options]
+    wrong = [o for o, ls in zip(options, labels) if not ls]
+    if wrong:
+        raise SystemExit(f"--together: {', '.join(wrong)} is not a selective recompute option "
+                         "(selective/<label>[-<label>...]); measure it without --together")
+    return labels
+
+
+def measure_together(overrides: list[str], options: list[str], rounds: int, passes: int = 1) -> list[dict]:
+    """Selective recompute options on one model built with all their labels: each round steps every
+    option in turn (only its labels on: ``recipes.measure.labels.labels_disabled`` for the rest), each
+    with its own step switched off beside it, on/off or off/on, the options' order turned by one each
+    round. Every option is then measured at one machine state, against the same model, weights and
+    allocator, and priced on the same pass. A result per option, as ``measure_option``'s."""
+    from recipes.config import compose_config
+    from recipes.measure.labels import labels_disabled
+    from recipes.measure.moduletime import time_modules
+
+    labels = together_labels(options)
+    built = sorted(set().union(*labels))
+    cfg = compose_config([*overrides, "recompute=control", f"recompute.recompute_modules=[{','.join(built)}]"])
+    trainer, cuda = _build(cfg)
+
+    def only(ls):  # this option's labels on, the others built in switched off
+        return partial(labels_disabled, trainer.chunks, [x for x in built if x not in ls])
+
+    try:
+        off = partial(switched_off, trainer)
+        _warm(trainer, cuda, off)
+        with off():
+            before = [time_modules(trainer) for _ in range(passes)]
+        steps = [Paired(trainer, cuda, off) for _ in options]
+        # each option's checkpoint regions, run and replayed, per label: its on steps' (the off ones run none)
+        regions = [{"forward": Counter(), "recompute": Counter()} for _ in options]
+        for r in range(rounds):
+            for i in range(len(options)):
+                k = (i + r) % len(options)
+                trainer.counter.reset()
+                with only(labels[k])():
+                    steps[k].pair(r + i)
+                regions[k]["forward"].update(trainer.counter.forward)
+                regions[k]["recompute"].update(trainer.counter.recompute)
+        with off():
+            after = [time_modules(trainer) for _ in range(passes - 1)]
+        out = []
+        for option, ls, paired, counted in zip(options, labels, steps, regions):
+            with only(ls)():
+                ops, gpu = host_ops(trainer, cuda), gpu_work(trainer) if cuda else None
+            r = paired.result(option, compose_config([*overrides, *option_overrides(option)]),
+                              [json.loads(json.dumps(m)) for m in before + after], None)
+            r.update(exposed_ms=None, host_ops=ops, **({"gpu_work": gpu} if gpu else {}))
+            r["raw"]["together"] = {"options": options, "built": built,
+                                    "checkpoints": {k: dict(c) for k, c in counted.items()}}
+            out.append(r)
+        return out
     finally:
         trainer.close()
 
 
 def measure(overrides: list[str], options: list[str], rounds: int, passes: int, run_length: int = 1,
-            traces: str | None = None) -> list[dict]:
+            traces: str | None = None, together: bool = False) -> list[dict]:
     from recipes.config import compose_config
     from recipes.measure.collections import CollectionMeter
     from recipes.measure.syncs import ItemWaits
@@ -296,6 +409,8 @@ def measure(overrides: list[str], options: list[str], rounds: int, passes: int, 
     _collected = CollectionMeter().install()
     import torch
 
+    if together:
+        return measure_together(overrides, options, rounds, passes)
     results = []
     for i, option in enumerate(options):
         trace = os.path.join(traces, f"trace-option-{i}.json.gz") if traces else None
@@ -318,6 +433,9 @@ def main() -> None:
                         help="module-time passes before the steps (and one fewer after); the price reads the first")
     parser.add_argument("--run-length", type=int, default=1,
                         help="steps in a row each way (default 1: on/off, off/on, ...)")
+    parser.add_argument("--together", action="store_true",
+                        help="selective recompute options measured on one model built with all their labels, "
+                        "interleaved round by round (each process's options at one machine state)")
     parser.add_argument("--keep-traces", action="store_true",
                         help="with --save: keep each offload option's profiled step's trace beside its process")
     parser.add_argument("--save", help="write each process's steps, config and module times to SAVE/process-N.json.gz")
@@ -338,14 +456,19 @@ def main() -> None:
         print("\n".join(fit(args.fit)))
         return
     overrides, options = defaults(overrides), args.options.split(",")
+    if args.together:
+        together_labels(options)  # refused here, before any process starts
+        if args.run_length != 1:
+            raise SystemExit("--together pairs each option's steps one on, one off: drop --run-length")
     if args.one:
         print("RESULT " + json.dumps(measure(overrides, options, args.rounds, args.passes, args.run_length,
-                                             args.traces)), flush=True)
+                                             args.traces, args.together)), flush=True)
         return
     import torch
 
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU (times mean nothing)"
-    print(f"{' '.join(overrides)}; {args.processes} processes, {args.rounds} rounds; {device}; "
+    print(f"{' '.join(overrides)}; {args.processes} processes, {args.rounds} rounds"
+          f"{', the options together on one model' if args.together else ''}; {device}; "
           f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}\n\n{ROW_HEADER}")
     rows: dict[tuple[str, str], list[dict]] = {}
     numbered = []
@@ -354,7 +477,8 @@ def main() -> None:
         if traces:
             os.makedirs(traces[0].split("=", 1)[1], exist_ok=True)
         done = subprocess.run([sys.executable, __file__, "--one", f"--options={args.options}", f"--rounds={args.rounds}",
-                               f"--passes={args.passes}", f"--run-length={args.run_length}", *traces, *overrides],
+                               f"--passes={args.passes}", f"--run-length={args.run_length}", *traces,
+                               *(["--together"] if args.together else []), *overrides],
                               cwd=REPO, capture_output=True, text=True)
         line = next((x for x in done.stdout.splitlines() if x.startswith("RESULT ")), None)
         if line is None:

@@ -223,7 +223,9 @@ def table(dirs: list[str], summary_only: bool = False) -> None:
             pool(rows, r)
         if summary_only:
             continue
-        print(f"{d} ({len({n for n, _ in numbered})} processes)\n\n{ROW_HEADER}")
+        together = any(r["raw"].get("together") for _, r in numbered)  # bench_paired.py --together
+        print(f"{d} ({len({n for n, _ in numbered})} processes"
+              f"{', the options together on one model' if together else ''})\n\n{ROW_HEADER}")
         for n, r in numbered:
             print(row(n, r))
         print()

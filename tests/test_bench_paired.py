@@ -58,6 +58,39 @@ def test_an_option_is_timed_against_itself_switched_off_and_priced_on_its_own_pa
     assert f"| moe | selective/moe | 2 | {r['added_ms']:+.1f}, {r['added_ms']:+.1f} |" in out
 
 
+def test_options_together_each_run_only_their_own_labels_beside_their_own_off_steps(megatron_world):
+    """``--together``: one model built with every option's labels; each option's on steps open and
+    replay checkpoints of its labels alone (the others switched off), each is paired with its own off
+    steps (which replay none) and priced as itself on the one shared pass."""
+    bench, tables = _bench(), _tables()
+    options = ["selective/moe_act", "selective/layernorm", "selective/moe_act-layernorm"]
+    results = bench.measure_together(["model=moe", "size=tiny", "profile=none"], options, rounds=2, passes=2)
+    assert [r["option"] for r in results] == options
+    passes = [[{k: v for k, v in m.items() if k != "marks"} for m in r["raw"]["module_times"]] for r in results]
+    assert passes[0] == passes[1] == passes[2] and len(passes[0]) == 3  # one shared pass each way
+    for r in results:
+        raw, labels = r["raw"], set(r["option"].split("/")[1].split("-"))
+        assert raw["together"]["built"] == ["layernorm", "moe_act"]
+        assert set(raw["cfg"]["recompute"]["recompute_modules"]) == labels  # priced as itself
+        regions = raw["together"]["checkpoints"]
+        assert {k for k, n in regions["forward"].items() if n} == labels, regions
+        assert {k for k, n in regions["recompute"].items() if n} == labels, regions
+        assert len(raw["on_ms"]) == len(raw["off_ms"]) == 2
+        assert r["added_ms"] == statistics.median(a - b for a, b in zip(raw["on_ms"], raw["off_ms"]))
+        assert tables.reprice(r)["priced_ms"] == r["priced_ms"]
+    # each label regions' counts: the combined option's are the two options' alone, per step
+    counts = [r["raw"]["together"]["checkpoints"]["forward"] for r in results]
+    assert counts[2] == {**counts[0], **counts[1]}
+
+
+def test_together_refuses_what_is_not_a_set_of_selective_labels_naming_the_fix():
+    bench = _bench()
+    for option in ("full", "offload=core_attn", "recompute=selective/moe_act offload=moe_act", "none"):
+        with pytest.raises(SystemExit, match="measure it without --together"):
+            bench.together_labels(["selective/moe_act", option])
+    assert bench.together_labels(["selective/moe_act-layernorm"]) == [frozenset({"moe_act", "layernorm"})]
+
+
 def test_switched_off_pauses_offload_for_the_step_and_it_moves_again_after(megatron_world):
     """An offload option's "off" step (``switched_off``) moves nothing and its gradients are the run's
     without offload, bit for bit; the steps around it, before and after, move the same bytes."""
