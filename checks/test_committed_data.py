@@ -388,8 +388,9 @@ def test_the_h100_paired_runs_regenerate_identically():
     """docs/offload-h100/paired_2026-12-05_1520.md: the same paired measurement on an H100 (80 GB), its
     host side profiled each way (``host_ops``): a second GPU's view of the options priced worst on the
     H200; _1758.md: MoE's moe_act-layernorm beside its two labels alone (each option's price reads its
-    own pass: the host's pace moved between the options of one process). Kept apart from the H200's
-    scoreboard."""
+    own pass: the host's pace moved between the options of one process); paired_together_2026-12-05.md:
+    MoE's and dense's labels measured together on one model (``--together``), at one machine state.
+    Kept apart from the H200's scoreboard."""
     import subprocess
 
     h100 = REPO / "docs" / "offload-h100"
@@ -398,7 +399,12 @@ def test_the_h100_paired_runs_regenerate_identically():
              ("| moe | offload=moe_act | 3 | +39.1, +40.5, +34.6 | +39.1 | +26.9 | -31% |",
               "| process | option | host added ms: paired steps / profiled |")),
             ("paired_2026-12-05_1758", ("1758_moe",),
-             ("| moe | selective/moe_act-layernorm | 3 | +40.3, +9.7, +5.1 | +9.7 | +4.8 | -50% |",))):
+             ("| moe | selective/moe_act-layernorm | 3 | +40.3, +9.7, +5.1 | +9.7 | +4.8 | -50% |",)),
+            ("paired_together_2026-12-05", ("1910_moe_together", "1915_standard_attn_together", "1920_moe_together",
+                                            "1925_standard_attn_together"),
+             ("(4 processes, the options together on one model)",
+              "| moe | selective/moe_act-layernorm | 8 | +3.7, +3.9, +5.3, +4.6, +4.0, +4.6, +5.0, +4.1 | +4.3 | +3.6 |",
+              "| standard_attn | selective/layernorm | 6 | +1.7, +1.5, +1.5, +2.2, +1.8, +2.0 | +1.7 | +1.5 | -11% |"))):
         done = subprocess.run([sys.executable, "benchmarks/bench_paired.py", "--table",
                                *(str((h100 / "paired_2026-12-05" / d).relative_to(REPO)) for d in dirs)],
                               cwd=REPO, capture_output=True, text=True, timeout=300, check=True)
