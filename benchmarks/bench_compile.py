@@ -50,11 +50,9 @@ SCOPES = {"compile": "layer", "compile attention": "attention"}
 def run(cfg: dict, variant: str, warmup: int, steps: int) -> dict:
     from torch._dynamo.utils import counters
 
-    from recipes.build.compat import seed_model_parallel_rng
-    from recipes.run.worker import Trainer
+    from recipes.run.worker import fresh_trainer
 
-    seed_model_parallel_rng(cfg["train"]["seed"], cudagraphable=variant == "cudagraphs")
-    trainer = Trainer(cfg)
+    trainer = fresh_trainer(cfg)  # graph-safe generators where cfg builds megatron's local CUDA graphs
     counters.clear()
     layers = sum(type(m).__name__ == "TransformerLayer" for c in trainer.chunks for m in c.modules()) \
         if variant in SCOPES else 0

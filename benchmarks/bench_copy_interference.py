@@ -102,16 +102,13 @@ def step_beside_copies(overrides: list[str]) -> list[str]:
     import torch
 
     from benchmarks.bench_hostbound import defaults
-    from recipes.build.compat import seed_model_parallel_rng
     from recipes.config import compose_config
     from recipes.measure.syncs import ItemWaits
-    from recipes.run.trainer import Trainer
-    from recipes.run.worker import init_one_rank
+    from recipes.run.worker import fresh_trainer, init_one_rank
 
     cfg = compose_config(defaults(overrides))
     init_one_rank(cfg)
-    seed_model_parallel_rng(cfg["train"]["seed"])
-    trainer = Trainer(cfg)
+    trainer = fresh_trainer(cfg)
     queue, busy = side_copies(256 << 20)
 
     def step(mode, waits):

@@ -113,21 +113,16 @@ def layer_mode(args) -> None:
 
 
 def step_mode(overrides: list[str]) -> None:
-    from recipes.build.compat import seed_model_parallel_rng
     from recipes.config import compose_config
-    from recipes.run.worker import Trainer, init_one_rank
+    from recipes.run.worker import fresh_trainer, init_one_rank
 
     base = overrides if any(o.startswith("model=") for o in overrides) else ["model=moe", *overrides]
     cfg = compose_config(base)
     init_one_rank(cfg)
-    from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
-
     moe = bool(cfg["model"].get("num_moe_experts"))
     for name in DISPATCHERS if moe else (None,):
         cfg = compose_config(base + ([f"model.moe_token_dispatcher_type={name}"] if name else []))
-        destroy_moe_metrics_tracker()
-        seed_model_parallel_rng(cfg["train"]["seed"])
-        trainer = Trainer(cfg)
+        trainer = fresh_trainer(cfg)
         try:
             trainer.step()  # warm-up: first-step allocations and one-time work
             with HostSyncCounter() as syncs:

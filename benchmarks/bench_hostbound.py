@@ -35,16 +35,13 @@ sys.path.insert(0, REPO)
 def measure(overrides: list[str]) -> dict:
     import torch
 
-    from recipes.build.compat import seed_model_parallel_rng
     from recipes.config import compose_config
     from recipes.measure.syncs import ItemWaits
-    from recipes.run.trainer import Trainer
-    from recipes.run.worker import init_one_rank
+    from recipes.run.worker import fresh_trainer, init_one_rank
 
     cfg = compose_config(defaults(overrides))
     init_one_rank(cfg)
-    seed_model_parallel_rng(cfg["train"]["seed"])
-    trainer = Trainer(cfg)
+    trainer = fresh_trainer(cfg)
     try:
         with ItemWaits() as blocked:
             for _ in range(3):

@@ -18,10 +18,8 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from recipes.build.compat import seed_model_parallel_rng  # noqa: E402
 from recipes.config import compose_config  # noqa: E402
-from recipes.run.trainer import Trainer  # noqa: E402
-from recipes.run.worker import init_one_rank  # noqa: E402
+from recipes.run.worker import fresh_trainer, init_one_rank  # noqa: E402
 
 
 def _top_level(event) -> bool:
@@ -45,8 +43,7 @@ def _autograd_node(event) -> str | None:
 def main() -> None:
     cfg = compose_config(sys.argv[1:])
     init_one_rank(cfg)
-    seed_model_parallel_rng(cfg["train"]["seed"])
-    trainer = Trainer(cfg)
+    trainer = fresh_trainer(cfg)
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     for _ in range(3):
         trainer.train_step()

@@ -264,15 +264,11 @@ class Paired:
 
 
 def _build(cfg: dict):
-    """The worker's ``Trainer`` for ``cfg``, seeded as a run is, and whether it runs on a GPU."""
-    from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
+    """The worker's ``Trainer`` for ``cfg`` (``recipes.run.worker.fresh_trainer``) and whether it runs on a GPU."""
+    from recipes.build.compat import cuda_available
+    from recipes.run.worker import fresh_trainer
 
-    from recipes.build.compat import cuda_available, seed_model_parallel_rng
-    from recipes.run.trainer import Trainer
-
-    destroy_moe_metrics_tracker()  # a process global sized by the first MoE model (see tests/conftest.py)
-    seed_model_parallel_rng(cfg["train"]["seed"])
-    return Trainer(cfg), cuda_available()
+    return fresh_trainer(cfg), cuda_available()
 
 
 def _warm(trainer, cuda: bool, off) -> None:

@@ -92,17 +92,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6, help="timed steps each way (default 6)")
     args, overrides = parser.parse_known_args()
 
-    from recipes.build.compat import cuda_available, seed_model_parallel_rng
+    from recipes.build.compat import cuda_available
     from recipes.config import compose_config
     from recipes.measure.syncs import ItemWaits
-    from recipes.run.trainer import Trainer
-    from recipes.run.worker import init_one_rank
+    from recipes.run.worker import fresh_trainer, init_one_rank
 
     cfg = compose_config(overrides)
     init_one_rank(cfg)
-    seed_model_parallel_rng(cfg["train"]["seed"])
     instrument()
-    trainer, cuda = Trainer(cfg), cuda_available()
+    trainer, cuda = fresh_trainer(cfg), cuda_available()
     off = partial(bench_paired.switched_off, trainer)
     bench_paired._waits = ItemWaits().__enter__()  # this process measures and exits: never left
     for _ in range(3):

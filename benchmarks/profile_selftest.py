@@ -65,10 +65,9 @@ def main() -> int:
     on_gpu = torch.cuda.is_available()
     shape = (SMALL if args.size == "small" else ["size=h200"]) if on_gpu else []
     common = shape + ["profile=peak", "train.train_iters=5", "measure.start_step=3"] + extra
-    from recipes.run.worker import init_one_rank, train_and_measure
+    from recipes.run.worker import init_one_rank, reseed, train_and_measure
 
     init_one_rank(compose_config(common))
-    from recipes.build.compat import seed_model_parallel_rng
     from recipes.measure.profile import first_label_to_try, plot_timelines, top_contributors, write_timeline_pngs
     from recipes.recompute import GUIDE_FIRST_LABEL
 
@@ -81,7 +80,7 @@ def main() -> int:
         cfg = compose_config(common + overrides)
         run_dir = out / name.replace(" ", "_").replace("/", ".")
         run_dir.mkdir(parents=True, exist_ok=True)
-        seed_model_parallel_rng(cfg["train"]["seed"])
+        reseed(cfg)
         rank: dict = {"rank": 0}
         train_and_measure(cfg, rank, run_dir)  # the trainer is dropped: one model at a time
         gc.collect()

@@ -76,32 +76,18 @@ def megatron_world():
         child.terminate()
 
 
-def _fresh_moe_tracker() -> None:
-    """megatron's MoE metrics tracker is a process global sized by the first MoE model's layer count;
-    a later, deeper MoE model in the same process would index past it (moe_logging.py). A run is one
-    process; tests build many models in one, so each starts with a fresh tracker."""
-    from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
-
-    destroy_moe_metrics_tracker()
-
-
 def build_trainer(cfg: dict):
     """A fresh Trainer for ``cfg`` (reseeded, so equal seeds give equal weights)."""
-    from recipes.build.compat import seed_model_parallel_rng
-    from recipes.run.trainer import Trainer
+    from recipes.run.worker import fresh_trainer
 
-    _fresh_moe_tracker()
-    seed_model_parallel_rng(cfg["train"]["seed"])
-    return Trainer(cfg)
+    return fresh_trainer(cfg)
 
 
 def train_in_process(cfg: dict) -> dict:
     """Run the worker's measurement loop in this process; returns the rank result dict."""
-    from recipes.build.compat import seed_model_parallel_rng
-    from recipes.run.worker import train_and_measure
+    from recipes.run.worker import reseed, train_and_measure
 
-    _fresh_moe_tracker()
-    seed_model_parallel_rng(cfg["train"]["seed"])
+    reseed(cfg)
     result: dict = {"rank": 0}
     train_and_measure(cfg, result)
     return result

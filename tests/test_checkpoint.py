@@ -19,10 +19,9 @@ OFFLOAD_EMULATED = ("offload.emulate_on_cpu=true", "offload.min_offloaded_tensor
 
 def train(cfg: dict, run_dir: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     """The worker's loop in this process: (rank result, parameters after the run)."""
-    from recipes.build.compat import seed_model_parallel_rng
-    from recipes.run.worker import train_and_measure
+    from recipes.run.worker import reseed, train_and_measure
 
-    seed_model_parallel_rng(cfg["train"]["seed"])
+    reseed(cfg)
     result: dict = {"rank": 0}
     trainer = train_and_measure(cfg, result, run_dir)
     params = {f"{i}.{n}": p.detach().clone() for i, c in enumerate(trainer.chunks) for n, p in c.named_parameters()}

@@ -96,7 +96,14 @@ def init_distributed(cfg: dict, marks: dict | None = None) -> None:
         expert_model_parallel_size=par["expert_model_parallel_size"],
         expert_tensor_parallel_size=par["expert_tensor_parallel_size"],
     )
-    # As Megatron-LM does: each pipeline stage draws its own weights (seed + 100 * pp rank).
+    _seed(cfg)
+
+
+def _seed(cfg: dict) -> None:
+    """torch's and megatron's RNGs for this rank's model. As Megatron-LM does, each pipeline stage draws
+    its own weights (seed + 100 * pp rank); megatron's local CUDA graphs need graph-safe generators."""
+    from megatron.core import parallel_state
+
     compat.seed_model_parallel_rng(cfg["train"]["seed"] + 100 * parallel_state.get_pipeline_model_parallel_rank(),
                                    cudagraphable=cfg["model"].get("cuda_graph_impl", "none") == "local")
 
@@ -105,6 +112,23 @@ def init_one_rank(cfg: dict) -> None:
     """A one-rank world in this process, for benchmarks and tests that build a Trainer without a launcher."""
     set_one_rank_env()
     init_distributed(cfg)
+
+
+def reseed(cfg: dict) -> None:
+    """Before each of several models one process builds (benchmarks, tests): the RNGs seeded as a run
+    seeds them, so equal seeds give equal weights, and a fresh MoE metrics tracker: megatron's is a
+    process global sized by the first MoE model's layer count, which a later, deeper one would index
+    past (moe_logging.py). A run builds one model and needs neither again."""
+    from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
+
+    destroy_moe_metrics_tracker()
+    _seed(cfg)
+
+
+def fresh_trainer(cfg: dict) -> Trainer:
+    """The worker's ``Trainer`` for ``cfg``, reseeded (``reseed``), in a process ``init_one_rank`` set up."""
+    reseed(cfg)
+    return Trainer(cfg)
 
 
 def rank_coordinates() -> dict:
