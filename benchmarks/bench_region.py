@@ -11,7 +11,7 @@ runs the region's backward. Each of those is host work the step pays where its h
 GPU. This builds the worker's ``Trainer`` for the overrides, runs 3 steps, then ``--steps`` steps with
 every part wrapped in a host timer (no synchronisation inside a step), and prints each part's host
 microseconds a region, and the step's host ms (its own: less its waits for the GPU in ``Tensor.item``)
-against the same steps with the option switched off (``bench_paired.switched_off``). A CPU runs it; its figures mean something on a GPU's
+against the same steps with the option switched off (``benchmarks.paired_steps.switched_off``). A CPU runs it; its figures mean something on a GPU's
 host.
 """
 
@@ -28,7 +28,7 @@ from functools import partial, wraps
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks import bench_paired  # noqa: E402  (a step's host and wall ms; the option switched off)
+from benchmarks import paired_steps  # noqa: E402  (a step's host and wall ms; the option switched off)
 
 TIMES: dict[str, list[float]] = collections.defaultdict(list)
 PHASE = ["on"]  # which steps a part's time belongs to: "on" (the option) or "off" (switched off)
@@ -80,9 +80,9 @@ def instrument() -> None:
 
 def step_host_ms(trainer, cuda: bool) -> tuple[float, float]:
     """(the host's own ms until step() returned, less its waits in ``Tensor.item``; the step's ms from
-    a drained stream to its end), as ``bench_paired`` times a step."""
+    a drained stream to its end), as ``bench_paired`` times a step (``paired_steps.timed_step``)."""
     host: list[float] = []
-    ms = bench_paired._timed_step(trainer, cuda, host)
+    ms = paired_steps.timed_step(trainer, cuda, host)
     return host[0], ms
 
 
@@ -94,15 +94,14 @@ def main() -> None:
 
     from recipes.build.compat import cuda_available
     from recipes.config import compose_config
-    from recipes.measure.syncs import ItemWaits
     from recipes.run.worker import fresh_trainer, init_one_rank
 
     cfg = compose_config(overrides)
     init_one_rank(cfg)
     instrument()
     trainer, cuda = fresh_trainer(cfg), cuda_available()
-    off = partial(bench_paired.switched_off, trainer)
-    bench_paired._waits = ItemWaits().__enter__()  # this process measures and exits: never left
+    off = partial(paired_steps.switched_off, trainer)
+    paired_steps.install_meters()  # this process measures and exits: never uninstalled
     for _ in range(3):
         step_host_ms(trainer, cuda)
         with off():

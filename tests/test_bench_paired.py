@@ -25,6 +25,11 @@ def _bench():
     return _load("bench_paired")
 
 
+def _steps():
+    """benchmarks/paired_steps.py: a step timed, the option switched off, and the probes each way."""
+    return _load("paired_steps")
+
+
 def _tables():
     """benchmarks/paired_tables.py: the saved processes read back and tabled."""
     return _load("paired_tables")
@@ -104,7 +109,7 @@ def test_switched_off_pauses_offload_for_the_step_and_it_moves_again_after(megat
         try:
             for i in range(3):
                 before = trainer.offload_meter.snapshot() if trainer.offload_meter else None
-                with bench.switched_off(trainer) if i == off_at else contextlib.nullcontext():
+                with _steps().switched_off(trainer) if i == off_at else contextlib.nullcontext():
                     trainer.compute_gradients()
                 grads = {n: p.grad.detach().clone() for c in trainer.chunks for n, p in c.named_parameters()
                          if p.grad is not None}
@@ -163,7 +168,7 @@ def test_an_offload_option_is_priced_with_its_copies_and_listed_apart(megatron_w
     marks, copies = called["FineGrainedOffloadingGroupCommitFunction"], called["aten::copy_"]
     assert marks[0] >= moved and marks[1] == 0 and copies[0] >= copies[1] + 2 * moved, called
     assert "aten::addmm" not in called and "aten::mm" not in called  # the model's own ops, as many each way
-    assert len(ops["top"]) == bench.TOP_OPS and ops["on"]["self_ms"] > 0 and ops["off"]["self_ms"] > 0
+    assert len(ops["top"]) == _steps().TOP_OPS and ops["on"]["self_ms"] > 0 and ops["off"]["self_ms"] > 0
     lines = tables.ops_rows([(0, r)])
     assert lines[0] == tables.OPS_HEADER and lines[1].startswith(f"| 0 | {option} | {r['host_added_ms']:+.1f} / ")
 
