@@ -50,7 +50,7 @@ SCOPES = {"compile": "layer", "compile attention": "attention"}
 def run(cfg: dict, variant: str, warmup: int, steps: int) -> dict:
     from torch._dynamo.utils import counters
 
-    from recipes.run.worker import fresh_trainer
+    from recipes.run.world import fresh_trainer
 
     trainer = fresh_trainer(cfg)  # graph-safe generators where cfg builds megatron's local CUDA graphs
     counters.clear()
@@ -82,7 +82,7 @@ def run(cfg: dict, variant: str, warmup: int, steps: int) -> dict:
 def run_variant(overrides: list[str], variant: str, warmup: int, steps: int) -> dict:
     """One variant in this process (``--variant``): a row, or the error it ended with."""
     from recipes.config import compose_config
-    from recipes.run.worker import init_one_rank
+    from recipes.run.world import init_one_rank
 
     try:
         if variant == "cudagraphs":

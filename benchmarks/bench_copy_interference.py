@@ -104,7 +104,7 @@ def step_beside_copies(overrides: list[str]) -> list[str]:
     from benchmarks.bench_hostbound import defaults
     from recipes.config import compose_config
     from recipes.measure.syncs import ItemWaits
-    from recipes.run.worker import fresh_trainer, init_one_rank
+    from recipes.run.world import fresh_trainer, init_one_rank
 
     cfg = compose_config(defaults(overrides))
     init_one_rank(cfg)

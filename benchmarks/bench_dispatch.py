@@ -114,7 +114,7 @@ def layer_mode(args) -> None:
 
 def step_mode(overrides: list[str]) -> None:
     from recipes.config import compose_config
-    from recipes.run.worker import fresh_trainer, init_one_rank
+    from recipes.run.world import fresh_trainer, init_one_rank
 
     base = overrides if any(o.startswith("model=") for o in overrides) else ["model=moe", *overrides]
     cfg = compose_config(base)

@@ -37,7 +37,7 @@ def measure(overrides: list[str]) -> dict:
 
     from recipes.config import compose_config
     from recipes.measure.syncs import ItemWaits
-    from recipes.run.worker import fresh_trainer, init_one_rank
+    from recipes.run.world import fresh_trainer, init_one_rank
 
     cfg = compose_config(defaults(overrides))
     init_one_rank(cfg)

@@ -19,7 +19,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from recipes.config import compose_config  # noqa: E402
-from recipes.run.worker import fresh_trainer, init_one_rank  # noqa: E402
+from recipes.run.world import fresh_trainer, init_one_rank  # noqa: E402
 
 
 def _top_level(event) -> bool:

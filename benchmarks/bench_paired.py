@@ -127,9 +127,9 @@ class Paired:
 
 
 def _build(cfg: dict):
-    """The worker's ``Trainer`` for ``cfg`` (``recipes.run.worker.fresh_trainer``) and whether it runs on a GPU."""
+    """The worker's ``Trainer`` for ``cfg`` (``recipes.run.world.fresh_trainer``) and whether it runs on a GPU."""
     from recipes.build.compat import cuda_available
-    from recipes.run.worker import fresh_trainer
+    from recipes.run.world import fresh_trainer
 
     return fresh_trainer(cfg), cuda_available()
 
@@ -258,7 +258,7 @@ def measure_together(overrides: list[str], options: list[str], rounds: int, pass
 def measure(overrides: list[str], options: list[str], rounds: int, passes: int, run_length: int = 1,
             traces: str | None = None, together: bool = False) -> list[dict]:
     from recipes.config import compose_config
-    from recipes.run.worker import init_one_rank
+    from recipes.run.world import init_one_rank
 
     init_one_rank(compose_config(overrides))
     paired_steps.install_meters()

@@ -94,7 +94,7 @@ def main() -> None:
 
     from recipes.build.compat import cuda_available
     from recipes.config import compose_config
-    from recipes.run.worker import fresh_trainer, init_one_rank
+    from recipes.run.world import fresh_trainer, init_one_rank
 
     cfg = compose_config(overrides)
     init_one_rank(cfg)

@@ -164,6 +164,14 @@ step_paired_offload() {  # each family's offload options (and MoE's 25 GiB pick)
     [ "$m" = moe ] && opts="offload=expert_fc1,offload=moe_act,offload=expert_fc1-moe_act,offload=core_attn-attn_proj,recompute=selective/moe_act offload=core_attn offload.activation_offload_fraction=0.75"
     stamp "bench_paired offload model=$m"; $PY benchmarks/bench_paired.py --processes 3 --rounds 8 --passes 2 \
       --save results/paired_offload_$m model=$m size=$SIZE --options "$opts" 2>&1 | grep "^|\|processes"; done; }
+step_paired_together() {  # recompute labels measured together on one model, at one machine state (bench_paired
+  # --together): MoE's moe_act, layernorm and both, 4 processes; dense layernorm, core_attn and mlp, 3 processes of
+  # 40 rounds (a 1% cost resolved); saved under results/paired_together_*
+  local fams=${1:-moe,standard_attn}; for m in ${fams//,/ }; do
+    local n=3 rounds=40 opts=selective/layernorm,selective/core_attn,selective/mlp
+    [ "$m" = moe ] && n=4 rounds=16 opts=selective/moe_act,selective/layernorm,selective/moe_act-layernorm
+    stamp "bench_paired --together model=$m"; $PY benchmarks/bench_paired.py --together --processes $n --rounds $rounds \
+      --passes 2 --save results/paired_together_$m model=$m size=$SIZE --options $opts 2>&1 | grep "^|\|processes"; done; }
 step_region() {  # where a checkpoint region's host time goes, part by part: MoE moe_act and layernorm, dense layernorm
   for a in "model=moe recompute=selective/moe_act" "model=moe recompute=selective/layernorm" \
       "model=standard_attn recompute=selective/layernorm"; do stamp "bench_region $a"

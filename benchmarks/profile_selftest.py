@@ -65,7 +65,8 @@ def main() -> int:
     on_gpu = torch.cuda.is_available()
     shape = (SMALL if args.size == "small" else ["size=h200"]) if on_gpu else []
     common = shape + ["profile=peak", "train.train_iters=5", "measure.start_step=3"] + extra
-    from recipes.run.worker import init_one_rank, reseed, train_and_measure
+    from recipes.run.worker import train_and_measure
+    from recipes.run.world import init_one_rank, reseed
 
     init_one_rank(compose_config(common))
     from recipes.measure.profile import first_label_to_try, plot_timelines, top_contributors, write_timeline_pngs

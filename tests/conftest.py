@@ -62,7 +62,7 @@ def megatron_world():
     """A single-process gloo world with megatron's parallel state (all sizes 1)."""
     for key, value in ONE_RANK_ENV.items():  # MASTER_PORT 0: the store binds a free port itself
         os.environ.setdefault(key, value)
-    from recipes.run.worker import init_distributed
+    from recipes.run.world import init_distributed
 
     init_distributed(compose())
     yield
@@ -78,14 +78,15 @@ def megatron_world():
 
 def build_trainer(cfg: dict):
     """A fresh Trainer for ``cfg`` (reseeded, so equal seeds give equal weights)."""
-    from recipes.run.worker import fresh_trainer
+    from recipes.run.world import fresh_trainer
 
     return fresh_trainer(cfg)
 
 
 def train_in_process(cfg: dict) -> dict:
     """Run the worker's measurement loop in this process; returns the rank result dict."""
-    from recipes.run.worker import reseed, train_and_measure
+    from recipes.run.worker import train_and_measure
+    from recipes.run.world import reseed
 
     reseed(cfg)
     result: dict = {"rank": 0}

@@ -19,7 +19,8 @@ OFFLOAD_EMULATED = ("offload.emulate_on_cpu=true", "offload.min_offloaded_tensor
 
 def train(cfg: dict, run_dir: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     """The worker's loop in this process: (rank result, parameters after the run)."""
-    from recipes.run.worker import reseed, train_and_measure
+    from recipes.run.worker import train_and_measure
+    from recipes.run.world import reseed
 
     reseed(cfg)
     result: dict = {"rank": 0}

@@ -25,7 +25,7 @@ CYCLE_CHECK = """
 import gc, sys
 sys.path.insert(0, {tests!r})
 from conftest import build_trainer, compose
-from recipes.run.worker import init_one_rank
+from recipes.run.world import init_one_rank
 init_one_rank(compose())
 trainer = build_trainer(compose(*{overrides!r}))
 trainer.train_step()

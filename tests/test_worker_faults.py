@@ -11,7 +11,7 @@ from conftest import compose
 from omegaconf import OmegaConf
 
 from recipes.results import merge_result
-from recipes.run import worker
+from recipes.run import worker, world
 from recipes.run.trainer import use_fused_adam
 
 
@@ -160,16 +160,16 @@ def test_a_one_process_worker_that_exits_next_leaves_its_group_to_the_exit(tmp_p
     monkeypatch.setattr(worker, "init_distributed", lambda cfg, marks=None: None)
     monkeypatch.setattr(worker, "rank_coordinates", lambda: {"rank": 0})
     monkeypatch.setattr(worker, "train_and_measure", lambda cfg, result, run_dir=None, logger=None: None)
-    calls, world = [], {"size": 1}
+    calls, group = [], {"size": 1}
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
-    monkeypatch.setattr(torch.distributed, "get_world_size", lambda: world["size"])
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda: group["size"])
     monkeypatch.setattr(torch.distributed, "barrier", lambda: calls.append("barrier"))
     monkeypatch.setattr(torch.distributed, "destroy_process_group", lambda: calls.append("destroy"))
     assert worker.main(str(tmp_path), exiting=True) == 0 and calls == ["barrier"]
     calls.clear()
     assert worker.main(str(tmp_path)) == 0 and calls == ["barrier", "destroy"]
     calls.clear()
-    world["size"] = 2
+    group["size"] = 2
     assert worker.main(str(tmp_path), exiting=True) == 0 and calls == ["barrier", "destroy"]
 
 
@@ -180,9 +180,9 @@ def test_a_one_rank_world_takes_a_port_of_its_own(monkeypatch):
                         ("LOCAL_RANK", "3")):
         monkeypatch.setenv(name, value)  # restored after the test
     seen = []
-    monkeypatch.setattr(worker, "init_distributed", lambda cfg, marks=None: seen.append(cfg))
+    monkeypatch.setattr(world, "init_distributed", lambda cfg, marks=None: seen.append(cfg))
     cfg = compose()
-    worker.init_one_rank(cfg)
+    world.init_one_rank(cfg)
     assert seen == [cfg]
     env = {k: os.environ[k] for k in ("MASTER_ADDR", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
     assert env == {"MASTER_ADDR": "127.0.0.1", "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}

@@ -1,0 +1,94 @@
+"""The process's distributed world and its random state: megatron's parallel groups from torchrun's
+environment (``init_distributed``), or a one-rank world for benchmarks and tests (``init_one_rank``),
+the RNGs a rank's model draws its weights from, and a fresh ``Trainer`` for a process that builds
+several (``fresh_trainer``)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+from launch.torchrun import set_one_rank_env
+from recipes.build import compat, upstream
+from recipes.run.trainer import Trainer
+
+
+def init_distributed(cfg: dict, marks: dict | None = None) -> None:
+    """torch.distributed from torchrun's environment, then megatron's parallel state.
+
+    ``marks`` (the rank's timeline) gets when each part ended: on the H200 this "init" phase took
+    8-14 s of a sweep point's 18-25 s, the largest fixed cost, so it is split to show which part.
+    """
+    marks = {} if marks is None else marks
+    # lazy: megatron's import is timed as its own phase (megatron_imported); the console shows it
+    from megatron.core import parallel_state
+
+    upstream.apply_all()  # imports megatron's transformer, MoE and optimizer modules
+    marks["megatron_imported"] = time.time()
+    if compat.cuda_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.init()  # the CUDA context now, so the next mark is the process group alone
+    compat.install_cpu_compat()
+    marks["device_ready"] = time.time()
+    if not torch.distributed.is_initialized():
+        backend = "nccl" if compat.cuda_available() else "gloo"
+        torch.distributed.init_process_group(backend=backend)
+    marks["process_group_ready"] = time.time()
+    par = cfg["parallel"]
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=par["tensor_model_parallel_size"],
+        pipeline_model_parallel_size=par["pipeline_model_parallel_size"],
+        virtual_pipeline_model_parallel_size=par["virtual_pipeline_model_parallel_size"],
+        context_parallel_size=par["context_parallel_size"],
+        expert_model_parallel_size=par["expert_model_parallel_size"],
+        expert_tensor_parallel_size=par["expert_tensor_parallel_size"],
+    )
+    _seed(cfg)
+
+
+def _seed(cfg: dict) -> None:
+    """torch's and megatron's RNGs for this rank's model. As Megatron-LM does, each pipeline stage draws
+    its own weights (seed + 100 * pp rank); megatron's local CUDA graphs need graph-safe generators."""
+    from megatron.core import parallel_state
+
+    compat.seed_model_parallel_rng(cfg["train"]["seed"] + 100 * parallel_state.get_pipeline_model_parallel_rank(),
+                                   cudagraphable=cfg["model"].get("cuda_graph_impl", "none") == "local")
+
+
+def init_one_rank(cfg: dict) -> None:
+    """A one-rank world in this process, for benchmarks and tests that build a Trainer without a launcher."""
+    set_one_rank_env()
+    init_distributed(cfg)
+
+
+def reseed(cfg: dict) -> None:
+    """Before each of several models one process builds (benchmarks, tests): the RNGs seeded as a run
+    seeds them, so equal seeds give equal weights, and a fresh MoE metrics tracker: megatron's is a
+    process global sized by the first MoE model's layer count, which a later, deeper one would index
+    past (moe_logging.py). A run builds one model and needs neither again."""
+    from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
+
+    destroy_moe_metrics_tracker()
+    _seed(cfg)
+
+
+def fresh_trainer(cfg: dict) -> Trainer:
+    """The worker's ``Trainer`` for ``cfg``, reseeded (``reseed``), in a process ``init_one_rank`` set up."""
+    reseed(cfg)
+    return Trainer(cfg)
+
+
+def rank_coordinates() -> dict:
+    """This rank's place in every parallel dimension."""
+    from megatron.core import parallel_state as ps
+
+    return {
+        "rank": torch.distributed.get_rank(),
+        "tp": ps.get_tensor_model_parallel_rank(),
+        "pp": ps.get_pipeline_model_parallel_rank(),
+        "cp": ps.get_context_parallel_rank(),
+        "ep": ps.get_expert_model_parallel_rank(),
+        "dp": ps.get_data_parallel_rank(),
+    }
