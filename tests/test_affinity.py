@@ -60,6 +60,8 @@ def test_a_pinned_worker_runs_on_its_cores_and_records_them(tmp_path, monkeypatc
     before, threads = os.sched_getaffinity(0), torch.get_num_threads()
     monkeypatch.setattr(worker, "init_distributed", lambda cfg, marks=None: None)
     monkeypatch.setattr(worker, "rank_coordinates", lambda: {})
+    # main tears down a live group at its end: the session's world (megatron_world) belongs to later tests
+    monkeypatch.setattr(torch.distributed, "destroy_process_group", lambda: None)
     try:
         assert worker.main(str(tmp_path)) == 0
         assert torch.get_num_threads() == 1  # no more CPU threads than its one core
