@@ -20,7 +20,10 @@ weights, same allocator; and megatron's offload manager paused, ``recipes.build.
 its points stay in the graph and move nothing), ``--rounds`` of each, in the order on/off, off/on, ... Before those it
 records the module times and step timeline with the option off (``recipes.measure.moduletime``, what a
 sweep's ``none`` point records) and prices the option on them as the planner does
-(``recipes.analyze.plan.price_config``). Both figures then belong to one process at one host pace.
+(``recipes.analyze.plan.price_config``), then runs ``SETTLE_ROUNDS`` rounds untimed: the first rounds
+after the passes cost more than the rest, a transient of switching back that a run does not pay
+(``--by-round`` tables it; ``--settle N`` leaves such rounds out of processes saved before).
+Both figures then belong to one process at one host pace.
 
 Per process and option: the median off and on step (ms, each step timed from a drained stream to
 its end), the added ms (the median of the rounds' on-minus-off differences; in brackets the middle half
@@ -70,7 +73,12 @@ sys.path.insert(0, REPO)
 from benchmarks import paired_steps  # noqa: E402
 from benchmarks.bench_hostbound import defaults  # noqa: E402  (model=moe size=h200 unless named, profile=none)
 from benchmarks.paired_steps import gpu_work, host_ops, manager_calls, switched_off, timed_step  # noqa: E402
-from benchmarks.paired_tables import ROW_HEADER, fit, pool, price, process_tables, row, summary, table  # noqa: E402
+from benchmarks.paired_tables import ROW_HEADER, by_round, fit, pool, price, process_tables, row, summary, table  # noqa: E402
+
+#: Pairs of steps each option runs untimed after the module-time passes, before its timed rounds: the
+#: first two rounds after the passes stood apart from the rest in every kind of saved process
+#: (``--by-round``), a transient of switching back from the passes that a run does not pay.
+SETTLE_ROUNDS = 2
 
 
 def option_overrides(option: str) -> list[str]:
@@ -158,9 +166,11 @@ def measure_option(overrides: list[str], option: str, rounds: int, passes: int =
         _warm(trainer, cuda, off)
         with off():
             before = [time_modules(trainer) for _ in range(passes)]
+        for r in range(SETTLE_ROUNDS):  # untimed: back from the passes, switched off, to both ways
+            Paired(trainer, cuda, off).pair(r, run_length)
         steps = Paired(trainer, cuda, off)
         for r in range(max(1, rounds // run_length)):
-            steps.pair(r, run_length)
+            steps.pair(SETTLE_ROUNDS + r, run_length)
         with off():
             after = [time_modules(trainer) for _ in range(passes - 1)]
         clock, calls = {}, None
@@ -178,6 +188,7 @@ def measure_option(overrides: list[str], option: str, rounds: int, passes: int =
         link = host_link_bandwidth() if trainer.offloading else None
         link_gb_s = min(link["d2h_gb_s"], link["h2d_gb_s"]) if link else None
         out = steps.result(option, cfg, before + after, link_gb_s, run_length)
+        out["raw"]["settle_rounds"] = SETTLE_ROUNDS
         out.update(exposed_ms=exposed, host_ops=ops, **({"gpu_work": gpu} if gpu else {}),
                    **({"manager_calls": calls} if calls else {}))
         if clock:
@@ -227,10 +238,14 @@ def measure_together(overrides: list[str], options: list[str], rounds: int, pass
         _warm(trainer, cuda, off)
         with off():
             before = [time_modules(trainer) for _ in range(passes)]
+        for r in range(SETTLE_ROUNDS):  # untimed: back from the passes, switched off, to every option
+            for i in range(len(options)):
+                with only(labels[(i + r) % len(options)])():
+                    Paired(trainer, cuda, off).pair(r + i)
         steps = [Paired(trainer, cuda, off) for _ in options]
         # each option's checkpoint regions, run and replayed, per label: its on steps' (the off ones run none)
         regions = [{"forward": Counter(), "recompute": Counter()} for _ in options]
-        for r in range(rounds):
+        for r in range(SETTLE_ROUNDS, SETTLE_ROUNDS + rounds):
             for i in range(len(options)):
                 k = (i + r) % len(options)
                 trainer.counter.reset()
@@ -247,6 +262,7 @@ def measure_together(overrides: list[str], options: list[str], rounds: int, pass
             r = paired.result(option, compose_config([*overrides, *option_overrides(option)]),
                               [json.loads(json.dumps(m)) for m in before + after], None)
             r.update(exposed_ms=None, host_ops=ops, **({"gpu_work": gpu} if gpu else {}))
+            r["raw"]["settle_rounds"] = SETTLE_ROUNDS
             r["raw"]["together"] = {"options": options, "built": built,
                                     "checkpoints": {k: dict(c) for k, c in counted.items()}}
             out.append(r)
@@ -298,6 +314,11 @@ def main() -> None:
                         "this code and print their rows and the summary over them all")
     parser.add_argument("--summary", nargs="+", metavar="DIR", help="no run: as --table, the summary over them all "
                         "alone")
+    parser.add_argument("--settle", type=int, default=0, metavar="N",
+                        help="with --table, --summary or --fit: each option's figures from its rounds after the first N "
+                        "after its module-time passes (its untimed rounds count)")
+    parser.add_argument("--by-round", nargs="+", metavar="DIR", help="no run: each round's on-minus-off ms less its "
+                        "option's median, by round, over the processes saved in DIRs")
     parser.add_argument("--fit", nargs="+", metavar="DIR", help="no run: fit estimate.offload_ms_per_group and "
                         "_per_gib to the offload options saved in DIRs (those without recompute, of a step that is "
                         "not host-bound) and print every saved option's summary priced at them")
@@ -305,10 +326,13 @@ def main() -> None:
     parser.add_argument("--traces", help=argparse.SUPPRESS)  # a child: where its offload options' traces go
     args, overrides = parser.parse_known_args()
     if args.table or args.summary:
-        table(args.table or args.summary, summary_only=bool(args.summary))
+        table(args.table or args.summary, summary_only=bool(args.summary), settle=args.settle)
         return
     if args.fit:
-        print("\n".join(fit(args.fit)))
+        print("\n".join(fit(args.fit, args.settle)))
+        return
+    if args.by_round:
+        print("\n".join(by_round(args.by_round)))
         return
     overrides, options = defaults(overrides), args.options.split(",")
     if args.together:

@@ -207,18 +207,68 @@ def pool(rows: dict[tuple[str, str], list[dict]], r: dict) -> None:
     rows.setdefault((r["raw"]["cfg"]["model"]["family"], r["option"]), []).append(r)
 
 
-def saved(d: str) -> list[tuple[int, dict]]:
-    """The options the processes saved under ``d`` measured, each with its process's number."""
+def settled(r: dict, rounds: int) -> dict:
+    """A saved option's figures from its rounds after the first ``rounds`` after its module-time passes:
+    the rounds it ran untimed (``settle_rounds``, from 2026-12-05 20:30 UTC) count, the rest of the
+    first ``rounds`` are left out. Switching to the option after the passes (which run it switched
+    off) costs the first rounds a transient the option does not cost a run (``by_round``)."""
+    raw = r["raw"]
+    drop = max(0, rounds - raw.get("settle_rounds", 0)) * (raw.get("run_length") or 1)
+    if not drop:
+        return r
+    on, off = raw["on_ms"][drop:], raw["off_ms"][drop:]
+    added = sorted(a - b for a, b in zip(on, off))
+    host = [a - b for a, b in zip(raw["on_host_ms"][drop:], raw["off_host_ms"][drop:])]
+    return {**r, "on_ms": statistics.median(on), "off_ms": statistics.median(off), "added_ms": statistics.median(added),
+            "added_iqr_ms": [added[len(added) // 4], added[(3 * len(added)) // 4]],
+            "host_added_ms": statistics.median(host) if host else r.get("host_added_ms")}
+
+
+def saved(d: str, settle: int = 0) -> list[tuple[int, dict]]:
+    """The options the processes saved under ``d`` measured, each with its process's number; with
+    ``settle``, from their rounds after the first ``settle`` (``settled``)."""
     files = sorted(f for f in os.listdir(d) if f.startswith("process-") and f.endswith(".json.gz"))  # not traces
-    return [(int(f.split("-")[1].split(".")[0]), r) for f in files for r in load(os.path.join(d, f))]
+    return [(int(f.split("-")[1].split(".")[0]), settled(r, settle)) for f in files for r in load(os.path.join(d, f))]
 
 
-def table(dirs: list[str], summary_only: bool = False) -> None:
+#: The rounds ``by_round`` shows, from the first after the passes.
+ROUNDS_SHOWN = 10
+
+
+def by_round(dirs: list[str]) -> list[str]:
+    """Each round's on-minus-off ms less its option's median over the process, the median over every
+    saved option of a kind (the design, offload or recompute, MoE or dense): where the first rounds
+    after the module-time passes stand apart from the rest (the untimed rounds count as rounds)."""
+    kinds: dict[str, dict[int, list[float]]] = {}
+    for d in dirs:
+        for _, r in saved(d):
+            raw = r["raw"]
+            if (raw.get("run_length") or 1) != 1:
+                continue
+            diffs = [a - b for a, b in zip(raw["on_ms"], raw["off_ms"])]
+            mid = statistics.median(diffs)
+            kind = (f"{'together' if raw.get('together') else 'one after another'}, "
+                    f"{'offload' if 'offload=' in r['option'] else 'recompute'}, "
+                    f"{'MoE' if raw['cfg']['model']['family'] == 'moe' else 'dense'}")
+            for i, x in enumerate(diffs, start=raw.get("settle_rounds", 0)):
+                kinds.setdefault(kind, {}).setdefault(i, []).append(x - mid)
+    width = min(ROUNDS_SHOWN, max(max(rounds) for rounds in kinds.values()) + 1) if kinds else 0
+    out = ["| design, options, family | options | " + " | ".join(f"round {i + 1}" for i in range(width)) + " |",
+           "|---|---|" + "---|" * width]
+    for kind, rounds in sorted(kinds.items()):
+        cells = [f"{statistics.median(rounds[i]):+.1f}" if i in rounds else "untimed" if i < min(rounds) else "-"
+                 for i in range(width)]
+        out.append(f"| {kind} | {max(len(v) for v in rounds.values())} | " + " | ".join(cells) + " |")
+    return out
+
+
+def table(dirs: list[str], summary_only: bool = False, settle: int = 0) -> None:
     """Every saved process under ``dirs``, priced with this code, and the summary over them all (alone
-    with ``summary_only``: every machine's processes of an option pooled, the target's own test)."""
+    with ``summary_only``: every machine's processes of an option pooled, the target's own test); with
+    ``settle``, from each option's rounds after the first ``settle`` (``settled``)."""
     rows: dict[tuple[str, str], list[dict]] = {}
     for d in dirs:
-        numbered = [(n, reprice(r)) for n, r in saved(d)]
+        numbered = [(n, reprice(r)) for n, r in saved(d, settle)]
         for _, r in numbered:
             pool(rows, r)
         if summary_only:
@@ -241,7 +291,7 @@ def at_rates(r: dict, a: float, b: float) -> dict:
     return {**r, "raw": {**r["raw"], "cfg": {**cfg, "estimate": est}}}
 
 
-def fit(dirs: list[str]) -> list[str]:
+def fit(dirs: list[str], settle: int = 0) -> list[str]:
     """``estimate.offload_ms_per_group`` and ``estimate.offload_ms_per_gib``: the least squares of every
     saved process's added ms against its price, over the offload options without recompute of families
     whose step is not host-bound (a step that hides the manager's host work pays these rates; a
@@ -252,7 +302,7 @@ def fit(dirs: list[str]) -> list[str]:
     from recipes.predict.copies import fit_offload_rates
     from recipes.predict.cost import host_bound
 
-    every = [r for d in dirs for _, r in saved(d)]
+    every = [r for d in dirs for _, r in saved(d, settle)]
     used = [r for r in every if modules_of(r["raw"]["cfg"]) and not r["raw"]["cfg"]["recompute"]["recompute_granularity"]
             and not host_bound(r["raw"]["cfg"])]
 

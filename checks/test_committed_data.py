@@ -431,6 +431,23 @@ def test_every_paired_process_pooled_regenerates_identically():
     assert "| moe | selective/moe_act | 5 | +8.0, +23.0, +13.0, +18.4, +13.9 |" in out
 
 
+def test_the_rounds_after_the_passes_by_index_regenerate_identically():
+    """docs/offload-h200/by_round.md and docs/offload-h100/by_round.md: each round's on-minus-off ms less
+    its option's median, by round, over the scoreboard's processes and the H100's: the first rounds
+    after the module-time passes stand apart in processes that timed options one after another
+    (bench_paired.SETTLE_ROUNDS runs them untimed from 2026-12-05 20:30 UTC)."""
+    import subprocess
+
+    h200 = [str(p.relative_to(REPO)) for pattern in PAIRED_EVERY for p in sorted(OFFLOAD.glob(pattern))]
+    h100 = [str(p.relative_to(REPO)) for p in sorted((REPO / "docs" / "offload-h100" / "paired_2026-12-05").glob("1*"))]
+    for dirs, doc, row in ((h200, OFFLOAD / "by_round.md", "| one after another, offload, MoE | 54 | +27.1 | -0.9 |"),
+                           (h100, REPO / "docs" / "offload-h100" / "by_round.md",
+                            "| together, recompute, MoE | 24 | +1.6 | -0.1 |")):
+        out = subprocess.run([sys.executable, "benchmarks/bench_paired.py", "--by-round", *dirs], cwd=REPO,
+                             capture_output=True, text=True, timeout=600, check=True).stdout
+        assert out == doc.read_text() and row in out, doc
+
+
 def test_the_paired_runs_of_2026_12_04_regenerate_identically():
     """docs/offload-h200/paired_2026-12-04{,_1713,_1925}.md: benchmarks/bench_paired.py's saved processes
     (each option timed against itself switched off in one process) priced with today's time model; the

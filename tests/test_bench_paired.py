@@ -40,6 +40,7 @@ def test_an_option_is_timed_against_itself_switched_off_and_priced_on_its_own_pa
     r = bench.measure_option(["model=moe", "size=tiny", "profile=none"], "selective/moe", rounds=2, passes=2)
     raw = r["raw"]
     assert len(raw["on_ms"]) == len(raw["off_ms"]) == 2 and len(raw["module_times"]) == 3  # 2 before, 1 after
+    assert raw["settle_rounds"] == bench.SETTLE_ROUNDS == 2  # run untimed after the passes, before these
     # the host's own time and its wait at the grad-norm read, each step (the wait is the margin the
     # price gives a step's host where a GPU pass records the timeline)
     assert len(raw["on_wait_ms"]) == len(raw["off_wait_ms"]) == 2 and min(raw["off_wait_ms"]) >= 0
@@ -75,7 +76,7 @@ def test_options_together_each_run_only_their_own_labels_beside_their_own_off_st
     assert passes[0] == passes[1] == passes[2] and len(passes[0]) == 3  # one shared pass each way
     for r in results:
         raw, labels = r["raw"], set(r["option"].split("/")[1].split("-"))
-        assert raw["together"]["built"] == ["layernorm", "moe_act"]
+        assert raw["together"]["built"] == ["layernorm", "moe_act"] and raw["settle_rounds"] == bench.SETTLE_ROUNDS
         assert set(raw["cfg"]["recompute"]["recompute_modules"]) == labels  # priced as itself
         regions = raw["together"]["checkpoints"]
         assert {k for k, n in regions["forward"].items() if n} == labels, regions
@@ -86,6 +87,31 @@ def test_options_together_each_run_only_their_own_labels_beside_their_own_off_st
     # each label regions' counts: the combined option's are the two options' alone, per step
     counts = [r["raw"]["together"]["checkpoints"]["forward"] for r in results]
     assert counts[2] == {**counts[0], **counts[1]}
+
+
+def test_the_first_rounds_after_the_passes_are_left_out_where_they_were_timed_and_tabled_by_round(tmp_path):
+    """``settled``: a saved option's figures from its rounds after the first N after its passes; rounds it
+    ran untimed count (``settle_rounds``), so a process that settled measures from its first round.
+    ``by_round`` shows each round's difference less its option's median, where the first rounds stand
+    apart, and marks the rounds a process ran untimed."""
+    tables = _tables()
+    on = [300.0, 320.0, 281.0, 282.0, 281.0, 283.0]  # two slow rounds after the passes, then +1..+3
+    off = [280.0] * 6
+    raw = {"cfg": {"model": {"family": "standard_attn"}}, "on_ms": on, "off_ms": off, "on_host_ms": on,
+           "off_host_ms": off}
+    r = {"option": "selective/layernorm", "added_ms": 2.5, "raw": raw}
+    assert tables.settled(r, 0) is r
+    assert tables.settled(r, 2)["added_ms"] == 1.5 and tables.settled(r, 2)["on_ms"] == 281.5
+    late = {**r, "raw": {**raw, "settle_rounds": 2}}  # a process that ran its two rounds untimed
+    assert tables.settled(late, 2) is late and tables.settled(late, 3)["added_ms"] == 2.0
+    for name, rs in (("before", [r]), ("after", [late])):
+        (tmp_path / name).mkdir()
+        with gzip.open(tmp_path / name / "process-0.json.gz", "wt") as f:
+            json.dump(rs, f)
+    rows = tables.by_round([str(tmp_path / "before")])
+    assert rows[2].startswith("| one after another, recompute, dense | 1 | +17.5 | +37.5 | -1.5 | -0.5 |")
+    rows = tables.by_round([str(tmp_path / "after")])
+    assert rows[2].startswith("| one after another, recompute, dense | 1 | untimed | untimed | +17.5 | +37.5 |")
 
 
 def test_together_refuses_what_is_not_a_set_of_selective_labels_naming_the_fix():
