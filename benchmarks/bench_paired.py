@@ -111,7 +111,8 @@ class Paired:
     def result(self, option: str, cfg: dict, module_times: list[dict], link_gb_s: float | None,
                run_length: int = 1) -> dict:
         """The option's figures from its steps, priced on the first of ``module_times`` (what a sweep's
-        base point records: one pass after its steps) at ``link_gb_s``."""
+        base point records: one pass after its steps) at ``link_gb_s``; its steps followed
+        ``SETTLE_ROUNDS`` rounds untimed."""
         from recipes.measure.moduletime import note_host_wait
 
         on_ms, off_ms = self.ms[True], self.ms[False]
@@ -131,7 +132,8 @@ class Paired:
                 "raw": {"cfg": cfg, "on_ms": on_ms, "off_ms": off_ms, "on_host_ms": self.host[True],
                         "off_host_ms": self.host[False], "on_wait_ms": self.wait[True], "off_wait_ms": self.wait[False],
                         "on_gc_ms": self.gc[True], "off_gc_ms": self.gc[False], "on_allocs": self.allocs[True],
-                        "off_allocs": self.allocs[False], "run_length": run_length, "module_times": module_times}}
+                        "off_allocs": self.allocs[False], "run_length": run_length, "settle_rounds": SETTLE_ROUNDS,
+                        "module_times": module_times}}
 
 
 def _build(cfg: dict):
@@ -188,7 +190,6 @@ def measure_option(overrides: list[str], option: str, rounds: int, passes: int =
         link = host_link_bandwidth() if trainer.offloading else None
         link_gb_s = min(link["d2h_gb_s"], link["h2d_gb_s"]) if link else None
         out = steps.result(option, cfg, before + after, link_gb_s, run_length)
-        out["raw"]["settle_rounds"] = SETTLE_ROUNDS
         out.update(exposed_ms=exposed, host_ops=ops, **({"gpu_work": gpu} if gpu else {}),
                    **({"manager_calls": calls} if calls else {}))
         if clock:
@@ -262,7 +263,6 @@ def measure_together(overrides: list[str], options: list[str], rounds: int, pass
             r = paired.result(option, compose_config([*overrides, *option_overrides(option)]),
                               [json.loads(json.dumps(m)) for m in before + after], None)
             r.update(exposed_ms=None, host_ops=ops, **({"gpu_work": gpu} if gpu else {}))
-            r["raw"]["settle_rounds"] = SETTLE_ROUNDS
             r["raw"]["together"] = {"options": options, "built": built,
                                     "checkpoints": {k: dict(c) for k, c in counted.items()}}
             out.append(r)
