@@ -144,12 +144,18 @@ def _build(cfg: dict):
     return fresh_trainer(cfg), cuda_available()
 
 
-def _warm(trainer, cuda: bool, off) -> None:
-    """Two steps each way before anything is timed."""
+def _warm_and_pass(trainer, cuda: bool, passes: int) -> tuple:
+    """Two steps each way before anything is timed, then ``passes`` module-time passes with the option
+    switched off (``recipes.measure.moduletime``): (the switched-off block, the passes)."""
+    from recipes.measure.moduletime import time_modules
+
+    off = partial(switched_off, trainer)
     for _ in range(2):
         timed_step(trainer, cuda)
         with off():
             timed_step(trainer, cuda)
+    with off():
+        return off, [time_modules(trainer) for _ in range(passes)]
 
 
 def measure_option(overrides: list[str], option: str, rounds: int, passes: int = 1, run_length: int = 1,
@@ -164,10 +170,7 @@ def measure_option(overrides: list[str], option: str, rounds: int, passes: int =
     cfg = compose_config([*overrides, *option_overrides(option)])
     trainer, cuda = _build(cfg)
     try:
-        off = partial(switched_off, trainer)
-        _warm(trainer, cuda, off)
-        with off():
-            before = [time_modules(trainer) for _ in range(passes)]
+        off, before = _warm_and_pass(trainer, cuda, passes)
         for r in range(SETTLE_ROUNDS):  # untimed: back from the passes, switched off, to both ways
             Paired(trainer, cuda, off).pair(r, run_length)
         steps = Paired(trainer, cuda, off)
@@ -235,10 +238,7 @@ def measure_together(overrides: list[str], options: list[str], rounds: int, pass
         return partial(labels_disabled, trainer.chunks, [x for x in built if x not in ls])
 
     try:
-        off = partial(switched_off, trainer)
-        _warm(trainer, cuda, off)
-        with off():
-            before = [time_modules(trainer) for _ in range(passes)]
+        off, before = _warm_and_pass(trainer, cuda, passes)
         for r in range(SETTLE_ROUNDS):  # untimed: back from the passes, switched off, to every option
             for i in range(len(options)):
                 with only(labels[(i + r) % len(options)])():
