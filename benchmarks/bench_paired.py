@@ -73,7 +73,18 @@ sys.path.insert(0, REPO)
 from benchmarks import paired_steps  # noqa: E402
 from benchmarks.bench_hostbound import defaults  # noqa: E402  (model=moe size=h200 unless named, profile=none)
 from benchmarks.paired_steps import gpu_work, host_ops, manager_calls, switched_off, timed_step  # noqa: E402
-from benchmarks.paired_tables import ROW_HEADER, by_round, fit, pool, price, process_tables, row, summary, table  # noqa: E402
+from benchmarks.paired_tables import (  # noqa: E402
+    ROW_HEADER,
+    by_round,
+    fit,
+    paired_figures,
+    pool,
+    price,
+    process_tables,
+    row,
+    summary,
+    table,
+)
 
 #: Pairs of steps each option runs untimed after the module-time passes, before its timed rounds: the
 #: first two rounds after the passes stood apart from the rest in every kind of saved process
@@ -116,16 +127,12 @@ class Paired:
         from recipes.measure.moduletime import note_host_wait
 
         on_ms, off_ms = self.ms[True], self.ms[False]
-        added = sorted(a - b for a, b in zip(on_ms, off_ms))
         marks = module_times[0].get("marks")
         if paired_steps.metering():  # each pass with its steps' wait at the grad-norm read, as a sweep's base point
             wait = statistics.median(self.wait[False])
             for timed in module_times:
                 note_host_wait(timed, wait)
-        return {"option": option, "off_ms": statistics.median(off_ms), "on_ms": statistics.median(on_ms),
-                "added_ms": statistics.median(added),
-                "added_iqr_ms": [added[len(added) // 4], added[(3 * len(added)) // 4]],
-                "host_added_ms": statistics.median(a - b for a, b in zip(self.host[True], self.host[False])),
+        return {"option": option, **paired_figures(on_ms, off_ms, self.host[True], self.host[False]),
                 **price(cfg, module_times[0], link_gb_s), "link_gb_s": link_gb_s,
                 "priced_on": "timeline" if isinstance(marks, dict) and "names" in marks else "module times",
                 "host_pass_ms": marks.get("pass_ms") if isinstance(marks, dict) else None,

@@ -207,6 +207,16 @@ def pool(rows: dict[tuple[str, str], list[dict]], r: dict) -> None:
     rows.setdefault((r["raw"]["cfg"]["model"]["family"], r["option"]), []).append(r)
 
 
+def paired_figures(on: list[float], off: list[float], on_host: list[float], off_host: list[float]) -> dict:
+    """An option's figures from its paired steps (ms): the median off and on step, the added ms (the
+    median of the rounds' on-minus-off differences) with the middle half of them, and the host's."""
+    added = sorted(a - b for a, b in zip(on, off))
+    host = [a - b for a, b in zip(on_host, off_host)]
+    return {"off_ms": statistics.median(off), "on_ms": statistics.median(on), "added_ms": statistics.median(added),
+            "added_iqr_ms": [added[len(added) // 4], added[(3 * len(added)) // 4]],
+            **({"host_added_ms": statistics.median(host)} if host else {})}
+
+
 def settled(r: dict, rounds: int) -> dict:
     """A saved option's figures from its rounds after the first ``rounds`` after its module-time passes:
     the rounds it ran untimed (``settle_rounds``, from 2026-12-05 20:30 UTC) count, the rest of the
@@ -216,12 +226,8 @@ def settled(r: dict, rounds: int) -> dict:
     drop = max(0, rounds - raw.get("settle_rounds", 0)) * (raw.get("run_length") or 1)
     if not drop:
         return r
-    on, off = raw["on_ms"][drop:], raw["off_ms"][drop:]
-    added = sorted(a - b for a, b in zip(on, off))
-    host = [a - b for a, b in zip(raw["on_host_ms"][drop:], raw["off_host_ms"][drop:])]
-    return {**r, "on_ms": statistics.median(on), "off_ms": statistics.median(off), "added_ms": statistics.median(added),
-            "added_iqr_ms": [added[len(added) // 4], added[(3 * len(added)) // 4]],
-            "host_added_ms": statistics.median(host) if host else r.get("host_added_ms")}
+    return {**r, **paired_figures(raw["on_ms"][drop:], raw["off_ms"][drop:], raw["on_host_ms"][drop:],
+                                  raw["off_host_ms"][drop:])}
 
 
 def saved(d: str, settle: int = 0) -> list[tuple[int, dict]]:
