@@ -12,6 +12,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import random
 import statistics
 
 
@@ -188,18 +189,58 @@ def process_tables(numbered: list[tuple[int, dict]]) -> list[str]:
             + gpu_rows(numbered))
 
 
-def summary(rows: dict[tuple[str, str], list[dict]]) -> list[str]:
+def summary(rows: dict[tuple[str, str], list[dict]], interval: bool = False) -> list[str]:
     """Per (model, option): the processes' added ms and prices, their medians, and the median price
-    of every module-time pass they recorded."""
+    of every module-time pass they recorded; with ``interval``, how far the price's error could lie
+    given the spread between processes (``error_bounds``), and the count against the 20% target."""
     out = ["| model | option | processes | added ms, each | added, median | priced, median | vs added "
-           "| priced, every pass: median | vs added |", "|---|---|---|---|---|---|---|---|---|"]
+           "| priced, every pass: median | vs added |" + (" vs added, 90% of resamples |" if interval else ""),
+           "|---|---|---|---|---|---|---|---|---|" + ("---|" if interval else "")]
+    within, unresolved = 0, []
     for (model, option), rs in rows.items():
         added, priced = statistics.median(r["added_ms"] for r in rs), statistics.median(r["priced_ms"] for r in rs)
         every = statistics.median(p for r in rs for p in r.get("passes_ms") or [r["priced_ms"]])
         each = ", ".join(f"{r['added_ms']:+.1f}" for r in rs)
-        out.append(f"| {model} | {option} | {len(rs)} | {each} | {added:+.1f} | {priced:+.1f} | {error(priced, added)} "
-                   f"| {every:+.1f} | {error(every, added)} |")
+        line = (f"| {model} | {option} | {len(rs)} | {each} | {added:+.1f} | {priced:+.1f} | {error(priced, added)} "
+                f"| {every:+.1f} | {error(every, added)} |")
+        if not interval:
+            out.append(line)
+            continue
+        bounds = error_bounds(rs)
+        out.append(line + (f" {bounds[0]:+.0%} to {bounds[1]:+.0%} |" if bounds else " - |"))
+        if abs(priced - added) <= TARGET * abs(added):
+            within += 1
+        elif bounds and bounds[0] <= TARGET and bounds[1] >= -TARGET:
+            unresolved.append(f"{model} {option}")
+    if interval:
+        out += ["", f"Priced within {TARGET:.0%} of the added median: {within} of {len(rows)} options. Outside it, "
+                f"with a spread between processes that reaches inside it: {', '.join(unresolved) or 'none'}."]
     return out
+
+
+#: The price's target against the added median; ``error_bounds``' resamples (its generator is
+#: seeded, so a table regenerates identically).
+TARGET, RESAMPLES = 0.2, 2000
+
+
+def error_bounds(rs: list[dict], resamples: int = RESAMPLES) -> tuple[float, float] | None:
+    """The 5th and 95th percentiles of the priced median's error against the added median over the
+    processes resampled with replacement (a bootstrap): what the processes' spread lets the error be.
+    Where they reach inside the target, these processes cannot show that the price misses it. None
+    for fewer than three processes (too few to resample) or an added median at zero."""
+    if len(rs) < 3:
+        return None
+    rng = random.Random(0)
+    errors = []
+    for _ in range(resamples):
+        pick = [rs[rng.randrange(len(rs))] for _ in rs]
+        added = statistics.median(r["added_ms"] for r in pick)
+        if added > 1e-9:
+            errors.append(statistics.median(r["priced_ms"] for r in pick) / added - 1)
+    if len(errors) < resamples // 2:
+        return None
+    errors.sort()
+    return errors[len(errors) // 20], errors[(19 * len(errors)) // 20]
 
 
 def pool(rows: dict[tuple[str, str], list[dict]], r: dict) -> None:
@@ -287,7 +328,7 @@ def table(dirs: list[str], summary_only: bool = False, settle: int = 0) -> None:
         print()
         for line in process_tables(numbered):
             print(line)
-    print("\n".join(summary(rows)))
+    print("\n".join(summary(rows, interval=summary_only)))
 
 
 def at_rates(r: dict, a: float, b: float) -> dict:

@@ -114,6 +114,30 @@ def test_the_first_rounds_after_the_passes_are_left_out_where_they_were_timed_an
     assert rows[2].startswith("| one after another, recompute, dense | 1 | untimed | untimed | +17.5 | +37.5 |")
 
 
+def test_the_pooled_summary_says_where_the_spread_between_processes_cannot_show_a_miss():
+    """``--summary``'s interval: the priced median's error over the processes resampled. Processes that
+    agree give a narrow interval, so a 50% miss is a miss; processes spread from +5 to +40 ms give one
+    that reaches inside 20%; one or two processes give none. The count names the option either way."""
+    tables = _tables()
+
+    def option(name: str, added: list[float], priced: float) -> tuple[tuple[str, str], list[dict]]:
+        return ("moe", name), [{"option": name, "added_ms": a, "priced_ms": priced} for a in added]
+
+    rows = dict([option("tight", [10.0, 10.2, 9.8, 10.1, 9.9], 15.0), option("spread", [5.0, 40.0, 8.0, 30.0, 12.0], 18.0),
+                 option("on target", [10.0, 11.0, 9.0], 10.5), option("two", [10.0, 30.0], 40.0)])
+    low, high = tables.error_bounds(rows[("moe", "tight")])
+    assert 0.45 < low <= 0.5 <= high < 0.55
+    low, high = tables.error_bounds(rows[("moe", "spread")])
+    assert low < -0.2 and high > 0.2
+    assert tables.error_bounds(rows[("moe", "two")]) is None
+    assert tables.error_bounds(rows[("moe", "tight")]) == tables.error_bounds(rows[("moe", "tight")])  # seeded
+    lines = tables.summary(rows, interval=True)
+    assert lines[0].endswith("| vs added, 90% of resamples |") and lines[5].endswith("| +100% | - |")
+    assert lines[-1] == ("Priced within 20% of the added median: 1 of 4 options. Outside it, with a spread between "
+                         "processes that reaches inside it: moe spread.")
+    assert "resamples" not in tables.summary(rows)[0]  # a run's own table keeps its columns
+
+
 def test_together_refuses_what_is_not_a_set_of_selective_labels_naming_the_fix():
     bench = _bench()
     for option in ("full", "offload=core_attn", "recompute=selective/moe_act offload=moe_act", "none"):
