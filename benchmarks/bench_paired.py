@@ -320,7 +320,7 @@ def main() -> None:
     parser.add_argument("--table", nargs="+", metavar="DIR", help="no run: price the processes saved in DIRs with "
                         "this code and print their rows and the summary over them all")
     parser.add_argument("--summary", nargs="+", metavar="DIR", help="no run: as --table, the summary over them all "
-                        "alone")
+                        "alone, with each option's error interval over its processes and the count against 20%%")
     parser.add_argument("--settle", type=int, default=0, metavar="N",
                         help="with --table, --summary or --fit: each option's figures from its rounds after the first N "
                         "after its module-time passes (its untimed rounds count)")

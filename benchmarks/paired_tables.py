@@ -3,7 +3,8 @@ this code (``reprice``), their rows, per-process tables and the summary over eve
 and the fit of offload's overhead rates to them. No GPU: every function here reads saved records.
 
     python benchmarks/bench_paired.py --table DIR ...      # rows, per-process tables, summary
-    python benchmarks/bench_paired.py --summary DIR ...    # the summary alone (docs/offload-h200/paired_every.md)
+    python benchmarks/bench_paired.py --summary DIR ...    # the summary alone, with each error's interval
+                                                           # (docs/offload-h200/paired_every.md)
     python benchmarks/bench_paired.py --fit DIR ...        # estimate.offload_ms_per_group and _per_gib
 """
 

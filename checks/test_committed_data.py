@@ -361,7 +361,9 @@ def test_the_paired_runs_of_2026_12_05_regenerate_identically():
     beside its offload alone; _1235.md, MoE's moe_act-layernorm, 25 GiB pick and its offload alone, dense
     layernorm and qkv_linear, with the manager's calls and the GPU's work; _1351.md, dense layernorm and
     core_attn with each region's forward part measured, MoE's moe_act-layernorm, moe_act offload and 25
-    GiB pick; priced with today's time model (docs/offload-log.md)."""
+    GiB pick; paired_2026-12-05_2147.md, MoE's and dense's labels measured together on one model, then
+    MoE's moe_act and expert_fc1 offload in seven and three processes of that machine, the first with
+    untimed rounds after their passes; priced with today's time model (docs/offload-log.md)."""
     import subprocess
 
     h200 = REPO / "docs" / "offload-h200"
@@ -377,7 +379,10 @@ def test_the_paired_runs_of_2026_12_05_regenerate_identically():
             ("paired_offload_2026-12-05_1235", "paired_offload_2026-12-05", ("1235_moe", "1239_standard_attn"),
              "| moe | offload=core_attn offload.activation_offload_fraction=0.75 | 3 | +34.5, +16.5, +34.4 |"),
             ("paired_offload_2026-12-05_1351", "paired_offload_2026-12-05", ("1351_standard_attn", "1355_moe"),
-             "| standard_attn | selective/layernorm | 3 | +3.3, +0.9, +4.2 | +3.3 | +4.9 |")):
+             "| standard_attn | selective/layernorm | 3 | +3.3, +0.9, +4.2 | +3.3 | +4.9 |"),
+            ("paired_2026-12-05_2147", "paired_2026-12-05", ("2147_moe_together", "2154_standard_attn_together",
+                                                             "2200_moe", "2205_moe"),
+             "| moe | offload=moe_act | 7 | +34.3, +10.1, +4.3, +5.6, +0.7, +12.1, +26.6 | +10.1 |")):
         done = subprocess.run([sys.executable, "benchmarks/bench_paired.py", "--table",
                                *(str((h200 / folder / d).relative_to(REPO)) for d in dirs)],
                               cwd=REPO, capture_output=True, text=True, timeout=300, check=True)
@@ -429,7 +434,7 @@ def test_every_paired_process_pooled_regenerates_identically():
     out = subprocess.run([sys.executable, "benchmarks/bench_paired.py", "--summary", *dirs], cwd=REPO,
                          capture_output=True, text=True, timeout=600, check=True).stdout
     assert out == (OFFLOAD / "paired_every.md").read_text()
-    assert "| moe | selective/moe_act | 5 | +8.0, +23.0, +13.0, +18.4, +13.9 |" in out
+    assert "| moe | selective/moe_act | 9 | +8.0, +23.0, +13.0, +18.4, +13.9, +13.7, +12.9, +6.8, +11.6 |" in out
     assert "Priced within 20% of the added median: 22 of 25 options." in out
 
 
@@ -442,7 +447,7 @@ def test_the_rounds_after_the_passes_by_index_regenerate_identically():
 
     h200 = [str(p.relative_to(REPO)) for pattern in PAIRED_EVERY for p in sorted(OFFLOAD.glob(pattern))]
     h100 = [str(p.relative_to(REPO)) for p in sorted((REPO / "docs" / "offload-h100" / "paired_2026-12-05").glob("1*"))]
-    for dirs, doc, row in ((h200, OFFLOAD / "by_round.md", "| one after another, offload, MoE | 54 | +27.1 | -0.9 |"),
+    for dirs, doc, row in ((h200, OFFLOAD / "by_round.md", "| one after another, offload, MoE | 64 | +27.1 | -0.9 |"),
                            (h100, REPO / "docs" / "offload-h100" / "by_round.md",
                             "| together, recompute, MoE | 24 | +1.6 | -0.1 |")):
         out = subprocess.run([sys.executable, "benchmarks/bench_paired.py", "--by-round", *dirs], cwd=REPO,
