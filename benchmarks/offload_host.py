@@ -3,12 +3,12 @@
     python benchmarks/offload_host.py docs/offload-h200/paired_offload_2026-12-05/0510_moe ...
 
 No run: it reads saved processes (``bench_paired.py --save``). For each offload option without
-recompute whose pass measured the manager's host cost (``offload_ms``, since 2026-12-04 21:10 UTC):
+recompute whose pass measured the manager's host cost (``offload_ms``; older records lack it):
 
 - ``margin ms``: the option's off steps' median of step time less the host's own time (its time to
   return, less its wait at the grad-norm read): how far the host led the GPU, plus the optimizer's
   GPU work left after the host returned; ``wait ms`` that wait alone, where the run recorded it
-  (since 2026-12-05: the margin ``recipes.predict.replay.Timeline.added`` prices against); ``timeline's
+  (the margin ``recipes.predict.replay.Timeline.added`` prices against); ``timeline's
   lead ms`` how far the pass's timeline puts the GPU behind the host at its last mark;
 - ``host added ms`` and ``added ms``: what the option added to the host's own time and to the step
   (bench_paired's medians), and their ratio, the share of the added host work the step paid;

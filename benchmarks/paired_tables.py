@@ -113,7 +113,7 @@ def step_copy_rows(rows: list[tuple[int, dict]]) -> list[str]:
         longest = ", ".join(f"{name} #{i} {ms:.1f}" for name, i, ms in sorted(waits, key=lambda w: -w[2])[:3])
         rate = [f"{copies[k]:.1f}" if copies.get(k) else "-" for k in ("d2h_gb_s", "h2d_gb_s")]
         link = f"{r['link_gb_s']:.1f}" if r.get("link_gb_s") else "-"
-        strided = r.get("strided_out")  # not recorded before 2026-12-05 04:30 UTC: -
+        strided = r.get("strided_out")  # not in older records: -
         strided = ", ".join(f"{k} {v}" for k, v in strided.items()) if strided is not None else "-"
         out.append(f"| {n} | {r['option']} | {link} | {rate[0]} | {rate[1]} | {r['reload_wait_ms']:.1f} | {longest} "
                    f"| {strided} |")
@@ -261,7 +261,7 @@ def paired_figures(on: list[float], off: list[float], on_host: list[float], off_
 
 def settled(r: dict, rounds: int) -> dict:
     """A saved option's figures from its rounds after the first ``rounds`` after its module-time passes:
-    the rounds it ran untimed (``settle_rounds``, from 2026-12-05 20:30 UTC) count, the rest of the
+    the rounds it ran untimed (``settle_rounds``, in newer records) count, the rest of the
     first ``rounds`` are left out. Switching to the option after the passes (which run it switched
     off) costs the first rounds a transient the option does not cost a run (``by_round``)."""
     raw = r["raw"]

@@ -26,7 +26,7 @@ class Rendezvous:
 
 #: torchrun's variables for a world of one rank. Port 0: the one process's store binds a free port
 #: itself (nothing else has to find it); a port picked beforehand could be taken by another process
-#: before the store binds it (a test's subprocess lost that race on a 2-core CI machine, 2026-12-04).
+#: before the store binds it (a test's subprocess lost that race on a 2-core CI machine).
 ONE_RANK_ENV = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0"}
 

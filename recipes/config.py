@@ -266,12 +266,11 @@ class EstimateConfig:
     moe_imbalance: float = 1.5
     # The planner's time unit (recipes.analyze.plan): recompute's replayed FLOPs and a layer's forward
     # run at this share of measure.peak_tflops. Not the step's MFU (49.7% dense at the h200 size on one
-    # H200 on 2026-12-03): it prices what replays cost. At 0.38 `--predict` put the h200_long picks'
-    # margins over their runners-up at +222 ms (dense: full/block x 8 against selective/mlp, measured
-    # +229 on 2026-12-03) and +446 ms (MoE: moe_act against moe, measured +453 on 2026-12-03, before
-    # the fused RoPE); at 0.49 they would be +172 and +320. Activation offload copies at this pinned
-    # host-link bandwidth, GB/s each way (PCIe 5.0 x16's order; a GPU offload run records the real one:
-    # offload.link).
+    # H200): it prices what replays cost. At 0.38 `--predict` put the h200_long picks' margins over
+    # their runners-up at +222 ms (dense: full/block x 8 against selective/mlp, measured +229) and +446
+    # ms (MoE: moe_act against moe, measured +453 before the fused RoPE; docs/offload-log.md); at 0.49
+    # they would be +172 and +320. Activation offload copies at this pinned host-link bandwidth, GB/s
+    # each way (PCIe 5.0 x16's order; a GPU offload run records the real one: offload.link).
     mfu: float = 0.38
     host_link_gb_s: float = 50.0
     # What activation offload's copies cost a step beyond the link (recipes.predict.copies): per group
@@ -279,8 +278,8 @@ class EstimateConfig:
     # and reload) and per GiB moved (out and back). Fitted to the five dense offload options one H200
     # paired against themselves paused in three processes each on two machines at the h200 size
     # (benchmarks/bench_paired.py --fit docs/offload-h200/paired_offload_2026-12-05/0235_standard_attn
-    # docs/offload-h200/paired_offload_2026-12-05/0408_standard_attn; docs/offload-log.md). Until
-    # 2026-12-05 0.136 and 1.95, fitted to five points of separate runs (benchmarks/offload_table.py --fit).
+    # docs/offload-h200/paired_offload_2026-12-05/0408_standard_attn; docs/offload-log.md). Before
+    # those runs, 0.136 and 1.95, fitted to five points of separate runs (benchmarks/offload_table.py --fit).
     offload_ms_per_group: float = 0.072
     offload_ms_per_gib: float = 2.98
     # Elementwise replays (moe_act, layernorm, gdn_norm_out) are memory traffic: GB/s of device
@@ -288,7 +287,7 @@ class EstimateConfig:
     hbm_gb_s: float = 3000.0
     # What an elementwise label's replay costs beyond its bytes (recipes.predict.cost.recompute_s; on a
     # measured timeline, timeline_recompute_costs, both are host time, which a GPU-bound step hides; a
-    # timeline recorded since 2026-12-04 19:30 UTC measured its regions and functions instead,
+    # timeline that measured its regions and functions prices those instead,
     # recipes.measure.regions: 0.4-0.6 ms a region on one H200):
     # per checkpoint region replayed (megatron's CheckpointWithoutOutput: RNG states saved and
     # restored, a nested autograd backward), fitted to the one robust row, dense selective/layernorm

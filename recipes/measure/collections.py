@@ -69,7 +69,7 @@ def collection_findings(timing: dict | None) -> list[str]:
 def collector_off():
     """Python's garbage collector off while a measurement runs (``recipes.measure.moduletime``'s
     passes), and back as it was after. A full collection walks every object the process holds: inside
-    an MoE host pass at the h200 size it paused the host 310 ms (one H200, 2026-12-04), which the
+    an MoE host pass at the h200 size it paused the host 310 ms (one H200), which the
     timeline would read as the host's pace and every replay's price would carry.
     Whether and where one lands depends on how many objects the process made before: in one of four
     processes of one point it made the host pass 2.2x as long as in the other three."""

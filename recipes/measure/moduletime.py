@@ -201,7 +201,7 @@ def _pass(trainer, timer: ModuleTimer, forward_only: bool = False) -> float:
 #: The GPU pass's sleep at each mark (ms): the host pass's time to the next mark this many times over,
 #: plus ``SLEEP_PLUS_MS`` (the GPU pass's events), so the host has issued an interval's work before the
 #: GPU starts it. At the h200 size (MoE: 961 marks) a base point's measurements after its steps took
-#: 1.4-1.7 s with the three passes, the other points' 0.5-0.8 s (one H200, 2026-12-04); the two
+#: 1.4-1.7 s with the three passes, the other points' 0.5-0.8 s (one H200); the two
 #: forward-only passes added later ran 80-160 ms each.
 SLEEP_FACTOR, SLEEP_PLUS_MS = 1.5, 0.2
 #: The most a mark's hooks are taken to cost the host (ms; about 0.025 on a CPU core).

@@ -3,8 +3,8 @@
 A recompute region is host work beyond the kernels it replays: megatron saves and restores the RNG
 states around it, runs its first forward under no_grad, replays it from a gradient hook (or from its
 own autograd node) and runs its backward in a nested ``torch.autograd.backward``. Where a step's host
-is behind its GPU (MoE, MLA at the h200 size) that is step time. On one H200 (2026-12-04,
-``benchmarks/bench_region.py``) a ``moe_act`` region added 1.2 ms to its step's own host time: about
+is behind its GPU (MoE, MLA at the h200 size) that is step time. On one H200
+(``benchmarks/bench_region.py``) a ``moe_act`` region added 1.2 ms to its step's own host time: about
 240 us of that is one more call of the experts' activation (megatron's torch.compile'd weighted
 SwiGLU), the rest the region's machinery; a norm's region (``layernorm``) about 0.6 ms.
 
@@ -21,7 +21,7 @@ and ``recipes.predict.cost`` prices a region from them.
 An offload group is the same kind of cost: megatron's fine-grained offload manager runs Python for each
 group it commits in the forward (its saved-tensor hooks, a pinned buffer from its pool, a copy issued
 on its device-to-host stream, events) and reloads in the backward. Under torch's profiler on one H200
-(2026-12-04, dense h200, ``offload=core_attn-attn_proj``) a commit took about 0.4 ms of host and a
+(dense h200, ``offload=core_attn-attn_proj``) a commit took about 0.4 ms of host and a
 reload 0.2; in the dense forward, where the host is barely ahead, the GPU waited for it.
 ``offload_host_ms`` measures a group's host cost through the manager itself.
 """

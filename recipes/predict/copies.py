@@ -42,7 +42,7 @@ def timeline_offload_costs(terms_per_layer: list[dict[str, int]], module_times: 
     in every micro-batch. It costs step time where the host does not lead the GPU: in a dense h200
     step's forward, and an MoE step's. ``terms_per_layer``: the prediction's ``host_terms_per_layer``
     for this rank's layers. One price a process, sorted; None where the point did not measure it
-    (before 2026-12-04, 21:10 UTC) or a point has no mark on the timeline."""
+    (an older record) or a point has no mark on the timeline."""
     numbers = (module_times or {}).get("layers") or []
     timelines = paced_timelines(module_times, numbers)
     if not timelines or len(numbers) != len(terms_per_layer) or any(tl.offload_ms is None for tl in timelines):

@@ -189,8 +189,8 @@ def has_timeline(module_times: dict | None) -> bool:
 
 def host_wait_ms(module_times: dict | None) -> float | None:
     """The median over a point's processes of how long its measured steps' host waited for the GPU at
-    the grad-norm read (``Timeline.host_wait_ms``), or None where no process recorded it (before
-    2026-12-05): the margin added host work is priced against."""
+    the grad-norm read (``Timeline.host_wait_ms``), or None where no process recorded it (older
+    records): the margin added host work is priced against."""
     waits = sorted(tl.host_wait_ms for tl in _timelines(module_times) if tl.host_wait_ms is not None)
     return waits[len(waits) // 2] if waits else None
 
@@ -210,7 +210,7 @@ def timeline_recompute_costs(cfg: dict, module_times: dict, elementwise_s: float
     """Seconds per step the run's recompute adds, from the base point's timeline
     (``recipes.predict.replay``): each replayed forward (its modules' host and GPU time in that layer)
     inserted where its backward runs it, with a checkpoint region's host cost (of its kind, as the pass
-    measured it: ``recipes.measure.regions``; before 2026-12-04 19:30 UTC ``estimate.replay_region_ms``),
+    measured it: ``recipes.measure.regions``; where it did not, ``estimate.replay_region_ms``),
     its forward's part where the region's first module starts (where the pass measured that part);
     an elementwise replay as host work (a region and its function: as measured, ``_elementwise_host_ms``,
     else its kernels at ``estimate.launch_us``) and GPU work (its share of ``elementwise_s``, the elementwise labels' bytes
@@ -275,9 +275,9 @@ def _forward_savings(tl: Timeline, number: int, replayed: tuple, inside: tuple, 
     """Host ms a checkpoint's first forward saves, at the mark before each replayed forward's end:
     megatron runs the region under ``torch.no_grad`` (no autograd graph; the MoE router skips its aux
     loss), so its host time is the no-grad pass's (``Timeline.forward_nograd``), not the training
-    pass's. An MoE step's host is behind the GPU, so this is step time: on one H200 (2026-12-04) the
+    pass's. An MoE step's host is behind the GPU, so this is step time: on one H200 the
     32 MoE-layer forwards of a step took 54-102 ms of host with grad and 33-63 without. {} where the
-    pass recorded no no-grad forward (a point measured before 2026-12-04, 17:30 UTC)."""
+    pass recorded no no-grad forward (an older record)."""
     nograd = [tl.forward_nograd(number, name) for name in replayed + inside]
     ends = tl.where(number, replayed[0], "end") if replayed else []
     if not replayed or len(ends) != spots or any(len(g) != spots for g in nograd[:len(replayed)]):

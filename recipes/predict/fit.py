@@ -1,7 +1,7 @@
 """The one rule for "does it fit": a predicted peak against a per-GPU budget, allocator slack included.
 
 The estimator predicts ``max_memory_allocated``; what must fit is what PyTorch's caching allocator
-*reserves*, which runs above it. Over the 59 fused-Adam H200 points in docs/h200 (2026-11-29)
+*reserves*, which runs above it. Over the 59 fused-Adam H200 points in docs/h200
 reserved exceeded allocated by 2.3% (median), 7.3% (90th percentile), 8.2% (max). On the H200,
 ``full/block`` over 5 of 32 layers at ``size=h200_long`` was predicted at 136.02 GiB for a 139 GiB
 budget and ran out of memory asking for 4 GiB at 131.96 GiB allocated and 133.45 reserved: a peak
@@ -9,12 +9,12 @@ that fits only without the slack is "tight", never "fits". The estimator, the ad
 all judge predictions with ``verdict``.
 
 MoE under expert parallel fragments more: each step's routed-token buffers differ in size per rank.
-On two H200s (docs/h200x2, 2026-11-30) reserved over allocated reached 1.166 (``ep2`` none, rank 0)
+On two H200s (docs/h200x2) reserved over allocated reached 1.166 (``ep2`` none, rank 0)
 and 1.159 (``size=h200_long`` moe_act); ``slack_for(cfg)`` gives such configs ``EP_MOE_SLACK``.
 
 Activation offload fragments too: its host copies free device blocks one layer at a time while
-others are allocated around them. Over the offload points on one H200 (docs/offload-h200, 2026-12-01
-to 2026-12-03) reserved over allocated reached 1.207 for dense options that offload core attention's
+others are allocated around them. Over the offload sweeps' points on one H200 (docs/offload-h200)
+reserved over allocated reached 1.207 for dense options that offload core attention's
 tensors (``qkv_linear-core_attn-attn_proj``; 1.19 ``core_attn``), 1.0851 for the other dense options
 (``attn_norm-mlp_norm`` under ``selective/layernorm``, whose predicted peak with ``ALLOCATOR_SLACK``
 still covers its reserved one) and 1.109 for MoE (``expert_fc1-moe_act``) at the h200 size, 1.152 and

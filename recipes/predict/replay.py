@@ -52,7 +52,7 @@ class Timeline:
     region_ms: dict | None = None
     region_function_ms: dict | None = None
     #: the part of ``region_ms`` each kind's forward costs (where its module runs); None where the
-    #: pass did not record it (before 2026-12-05, 13:00 UTC): the whole cost is placed at the replay
+    #: pass did not record it (older records): the whole cost is placed at the replay
     region_forward_ms: dict | None = None
     #: host ms an offload group costs, fixed and a tensor, forward and backward together
     #: (``recipes.measure.regions.offload_host_ms``); None where the pass did not record it
@@ -149,7 +149,7 @@ def stream_pace(timeline: Timeline, forward_ms: dict, layers: list[int]) -> floa
     median over ``PACE_MODULES``' forwards (each layer's, in the module-time pass's stream times,
     ``forward_ms``) where the GPU was busy and the host far ahead (host time under half the GPU time),
     so that the stream time is the GPU's work at the step's own pace. On one H200 it was 1.08-1.16 on
-    every base point of 2026-12-04 that had such forwards (dense, MLA, MoE): the GPU pass's sleeps let
+    every base point that had such forwards (dense, MLA, MoE; docs/offload-log.md): the GPU pass's sleeps let
     the same kernels run about a tenth faster, and dense replays priced at the GPU pass's pace came out
     5-15% low. None where no forward qualifies (an MoE pass whose host is behind everywhere)."""
     ratios = []

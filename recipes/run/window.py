@@ -191,7 +191,7 @@ def record_window(trainer: Trainer, cfg: dict, result: dict, window: Window, lab
     if labels and cfg["measure"]["ledger"]:
         result["_ledger_warnings"] = control_ledgers(trainer, labels, result, run_dir)
     marks["ledgers_done"] = time.time()
-    if trainer.offloading:  # as measured on 2026-12-03: after the offload measurements' step
+    if trainer.offloading:  # as measured: after the offload measurements' step
         record_module_times(trainer, cfg, result, marks)
 
 
@@ -201,7 +201,7 @@ def host_timing(host: list[tuple[float, float]]) -> dict:
     (until it returned, less its waits in ``Tensor.item``), and ``host_wait_s``, its wait where
     megatron reads the grad norm, once a step. A wait near 0 means the host never got ahead of the GPU:
     the step is host-bound, and host work that a recompute or an offload adds shows in it; a dense
-    h200 step's host waited 89-123 ms, an MoE step's 27-29 (one H200, 2026-12-03, docs/offload-log.md)."""
+    h200 step's host waited 89-123 ms, an MoE step's 27-29 (one H200, docs/offload-log.md)."""
     if not host:
         return {}
     return {"host_work_s": statistics.median(w for w, _ in host), "host_wait_s": statistics.median(t for _, t in host)}
