@@ -8,7 +8,10 @@ seconds a subprocess start costs while running the same worker code.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -48,6 +51,56 @@ def pytest_collection_modifyitems(items: list) -> None:
             item.add_marker(pytest.mark.xdist_group("gpu"))
             if not ON_GPU:
                 item.add_marker(hidden, append=False)
+
+
+def subprocess_env() -> dict:
+    """This environment without the single-process world other tests export (RANK, MASTER_PORT...)."""
+    drop = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    return {k: v for k, v in os.environ.items() if k not in drop}
+
+
+#: The train.py processes ``start_train`` started; ``_no_train_left_behind`` ends them after each test.
+STARTED: list[subprocess.Popen] = []
+
+
+@contextlib.contextmanager
+def sigint_default():
+    """SIGINT handled (Python's KeyboardInterrupt) while processes start, so they start with its default
+    action. A shell starts a background job (this suite under ``nohup`` or ``&``) with SIGINT ignored,
+    Python keeps that and a child inherits it: Ctrl-C sent to a train.py the suite started would do
+    nothing, where a terminal's user would see it stop."""
+    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+        yield
+        return
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def start_train(args: list[str], cwd: Path, stderr: int = subprocess.PIPE) -> subprocess.Popen:
+    """``train.py`` as a terminal would run it: its own session (Ctrl-C or a kill reaches the whole sweep
+    through its group), SIGINT's default action (``sigint_default``), output captured (``stderr``:
+    ``subprocess.STDOUT`` merges it). Its group is killed after the test if it still runs."""
+    with sigint_default():
+        proc = subprocess.Popen([sys.executable, str(REPO / "train.py"), *args], cwd=cwd, env=subprocess_env(),
+                                stdout=subprocess.PIPE, stderr=stderr, text=True, start_new_session=True)
+    STARTED.append(proc)
+    return proc
+
+
+@pytest.fixture(autouse=True)
+def _no_train_left_behind():
+    """A test that fails mid-sweep leaves no train.py running: a sweep of 100000-step points would take a
+    core from the rest of the suite. Its workers and fork server die with it (``launch.process``)."""
+    yield
+    while STARTED:
+        proc = STARTED.pop()
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 def compose(*overrides: str) -> dict:

@@ -19,8 +19,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO
-from test_sweep import _env, wait_for, worker_pid
+from conftest import REPO, subprocess_env
+from conftest import start_train as start
+from test_sweep import wait_for, worker_pid
 
 from recipes.files import write_json_atomic
 from recipes.results import load_result
@@ -29,14 +30,8 @@ TINY = ["size=tiny", "train.train_iters=2", "measure.start_step=2", "measure.pro
 
 
 def train(args: list[str], cwd: Path, timeout: float = 120, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(REPO / "train.py"), *args], cwd=cwd, env=env or _env(),
+    return subprocess.run([sys.executable, str(REPO / "train.py"), *args], cwd=cwd, env=env or subprocess_env(),
                           capture_output=True, text=True, timeout=timeout)
-
-
-def start(args: list[str], cwd: Path) -> subprocess.Popen:
-    """``train.py`` as a terminal would run it: its own session, so Ctrl-C can go to its group."""
-    return subprocess.Popen([sys.executable, str(REPO / "train.py"), *args], cwd=cwd, env=_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
 
 
 def alive(pid: int) -> bool:

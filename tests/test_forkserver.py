@@ -151,7 +151,7 @@ def test_forked_points_measure_what_their_own_processes_do(tmp_path):
 
 @pytest.mark.slow
 def test_kill_9_of_the_controller_takes_the_server_along(tmp_path):
-    from test_faults import start
+    from conftest import start_train as start
     from test_sweep import wait_for, worker_pid
 
     sweep = tmp_path / "sweep"

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO, compose
+from conftest import REPO, compose, start_train
+from conftest import subprocess_env as _env
 
 from recipes.config import slug
 from recipes.files import write_json_atomic
@@ -34,16 +35,9 @@ def point(recompute: str) -> str:
     return slug(f"measure.start_step=2,recompute={recompute},size=tiny,train.train_iters=3")
 
 
-def _env() -> dict:
-    """This environment without the single-process world other tests export (RANK, MASTER_PORT...)."""
-    drop = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-    return {k: v for k, v in os.environ.items() if k not in drop}
-
-
 def start(args: list[str], cwd: Path) -> subprocess.Popen:
-    """``train.py`` in its own session (so the whole sweep can be killed), output captured."""
-    return subprocess.Popen([sys.executable, str(REPO / "train.py"), *args], cwd=cwd, env=_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    """``train.py`` in its own session (so the whole sweep can be killed), its output in one stream."""
+    return start_train(args, cwd, stderr=subprocess.STDOUT)
 
 
 def wait_for(condition, proc: subprocess.Popen, timeout: float = 120.0):
