@@ -446,14 +446,13 @@ def test_a_sweep_with_offload_end_to_end_and_its_table(tmp_path):
     import subprocess
     import sys
 
-    from conftest import REPO
-    from test_sweep import _env
+    from conftest import REPO, subprocess_env
 
     sweep = tmp_path / "sweep"
     args = [sys.executable, str(REPO / "train.py"), "-m", "model=standard_attn", "size=tiny", "profile=none",
             "offload=none,core_attn-attn_proj", "offload.emulate_on_cpu=true", "offload.min_offloaded_tensor_size=0",
             "train.train_iters=4", "measure.start_step=3", f"hydra.sweep.dir={sweep}"]
-    done = subprocess.run(args, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=600)
+    done = subprocess.run(args, cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     results = {r["name"]: r for r in (json.loads(p.read_text()) for p in sweep.glob("*/result.json"))}
     off = results["standard_attn sdpa none offload=core_attn-attn_proj"]

@@ -4,13 +4,12 @@ re-run resumes from it; the live progress lines reach the controller's console a
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
 
 import pytest
-from conftest import REPO
+from conftest import REPO, start_train, subprocess_env
 from wandb_files import offline_runs
 
 from recipes.results import load_result
@@ -20,17 +19,10 @@ RUN = ["size=tiny", "measure.profile=none", "measure.start_step=2", "checkpoint=
        "checkpoint.interval=1000", "train.log_interval=5"]
 
 
-def _env() -> dict:
-    drop = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-    return {k: v for k, v in os.environ.items() if k not in drop}
-
-
 @pytest.mark.slow
 def test_sigterm_saves_and_exits_cleanly_then_resumes(tmp_path):
     out = tmp_path / "run"
-    cmd = [sys.executable, str(REPO / "train.py"), *RUN, "train.train_iters=100000", f"output_dir={out}"]
-    proc = subprocess.Popen(cmd, cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+    proc = start_train([*RUN, "train.train_iters=100000", f"output_dir={out}"], tmp_path, stderr=subprocess.STDOUT)
     lines = []
     for line in proc.stdout:  # the controller echoes the worker's progress lines as they come
         lines.append(line)
@@ -51,7 +43,7 @@ def test_sigterm_saves_and_exits_cleanly_then_resumes(tmp_path):
     assert progress[0]["step"] == 5 and {"loss", "lr", "grad_norm", "tokens_per_s", "eta_s"} <= progress[0].keys()
 
     again = subprocess.run([sys.executable, str(REPO / "train.py"), *RUN, f"train.train_iters={stopped + 5}",
-                            f"output_dir={out}"], cwd=tmp_path, env=_env(), capture_output=True, text=True,
+                            f"output_dir={out}"], cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True,
                            timeout=300)
     assert again.returncode == 0, again.stdout + again.stderr
     resumed = load_result(out)
@@ -73,7 +65,7 @@ def test_resume_is_bit_exact_under_two_gloo_processes(tmp_path, layout):
 
     def launch(*extra: str, out) -> dict:
         proc = subprocess.run([sys.executable, str(REPO / "train.py"), *base, *extra, f"output_dir={out}"],
-                              cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
+                              cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         return load_result(out)
 
@@ -101,7 +93,7 @@ def test_a_two_process_checkpoint_loads_on_one(tmp_path, saved_under):
 
     def launch(*extra: str, out) -> dict:
         proc = subprocess.run([sys.executable, str(REPO / "train.py"), *base, *extra, f"output_dir={out}"],
-                              cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
+                              cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         return load_result(out)
 

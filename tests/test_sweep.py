@@ -17,8 +17,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO, compose, start_train
-from conftest import subprocess_env as _env
+from conftest import REPO, compose, start_train, subprocess_env
 
 from recipes.config import slug
 from recipes.files import write_json_atomic
@@ -113,7 +112,7 @@ def test_same_command_same_directory(tmp_path):
     and a stored result counts only if it was measured with the same config."""
     args = [sys.executable, str(REPO / "train.py"), "-m", "sweep=moe", "recompute=none,selective/moe_act",
             "measure.repeat=0", "dry_run=true"]  # one process a point (sweep=moe repeats each 3 times)
-    done = subprocess.run([*args, "rerun=true"], cwd=tmp_path, env=_env(), capture_output=True, text=True,
+    done = subprocess.run([*args, "rerun=true"], cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     sweep = tmp_path / "multirun/moe/measure.repeat=0__recompute=none__selective.moe_act"
@@ -123,7 +122,7 @@ def test_same_command_same_directory(tmp_path):
         config = yaml.safe_load((point / "config.yaml").read_text())
         config["train"]["seed"] += point.name.endswith("moe_act")
         write_json_atomic(point / "result.json", {"name": point.name, "status": "ok", "config": config, "ranks": []})
-    done = subprocess.run([*args, "logger=wandb"], cwd=tmp_path, env=_env(), capture_output=True, text=True,
+    done = subprocess.run([*args, "logger=wandb"], cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     assert [p.name for p in (tmp_path / "multirun").glob("*/*")] == [sweep.name]
@@ -138,7 +137,7 @@ def test_unknown_option_in_a_sweep_file_fails_before_any_point(tmp_path):
         "      recompute: none,selective/no_such_label\n")
     done = subprocess.run([sys.executable, str(REPO / "train.py"), "sweep=bad", *TINY,
                            f"hydra.searchpath=[file://{tmp_path / 'conf'}]", f"hydra.sweep.dir={tmp_path / 'out'}"],
-                          cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=120)
+                          cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True, timeout=120)
     assert done.returncode != 0
     assert "selective/no_such_label" in done.stderr
     assert not list(tmp_path.rglob("result.json")) and not list(tmp_path.rglob("config.yaml"))
@@ -174,7 +173,7 @@ def test_gpu_oom_is_recorded_and_the_sweep_goes_on(tmp_path):
     from recipes.analyze import advise, candidates
 
     done = subprocess.run([sys.executable, str(REPO / "train.py"), "-m", "measure.memory_fraction=0.00001,null",
-                           *TINY, f"hydra.sweep.dir={tmp_path}"], cwd=REPO, env=_env(), capture_output=True,
+                           *TINY, f"hydra.sweep.dir={tmp_path}"], cwd=REPO, env=subprocess_env(), capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     results = {r["config"]["measure"]["memory_fraction"]: r for r in
@@ -198,7 +197,7 @@ def test_bench_entrypoint_repeats_alternate_fresh_processes():
     held = socket.socket()
     held.bind(("127.0.0.1", 0))
     held.listen()
-    env = {**_env(), "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "MASTER_PORT": str(held.getsockname()[1])}
+    env = {**subprocess_env(), "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "MASTER_PORT": str(held.getsockname()[1])}
     proc = subprocess.run([sys.executable, "benchmarks/bench_entrypoint.py", "recompute=none", "--repeats", "2"],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -213,7 +212,7 @@ def test_bench_entrypoint_repeats_alternate_fresh_processes():
 ])
 def test_bench_entrypoint_refuses_bad_arguments_by_name(args, says):
     proc = subprocess.run([sys.executable, "benchmarks/bench_entrypoint.py", *args],
-                          cwd=REPO, env=_env(), capture_output=True, text=True, timeout=120)
+                          cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "--" in proc.stderr and says in proc.stderr, proc.stderr[-500:]
 
 

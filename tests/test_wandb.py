@@ -8,7 +8,6 @@ Everything is offline (``logger.mode=offline``, the default): the tests read the
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -17,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, compose
+from conftest import REPO, compose, subprocess_env
 from omegaconf import OmegaConf
 from wandb_files import offline_runs
 
@@ -32,8 +31,7 @@ CPU_KEYS = {"train/loss", "train/lr", "train/grad_norm", "perf/step_time_s", "pe
 def _env() -> dict:
     """This environment for a subprocess: without the single-process world other tests export (RANK...)
     and without this process's W&B service (a process started with it would log through it)."""
-    drop = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "WANDB_SERVICE")
-    return {k: v for k, v in os.environ.items() if k not in drop}
+    return {k: v for k, v in subprocess_env().items() if k != "WANDB_SERVICE"}
 
 
 @pytest.fixture(autouse=True)
