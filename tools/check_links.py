@@ -7,10 +7,13 @@ Checked in every file:
   defined in that file;
 - dotted module names (``recipes.predict.estimate``, ``recipes.build.gdn.check_fla_kernels``): the
   module exists and a trailing name is defined in it;
-- ``make <target>``: the Makefile has that target.
+- ``make <target>``: the Makefile has that target;
+- no markdown table cell is longer than ``MAX_CELL`` characters (a long cell is a paragraph in a table:
+  say it under the table instead).
 
 And in the README: every documented Makefile target is mentioned, and the config-group table lists
-exactly the options under ``conf/<group>/``. Placeholders (``docs/h200/<sweep>``, ``*.log``) are
+exactly the options under ``conf/<group>/`` (a group's options may be split over several rows that
+start with the same group). Placeholders (``docs/h200/<sweep>``, ``*.log``) are
 skipped. Exit status 1 lists each problem as ``file:line: what``.
 
     python tools/check_links.py
@@ -30,6 +33,8 @@ PATH = re.compile(r"(?<![\w./-])((?:{})/[\w./-]*)(:{{1,2}} ?\w+|.?)".format("|".
 MODULE = re.compile(r"(?<![\w./-])recipes(?:\.[A-Za-z_]\w*)+")
 MAKE = re.compile(r"(?:^|`)make ([a-z][\w-]*)")  # a command: in backticks or starting a code line
 PLACEHOLDER = set("<{*[$")
+#: the longest markdown table cell the docs allow
+MAX_CELL = 200
 #: targets the README need not mention
 UNLISTED_TARGETS = {"help", "install", "clean"}
 
@@ -105,11 +110,35 @@ def make_targets() -> dict[str, bool]:
     return targets
 
 
+def table_cells(line: str) -> list[str]:
+    """The cells of a markdown table row (``|`` inside backticks or escaped does not split)."""
+    cells, cell, code, i = [], "", False, 0
+    text = line.strip().strip("|")
+    while i < len(text):
+        char = text[i]
+        if char == "\\" and text[i + 1 : i + 2] == "|":
+            cell, i = cell + "\\|", i + 2
+            continue
+        code ^= char == "`"
+        if char == "|" and not code:
+            cells.append(cell.strip())
+            cell = ""
+        else:
+            cell += char
+        i += 1
+    return [*cells, cell.strip()]
+
+
 def problems(md: Path, targets: dict[str, bool]) -> list[str]:
-    """Broken references in one markdown file."""
+    """Broken references in one markdown file, and table cells over ``MAX_CELL`` characters."""
     out = []
     rel = md.relative_to(ROOT)
+    fenced = False
     for number, line in enumerate(md.read_text().splitlines(), 1):
+        fenced ^= line.lstrip().startswith("```")
+        if not fenced and line.lstrip().startswith("|"):
+            out += [f"{rel}:{number}: a table cell of {len(c)} characters (at most {MAX_CELL})"
+                    for c in table_cells(line) if len(c) > MAX_CELL]
         for target in LINK.findall(line):
             if not link_ok(md, target):
                 out.append(f"{rel}:{number}: link {target}")
@@ -117,6 +146,8 @@ def problems(md: Path, targets: dict[str, bool]) -> list[str]:
             if problem := path_problem(path, after):
                 out.append(f"{rel}:{number}: {problem}")
         for name in MODULE.findall(line):
+            if name.endswith(".md"):  # a page (recipes.md), not a module
+                continue
             if not module_ok(name):
                 out.append(f"{rel}:{number}: module {name}")
         for target in MAKE.findall(line):
@@ -139,7 +170,9 @@ def readme_problems(targets: dict[str, bool]) -> list[str]:
         for t, documented in targets.items()
         if documented and t not in UNLISTED_TARGETS and not re.search(rf"\bmake {re.escape(t)}\b", text)
     ]
-    rows = {m.group(1): m.group(2) for m in re.finditer(r"^\| `(\w+)` \| ([^|]*) \|", text, re.M)}
+    rows: dict[str, str] = {}  # a group may take several rows (a long option list split to keep cells short)
+    for m in re.finditer(r"^\| `(\w+)` \| ([^|]*) \|", text, re.M):
+        rows[m.group(1)] = rows.get(m.group(1), "") + " " + m.group(2)
     groups = sorted(p.name for p in (ROOT / "conf").iterdir() if p.is_dir())
     for group in groups:
         if group not in rows:
