@@ -13,7 +13,8 @@ another JSON file a ``{"file", "json"}`` one. Run directories themselves (config
 locks) stay out: each result.json holds its composed config. ``load(name)`` reads one back for the
 checks; ``docs/evidence/<name>.md`` is rendered from it: the header, then one section per sweep
 (``## <sweep>``: the sweep report's table and notes, as ``python -m recipes report`` writes them),
-then one per quoted console file; a PNG the docs show sits beside it (``<name>.png``, ``--image``).
+then one per quoted console file (h200 also gets the MFU table per family, ``## mfu_per_family``).
+A PNG the docs show sits beside it (``<name>.png``, ``--image``).
 """
 
 from __future__ import annotations
@@ -197,11 +198,30 @@ def compare_section(ev: Evidence) -> list[str]:
     return [*out, ""]
 
 
+def mfu_section(ev: Evidence, tmp: Path) -> list[str]:
+    """MFU per family (benchmarks/bench_mfu.py --results over the label sweeps and the realistic size)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_mfu", ROOT / "benchmarks" / "bench_mfu.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    sweeps = [s for s in ev.sweeps() if s.startswith("sweep_") or s == "long_standard_attn"]
+    root = ev.unpack(tmp / "mfu", sweeps)
+    return ["## mfu_per_family", "", f"`python benchmarks/bench_mfu.py --results {' '.join(sweeps)}`", "",
+            bench.table(bench.rows_from_results([root / s for s in sweeps])), ""]
+
+
+#: Tables an evidence file gets before its sweep reports, beyond the header.
+EXTRA_SECTIONS: dict[str, Callable[[Evidence, Path], list[str]]] = {"h200": mfu_section}
+
+
 def render(ev: Evidence) -> str:
     """``docs/evidence/<name>.md``: the header, every sweep's report, every quoted file."""
     lines = _head(ev)
     lines += compare_section(ev)
     with tempfile.TemporaryDirectory() as tmp:
+        if ev.name in EXTRA_SECTIONS:
+            lines += EXTRA_SECTIONS[ev.name](ev, Path(tmp))
         for sweep in ev.sweeps():
             lines += sweep_section(ev, sweep, Path(tmp))
     for r in ev.records:  # console output; JSON files and logs are data for the checks, not tables
