@@ -81,6 +81,11 @@ class Evidence:
         return self.unpack(dest, [sweep]) / sweep
 
 
+def shown(path: Path) -> str:
+    """A path as a message shows it: relative to the checkout where it is inside it."""
+    return str(path.relative_to(ROOT) if path.is_relative_to(ROOT) else path)
+
+
 def path_of(name: str) -> Path:
     return EVIDENCE / f"{name}.jsonl.gz"
 
@@ -238,11 +243,11 @@ def tables(check: bool, only: list[str] | None = None, out: Callable[[str], None
         text = render(load(name))
         if check:
             if not md.exists() or md.read_text() != text:
-                out(f"{md.relative_to(ROOT)} is not what its evidence renders: python tools/evidence.py tables")
+                out(f"{shown(md)} is not what its evidence renders: python tools/evidence.py tables")
                 stale = 1
         elif not md.exists() or md.read_text() != text:
             md.write_text(text)
-            out(f"wrote {md.relative_to(ROOT)}")
+            out(f"wrote {shown(md)}")
     if check and not stale:
         out(f"{len(only or names())} evidence table(s) up to date")
     return stale
@@ -297,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     compare = [{"compare": row} for row in parse_compare(args.compare.read_text())] if args.compare else []
     path = pack(args.name, args.root, args.sweeps, header, args.text, compare)
     _CACHE.pop(args.name, None)
-    print(f"wrote {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}")
+    print(f"wrote {shown(path)}")
     return tables(False, [args.name])
 
 
