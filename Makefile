@@ -41,8 +41,9 @@ test-gpu: install ## Run the GPU-marked tests on this machine's GPU (make test r
 lint: install ## ruff check (settings in pyproject.toml)
 	$(PY) -m ruff check .
 
-check-data: install ## Re-check the committed GPU data (checks/), the generated docs and every doc reference
+check-data: install ## Re-check the GPU evidence (checks/), regenerate-check its tables, the generated docs, every doc reference
 	$(PY) -m pytest -q checks
+	$(PY) tools/evidence.py tables --check
 	$(PY) tools/compat_table.py --check
 	$(PY) tools/recipes_table.py --check
 	$(PY) tools/check_links.py

@@ -10,7 +10,8 @@ fraction of the step's model FLOPs (the ideal overhead: full recompute replays o
 
     python benchmarks/bench_mfu.py --size h200 [--families standard_attn,moe] [-- extra overrides]
     make bench SIZE=h200
-    python benchmarks/bench_mfu.py --results docs/h200/sweep_standard_attn docs/h200/sweep_moe
+    python benchmarks/bench_mfu.py --results results/sweep_standard_attn results/sweep_moe
+    python tools/evidence.py unpack h200 /tmp/h200 && python benchmarks/bench_mfu.py --results /tmp/h200/sweep_*
 
 ``--results`` runs nothing: it builds the same table from sweeps already measured (the label sweeps
 hold every point it needs), taking the narrowest fitting option where ``none`` ran out of memory.

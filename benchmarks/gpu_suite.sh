@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# The GPU measurements behind docs/h200-results.md. Run it on a machine with one H200 after
-# `make install`, naming the steps to run, each optionally followed by the families it covers:
-#   bash benchmarks/gpu_suite.sh sweeps:standard_attn,mla,moe labels:gdn long
-# docs/h200-results.md ("How to regenerate") names the step behind each table. Each step writes its
-# sweeps, with their reports, under results/ (git-ignored): compare them with docs/h200/, or copy them
-# there to update the committed data. The whole list takes about 45 minutes.
+# The one-GPU measurements behind docs/evidence/ (h200, speed-h200, offload-h200, profile). Run it on a
+# machine with one H200 after `make install`, naming the steps to run, each optionally followed by the
+# families it covers, and last `pack:<name>` to keep what they measured:
+#   bash benchmarks/gpu_suite.sh sweeps:standard_attn,mla,moe labels:gdn long pack:h200
+# Each step writes its sweeps, with their reports, under results/ (git-ignored). `pack:<name>` packs the
+# sweep directories this call wrote into docs/evidence/<name>.jsonl.gz (the command, date, GPU and
+# versions on top; tools/evidence.py) and regenerates docs/evidence/<name>.md; the header of each
+# evidence file names the steps behind it. The whole list takes about 45 minutes.
 # Settings (environment): PY (default .venv/bin/python, else python3), SIZE (h200), LONG_SIZE
 # (h200_long), ATTENTION (the attention step's backends), SWEEP_ARGS (the settings of every point).
 # The tables committed before the speed defaults (fused SwiGLU on a GPU, 4 micro-batches per step at the
@@ -18,10 +20,11 @@ if [ -z "${PY:-}" ]; then if [ -x .venv/bin/python ]; then PY=.venv/bin/python; 
 SIZE=${SIZE:-h200}
 LONG_SIZE=${LONG_SIZE:-h200_long}
 ATTENTION=${ATTENTION:-unfused,sdpa}  # the attention step's backends (sdpa rows also come from sweeps)
-# What docs/h200-results.md ran with (4 timed steps, profiling off); empty for the full defaults.
+# What the committed tables ran with (4 timed steps, profiling off); empty for the full defaults.
 SWEEP_ARGS=${SWEEP_ARGS-"profile=none train.train_iters=6 measure.start_step=3"}
 OLD_DEFAULTS="model.bias_activation_fusion=false train.global_batch_size=null model.moe_token_dispatcher_type=allgather"
 mkdir -p results
+STARTED=$(mktemp); trap 'rm -f "$STARTED"' EXIT  # pack: the sweep directories written after this
 stamp() { echo "== $(date -u +%FT%TZ) $*"; }
 quiet() { grep -v "Warning\|warn(\|warnings.warn" | tail -"$1"; }
 
@@ -93,7 +96,6 @@ step_repeats() {  # labels' time costs against the spread between processes; the
 step_entry() {  # entrypoint against the bare loop over 4 alternating pairs of fresh processes
   for m in ${1//,/ }; do stamp "bench_entrypoint --repeats 4 model=$m"; $PY benchmarks/bench_entrypoint.py model=$m \
     size=$SIZE attention=sdpa recompute=none --repeats 4 2>&1 | grep -v "Warning\|warn(" | tail -9; done; }
-step_experts() { stamp bench_experts; $PY benchmarks/bench_experts.py 2>&1 | tail -12; }
 step_defaults() {  # the speed defaults against the settings the committed tables ran with, recompute=none,
   # three processes each (MoE's step time moves by up to 13% between processes); MoE: also the dispatcher alone
   for m in ${1//,/ }; do stamp "defaults model=$m"
@@ -111,29 +113,23 @@ step_wgrad() {  # megatron's gradient-accumulation fusion (recipes/build/wgrad.p
       model.gradient_accumulation_fusion=false,true hydra.sweep.dir=results/wgrad_$m 2>&1 | quiet 6; done; }
 step_gc() {  # train.manual_gc (recipes/run/collector.py) off and on, recompute=none, alternating in fresh
   # processes: 6 each for MoE (its spread between processes is what it addresses), 2 each otherwise; then
-  # MoE's label sweep with it on, 3 processes a point (the labels priced from module times: docs/offload-log.md)
+  # MoE's label sweep with it on, 3 processes a point
   for m in ${1//,/ }; do stamp "gc model=$m"; local r=0,1; [ "$m" = moe ] && r=0,1,2,3,4,5
     $PY train.py -m model=$m size=$SIZE $SWEEP_ARGS recompute=none measure.repeat=$r \
       train.manual_gc=false,true hydra.sweep.dir=results/gc_$m 2>&1 | quiet 6
     [ "$m" = moe ] && $PY train.py -m sweep=moe size=$SIZE $SWEEP_ARGS measure.repeat=0,1,2 train.manual_gc=true \
       hydra.sweep.dir=results/gc_labels_moe 2>&1 | quiet 8; done; return 0; }
-step_rope() {  # the fused RoPE (recipes/build/rope.py): bits and time of q and k; then model.apply_rope_fusion=false
-  # and null (auto: fused) alternating in fresh processes, recompute=none: 3 each for MoE, 1 each otherwise; dense
-  # also selective/mlp and full fused (their ratios to none)
-  stamp bench_rope; $PY benchmarks/bench_rope.py 2>&1 | grep "^|\|^device"
+step_rope() {  # the fused RoPE (recipes/build/rope.py): model.apply_rope_fusion=false and null (auto: fused)
+  # alternating in fresh processes, recompute=none: 3 each for MoE, 1 each otherwise; dense also selective/mlp
+  # and full fused (their ratios to none)
   for m in ${1//,/ }; do stamp "rope model=$m"; local r=0; [ "$m" = moe ] && r=0,1,2
     $PY train.py -m model=$m size=$SIZE $SWEEP_ARGS recompute=none measure.repeat=$r \
       model.apply_rope_fusion=false,null hydra.sweep.dir=results/rope_$m 2>&1 | quiet 6
     [ "$m" = standard_attn ] && $PY train.py -m model=$m size=$SIZE $SWEEP_ARGS recompute=selective/mlp,full \
       hydra.sweep.dir=results/rope_recompute_$m 2>&1 | quiet 6; done; return 0; }
-step_hostbound() {  # host- or GPU-bound, per fresh process: MoE 6 processes, dense 2 (recompute=none, the defaults)
-  stamp hostbound; $PY benchmarks/bench_hostbound.py --processes 6 model=moe size=$SIZE 2>&1 | grep "^|\|processes"
-  $PY benchmarks/bench_hostbound.py --processes 2 model=standard_attn size=$SIZE 2>&1 | grep "^|\|processes"; }
-step_speed() {  # docs/speed.md at the defaults: every CUDA sync of a dense and an MoE step, by call site; dense
-  # none/mlp/full; MoE none and moe_act in 3 processes each, none in 4 more free and 4 pinned to cores 0-3;
-  # MLA none twice; the 6-point sweep's seconds per point, forked and not
-  stamp speed; for m in standard_attn moe; do $PY benchmarks/bench_dispatch.py --step model=$m size=$SIZE 2>&1 \
-    | grep "^##\|^- \|^CUDA sync"; done
+step_speed() {  # step speed at the defaults: dense none/mlp/full; MoE none and moe_act in 3 processes each, none
+  # in 4 more free and 4 pinned to cores 0-3; MLA none twice; the 6-point sweep's seconds per point, forked and not
+  stamp speed
   $PY train.py -m model=standard_attn size=$SIZE $SWEEP_ARGS recompute=none,selective/mlp,full \
     hydra.sweep.dir=results/speed_standard_attn 2>&1 | quiet 6
   $PY train.py -m model=moe size=$SIZE $SWEEP_ARGS recompute=none,selective/moe_act measure.repeat=0,1,2 \
@@ -150,32 +146,6 @@ step_peer() {  # Megatron-LM's pretrain_gpt.py side by side (MEGATRON_LM: benchm
     "<Megatron-LM git dir> core_r0.19.0 /tmp/megatron-lm)" >&2; return 1; }
   stamp "bench_peer"; $PY benchmarks/bench_peer.py --megatron-lm "$MEGATRON_LM" --repeats 2 --iters 8 model=standard_attn \
     size=$SIZE attention=unfused recompute=none 2>&1 | grep -v "Warning\|warn(" | tail -32; }
-step_paired() {  # each family's recompute options timed against themselves switched off in one process, and
-  # priced on that process's timeline (docs/offload-log.md); MoE 3 processes, the others 1; saved under results/paired_*
-  local fams=${1:-moe,standard_attn,mla}; for m in ${fams//,/ }; do local n=1 opts=full,selective/core_attn
-    case $m in moe) n=3 opts=full,selective/moe,selective/moe_act;; standard_attn) opts=full,selective/mlp,selective/core_attn;;
-      mla) opts=full,selective/mla_up_proj,selective/mla_up_proj-core_attn;; esac
-    stamp "bench_paired model=$m"; $PY benchmarks/bench_paired.py --processes $n --rounds 10 --passes 2 \
-      --save results/paired_$m model=$m size=$SIZE --options $opts 2>&1 | grep "^|\|processes"; done; }
-step_paired_offload() {  # each family's offload options (and MoE's 25 GiB pick) timed against themselves paused in
-  # one process and priced on that process's timeline (docs/offload-log.md); 3 processes each; saved under results/
-  local fams=${1:-standard_attn,moe}; for m in ${fams//,/ }; do
-    local opts="offload=qkv_linear,offload=core_attn,offload=core_attn-attn_proj,offload=attn_norm-mlp_norm,offload=qkv_linear-core_attn-attn_proj"
-    [ "$m" = moe ] && opts="offload=expert_fc1,offload=moe_act,offload=expert_fc1-moe_act,offload=core_attn-attn_proj,recompute=selective/moe_act offload=core_attn offload.activation_offload_fraction=0.75"
-    stamp "bench_paired offload model=$m"; $PY benchmarks/bench_paired.py --processes 3 --rounds 8 --passes 2 \
-      --save results/paired_offload_$m model=$m size=$SIZE --options "$opts" 2>&1 | grep "^|\|processes"; done; }
-step_paired_together() {  # recompute labels measured together on one model, at one machine state (bench_paired
-  # --together): MoE's moe_act, layernorm and both, 4 processes; dense layernorm, core_attn and mlp, 3 processes of
-  # 40 rounds (a 1% cost resolved); saved under results/paired_together_*
-  local fams=${1:-moe,standard_attn}; for m in ${fams//,/ }; do
-    local n=3 rounds=40 opts=selective/layernorm,selective/core_attn,selective/mlp
-    [ "$m" = moe ] && n=4 rounds=16 opts=selective/moe_act,selective/layernorm,selective/moe_act-layernorm
-    stamp "bench_paired --together model=$m"; $PY benchmarks/bench_paired.py --together --processes $n --rounds $rounds \
-      --passes 2 --save results/paired_together_$m model=$m size=$SIZE --options $opts 2>&1 | grep "^|\|processes"; done; }
-step_region() {  # where a checkpoint region's host time goes, part by part: MoE moe_act and layernorm, dense layernorm
-  for a in "model=moe recompute=selective/moe_act" "model=moe recompute=selective/layernorm" \
-      "model=standard_attn recompute=selective/layernorm"; do stamp "bench_region $a"
-    $PY benchmarks/bench_region.py size=$SIZE profile=none $a 2>&1 | grep "^|\|^step\|regions a step"; done; }
 step_pinning() {  # MoE none unpinned, pinned to 1 core and to 4 cores per rank, alternating, 4 processes each
   stamp "pinning"; $PY train.py -m model=moe size=$SIZE $SWEEP_ARGS recompute=none measure.repeat=0,1,2,3 \
     launcher.cpu_cores_per_rank=null,1,4 hydra.sweep.dir=results/moe_pinning 2>&1 | quiet 6; }
@@ -186,15 +156,44 @@ step_gdn_speed() {  # GDN at the defaults, recompute=none, 2 processes (Triton >
   local pp; pp=$(triton_path) || return
   stamp "gdn none"; PYTHONPATH=$pp $PY train.py -m model=gdn size=$SIZE $SWEEP_ARGS recompute=none measure.repeat=0,1 \
     hydra.sweep.dir=results/speed_gdn 2>&1 | quiet 6; }
-step_dispatch() {  # the MoE dispatchers: one layer's time and host syncs; every host sync of a training step
-  stamp bench_dispatch; $PY benchmarks/bench_dispatch.py 2>&1 | grep -v "Warning\|warn(" | tail -14
-  $PY benchmarks/bench_dispatch.py --step size=$SIZE profile=none 2>&1 | grep -v "Warning\|warn(" | grep "^##\|^- \|^CUDA sync"; }
 step_oom() {  # a forced OOM inside a sweep (a memory fraction); the sweep goes on
   stamp oom; $PY train.py -m size=$SIZE attention=unfused measure.memory_fraction=0.2 \
     recompute=none,selective/core_attn,full hydra.sweep.dir=results/oom 2>&1 | quiet 8; }
 step_profile() { stamp profile; $PY benchmarks/profile_selftest.py --size $SIZE --runs families --out results/profile 2>&1 | tail -20; }
 
-[ $# -gt 0 ] || { sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; echo "steps: $(declare -F | sed -n 's/.* step_//p' | tr '\n' ' ')"; exit 2; }
+step_offload() {  # what each activation-offload option saves and costs, per family (fresh process a point): at
+  # SIZE none, the guide's label and every offload option that applies; at LONG_SIZE (where none does not fit)
+  # the planner's pick and runner-up for 137 GiB and the recompute option it is measured against
+  local fams=${1:-standard_attn,moe,mla}; for m in ${fams//,/ }; do
+    local label=selective/core_attn long=selective/mlp; [ "$m" = moe ] && label=selective/moe_act long=selective/moe_act
+    local opts; opts=$($PY -c "from recipes.offload import options_for; print(','.join(o for o in options_for('$m') if o != 'none'))")
+    stamp "offload model=$m size=$SIZE"; $PY train.py -m model=$m size=$SIZE $SWEEP_ARGS recompute=none,$label \
+      hydra.sweep.dir=results/offload_${m}_$SIZE 2>&1 | quiet 6
+    $PY train.py -m model=$m size=$SIZE $SWEEP_ARGS recompute=none offload=$opts \
+      hydra.sweep.dir=results/offload_${m}_$SIZE 2>&1 | quiet 12
+    [ "$m" = mla ] && continue
+    local dir=results/offload_${m}_$LONG_SIZE; mkdir -p $dir
+    $PY -m recipes advise --budget-gib 137 --predict model=$m size=$LONG_SIZE --json > $dir/plan.json || continue
+    mapfile -t picks < <($PY -c "import json, sys
+from recipes.analyze.plan import overrides_of
+p = json.load(open(sys.argv[1]))['plan']
+for row in (p['choice'], p['runner_up']):
+    print(overrides_of(row) if row else '')" $dir/plan.json)
+    $PY train.py -m model=$m size=$LONG_SIZE $SWEEP_ARGS recompute=$long hydra.sweep.dir=$dir 2>&1 | quiet 4
+    for pick in "${picks[@]}"; do [ -n "$pick" ] || continue; stamp "offload model=$m size=$LONG_SIZE: $pick"
+      $PY train.py -m model=$m size=$LONG_SIZE $SWEEP_ARGS $pick hydra.sweep.dir=$dir 2>&1 | quiet 4; done
+  done; }
+step_pack() {  # pack:NAME (last): the sweep directories this call wrote -> docs/evidence/NAME.jsonl.gz and NAME.md
+  local name=${1:-h200} sweeps; sweeps=$(find results -mindepth 1 -maxdepth 1 -type d -newer "$STARTED" -printf '%f\n' | sort)
+  [ -n "$sweeps" ] || { echo "pack: no sweep directory written by this call" >&2; return 1; }
+  for d in $sweeps; do [ -f "results/$d/multirun.yaml" ] && [ ! -f "results/$d/report.md" ] && $PY -m recipes report "results/$d" >/dev/null 2>&1; done
+  $PY tools/evidence.py pack "$name" results --sweeps $sweeps --date "$(date -u +%F)" \
+    --gpu "$(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | head -1)" \
+    --versions "$($PY -c "import sys, torch, megatron.core as m; print('Python', sys.version.split()[0], 'torch', torch.__version__, 'megatron-core', m.__version__)")" \
+    --command "bash benchmarks/gpu_suite.sh $CALL" --command "SWEEP_ARGS=\"$SWEEP_ARGS\""; }
+
+CALL="$*"
+[ $# -gt 0 ] || { sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'; echo "steps: $(declare -F | sed -n 's/.* step_//p' | tr '\n' ' ')"; exit 2; }
 failed=()
 for s in "$@"; do
   declare -F "step_${s%%:*}" >/dev/null || { echo "unknown step ${s%%:*}" >&2; failed+=("$s"); continue; }

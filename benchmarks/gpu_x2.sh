@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
-# The two-H200 runs behind docs/h200x2-results.md: every layout of docs/parallel.md that fits on two
+# The two-H200 runs behind docs/evidence/h200x2: every layout of docs/parallel.md that fits on two
 # GPUs, per family, with recompute none / the guide's label / full, each rank measured. Run on one
 # machine with two H200s and the project installed; name the steps to run (default: all, in order):
-#   bash benchmarks/gpu_x2.sh env dense moe long_moe moe_repeat mla long_dense
+#   bash benchmarks/gpu_x2.sh env dense moe long_moe moe_repeat mla long_dense analyse pack
 # Everything lands under results/: one sweep directory per step (results/x2_<step>/) and its console
 # output next to it (results/x2_<step>.log). The estimator comparison, the report and the advisor
-# read those directories afterwards (no GPU needed): the `analyse` step runs them.
+# read those directories afterwards (no GPU needed): the `analyse` step runs them. `pack` packs every
+# results/x2_* sweep into docs/evidence/h200x2.jsonl.gz (tools/evidence.py) and regenerates its table.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 WANDB_MODE=offline
 PY=${PY:-python3}
-# What the single-GPU tables ran with (docs/h200-results.md): 2 warm-up + 4 timed steps, profiling off.
+# What the single-GPU tables ran with (docs/evidence/h200): 2 warm-up + 4 timed steps, profiling off.
 ARGS="profile=none train.train_iters=6 measure.start_step=3"
 LONG_ARGS="profile=none train.train_iters=4 measure.start_step=2"
 mkdir -p results
@@ -35,7 +36,7 @@ step_long_moe() { sweep long_moe model=moe size=h200_long parallel=ep2 \
   recompute=selective/layernorm,selective/moe_act $LONG_ARGS; }
 step_long_dense() { sweep long_dense model=standard_attn size=h200_long parallel=tp2 recompute=none,control $LONG_ARGS; }
 
-# A checkpoint saved under TP2 loaded under TP1 (docs/h200x2-results.md): the TP1 run resumes from
+# A checkpoint saved under TP2 loaded under TP1: the TP1 run resumes from
 # step 3 and trains steps 4-6; its losses are printed next to the TP2 run's for the same steps.
 CK="size=h200 profile=none measure.start_step=2 train.train_iters=6 train.lr=1e-4 train.log_interval=1
   checkpoint=default checkpoint.interval=3 checkpoint.keep_last=2"
@@ -71,6 +72,16 @@ step_analyse() {  # no GPU: predicted next to measured per rank, the reports, th
     $PY -m recipes advise --budget-gib 137 --predict $m 2>&1 | grep -v "$q"; echo; done > results/x2_advise-predict.txt
   true; }
 
-[ $# -eq 0 ] && set -- env dense moe long_moe moe_repeat mla long_dense analyse
+step_pack() {  # every results/x2_* sweep (and the TP2 -> TP1 checkpoint runs) -> docs/evidence/h200x2
+  local sweeps files=() f; sweeps=$(cd results && ls -d x2_*/ 2>/dev/null | tr -d /)
+  [ -n "$sweeps" ] || { echo "pack: no results/x2_* sweep yet" >&2; return 1; }
+  for f in results/x2_advise-predict.txt results/ck_tp2/result.json results/ck_tp1/result.json; do [ -f $f ] && files+=($f); done
+  $PY tools/evidence.py pack h200x2 results --sweeps $sweeps --text "${files[@]}" --date "$(date -u +%F)" \
+    --gpu "$(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | sed 's/^/1x /' | paste -sd, )" \
+    --versions "$($PY -c "import sys, torch, megatron.core as m; print('Python', sys.version.split()[0], 'torch', torch.__version__, 'megatron-core', m.__version__)")" \
+    --command "bash benchmarks/gpu_x2.sh $CALL"; }
+
+[ $# -eq 0 ] && set -- env dense moe long_moe moe_repeat mla long_dense analyse pack
+CALL="$*"
 for s in "$@"; do stamp "step $s"; "step_$s"; done
 stamp done

@@ -5,7 +5,7 @@ Reads what ``benchmarks/gpu_long_run.sh`` leaves in DOCS: ``progress.jsonl`` (on
 long run's measured window) and ``8step-result.json`` (an 8-step sweep point with the same
 settings). Writes ``DOCS/long-run.png`` and prints the summary.
 
-    python benchmarks/plot_long_run.py docs/long-run --kill-at 1150
+    python benchmarks/plot_long_run.py results/long-run --kill-at 1150   # benchmarks/gpu_long_run.sh's folder
 """
 
 from __future__ import annotations

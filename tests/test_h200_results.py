@@ -1,18 +1,18 @@
-"""The committed H200 measurements (docs/h200/, 2026-11-29) hold the tools to account on CPU.
+"""The committed H200 measurements (docs/evidence/h200.jsonl.gz, h200x2.jsonl.gz) hold the tools to account on CPU.
 
-These results came from real runs (`bash benchmarks/gpu_suite.sh ...`, see docs/h200-results.md);
-CI has no GPU, so these tests use them as fixtures: the estimator must stay within its accuracy
+These results came from real runs (`bash benchmarks/gpu_suite.sh ...`, the commands in each evidence
+file's header, read with tools/evidence.py); CI has no GPU, so these tests use them as fixtures: the estimator must stay within its accuracy
 targets against every measured row, the one fit rule must never call the point that ran out of
 memory a fit, and the advisor and the MFU table must keep reading them as the docs say. A change to
 the estimator's terms that breaks agreement with the GPU fails here. The checks of the data itself
-(every pair measured, the docs' claims, short names and manifests, reports that regenerate) are
+(every pair measured, the docs' claims, the slacks, the evidence tables that regenerate) are
 checks/test_committed_data.py (`make check-data`).
 """
 
 from __future__ import annotations
 
 import importlib.util
-import json
+import sys
 
 import pytest
 from conftest import REPO
@@ -28,20 +28,33 @@ from recipes.predict.estimate import predict
 from recipes.predict.fit import ALLOCATOR_SLACK, EP_MOE_SLACK, FITS, fits, slack_for, verdict
 from recipes.results import first_sentence
 
-H200 = REPO / "docs" / "h200"
-RESULTS = sorted(H200.rglob("result.json"))
-#: Every family is checked, GatedDeltaNet hybrids (model=gdn) too.
-MODELED = RESULTS
-FUSED_ADAM = [p for p in MODELED if json.loads(p.read_text())["config"]["train"].get("fused_adam")]
-GDN = [p for p in RESULTS if json.loads(p.read_text())["config"]["model"]["family"] == "gdn"]
+sys.path.insert(0, str(REPO / "tools"))
+import evidence  # noqa: E402  (tools/evidence.py: the committed GPU evidence)
+
+#: Every point, every family (GatedDeltaNet hybrids, model=gdn, too).
+MODELED = evidence.load("h200").points()
+FUSED_ADAM = [p for p in MODELED if p["result"]["config"]["train"].get("fused_adam")]
+GDN = [p for p in MODELED if p["result"]["config"]["model"]["family"] == "gdn"]
 #: Test ids: sweep/point (point directories are short: recipes.config.slug, at most 64 characters).
-POINT_ID = lambda p: f"{p.parent.parent.name}/{p.parent.name}"  # noqa: E731
+POINT_ID = lambda p: f"{p['sweep']}/{p['point']}"  # noqa: E731
 
 
-@pytest.mark.parametrize("path", MODELED, ids=POINT_ID)
-def test_estimator_against_every_measured_h200_row(path):
+@pytest.fixture(scope="module")
+def h200(tmp_path_factory):
+    """The H200 sweeps unpacked as sweep directories (<sweep>/<point>/result.json) for the sweep readers."""
+    return evidence.load("h200").unpack(tmp_path_factory.mktemp("h200"))
+
+
+@pytest.fixture(scope="module")
+def h200x2(tmp_path_factory):
+    """The two-H200 sweeps, unpacked the same way."""
+    return evidence.load("h200x2").unpack(tmp_path_factory.mktemp("h200x2"))
+
+
+@pytest.mark.parametrize("point", MODELED, ids=POINT_ID)
+def test_estimator_against_every_measured_h200_row(point):
     """Issue 5's targets: ledger within 5%, peak allocated within 10% of max_memory_allocated."""
-    result = json.loads(path.read_text())
+    result = point["result"]
     for row in compare_result(result):
         ledger_err = row["predicted_ledger_bytes"] / row["measured_ledger_bytes"] - 1
         peak_err = row["predicted_peak_gib"] / row["measured_peak_gib"] - 1
@@ -49,11 +62,11 @@ def test_estimator_against_every_measured_h200_row(path):
         assert abs(peak_err) <= 0.10, f"peak {peak_err:+.1%}"
 
 
-@pytest.mark.parametrize("path", GDN, ids=POINT_ID)
-def test_estimator_matches_the_gdn_h200_rows_byte_for_byte(path):
+@pytest.mark.parametrize("point", GDN, ids=POINT_ID)
+def test_estimator_matches_the_gdn_h200_rows_byte_for_byte(point):
     """GDN's terms on CUDA were derived from fla's and megatron's saved tensors: every module kind of
     the ledger (the 6 GDN layers' `gdn` bytes among them) and its total are predicted to the byte."""
-    result = json.loads(path.read_text())
+    result = point["result"]
     for rank in result["ranks"]:
         predicted = predict(result["config"], "cuda", stage=rank["coords"]["pp"])
         assert predicted["activation_bytes_by_kind"] == rank["ledger"]["bytes_by_kind"]
@@ -61,32 +74,32 @@ def test_estimator_matches_the_gdn_h200_rows_byte_for_byte(path):
         assert predicted["static"]["num_parameters"] == rank["num_parameters"]
 
 
-@pytest.mark.parametrize("path", FUSED_ADAM, ids=POINT_ID)
-def test_estimator_peak_within_one_percent_with_fused_adam(path):
+@pytest.mark.parametrize("point", FUSED_ADAM, ids=POINT_ID)
+def test_estimator_peak_within_one_percent_with_fused_adam(point):
     """The runs with the default optimizer kernel (Runs B-D) are predicted within 1%: this holds only
     with the head freed before the last layer's backward (without it, full recompute is +6.7% dense,
     +6.8% MLA, +7.6% at h200_long) and with the MoE dispatcher fix measured (Run A: -10%)."""
-    for row in compare_result(json.loads(path.read_text())):
+    for row in compare_result(point["result"]):
         assert abs(row["predicted_peak_gib"] / row["measured_peak_gib"] - 1) <= 0.01
 
 
-def test_advisor_picks_mlp_where_none_does_not_fit_at_the_realistic_size():
-    advice = advise(measured_candidates(H200 / "long_standard_attn"), 137.0)
+def test_advisor_picks_mlp_where_none_does_not_fit_at_the_realistic_size(h200):
+    advice = advise(measured_candidates(h200 / "long_standard_attn"), 137.0)
     assert advice["choice"]["recompute"] == "selective/mlp"
     assert {c["recompute"] for c in advice["not_fitting"]} >= {"none", "control"}  # real OOMs
     text = explain(advice, "long")
     assert "ran out of memory" in text and "Failed to CUDA calloc" in text
 
 
-def test_advisor_budget_that_forces_a_choice_at_the_facts_shape():
-    advice = advise(measured_candidates(H200 / "sweep_standard_attn"), 18.0)
+def test_advisor_budget_that_forces_a_choice_at_the_facts_shape(h200):
+    advice = advise(measured_candidates(h200 / "sweep_standard_attn"), 18.0)
     assert advice["choice"]["recompute"] == "selective/mlp" and not advice["fragmentation"]
 
 
-def test_advisor_picks_gdn_norm_out_over_its_noisy_superset():
+def test_advisor_picks_gdn_norm_out_over_its_noisy_superset(h200):
     """Issue 11's GPU table: the advisor picks the narrow label over its superset, which measured
     faster only within the noise."""
-    advice = advise(measured_candidates(H200 / "sweep_gdn"), 25.2)
+    advice = advise(measured_candidates(h200 / "sweep_gdn"), 25.2)
     assert advice["choice"]["recompute"] == "selective/gdn_norm_out"
     assert [c["recompute"] for c in advice["superfluous"]] == ["selective/gdn_norm_out-core_attn"]
 
@@ -106,17 +119,17 @@ def _bench_mfu():
     return bench
 
 
-def test_mfu_table_from_measured_sweeps_takes_the_narrowest_fitting_option():
+def test_mfu_table_from_measured_sweeps_takes_the_narrowest_fitting_option(h200):
     bench = _bench_mfu()
-    rows = bench.rows_from_results([H200 / "long_standard_attn"])
+    rows = bench.rows_from_results([h200 / "long_standard_attn"])
     assert [r["recompute"] for r in rows] == ["selective/mlp", "selective/core_attn", "full"]
     table = bench.table(rows)
     assert "| standard_attn | selective/mlp | ok | 1556.6 |" in table and "| oom |" in table
 
 
-def test_mfu_table_keeps_two_sizes_of_one_family_apart():
+def test_mfu_table_keeps_two_sizes_of_one_family_apart(h200):
     bench = _bench_mfu()
-    rows = bench.rows_from_results([H200 / "sweep_standard_attn", H200 / "long_standard_attn"])
+    rows = bench.rows_from_results([h200 / "sweep_standard_attn", h200 / "long_standard_attn"])
     assert [(r["family"], r["recompute"]) for r in rows] == [
         ("standard_attn (size=h200)", "none"), ("standard_attn (size=h200)", "selective/core_attn"),
         ("standard_attn (size=h200)", "full"), ("standard_attn (size=h200_long)", "selective/mlp"),
@@ -139,13 +152,10 @@ def as_it_ran(result: dict, overrides: list[str]) -> list[str]:
 
 
 def _oom_point() -> tuple[dict, list[str]]:
-    """The committed point that ran out of memory (confirm_long) and its overrides (the manifest's),
+    """The committed point that ran out of memory (confirm_long) and its overrides (its command line's),
     with the defaults it ran under."""
-    sweep = H200 / "confirm_long"
-    manifest = json.loads((sweep / "manifest.json").read_text())
-    point = next(name for name, entry in manifest.items() if entry["status"] == "oom")
-    result = json.loads((sweep / point / "result.json").read_text())
-    return result, as_it_ran(result, upgrade_overrides(manifest[point]["overrides"]))
+    point = next(p for p in evidence.load("h200").points("confirm_long") if p["result"]["status"] == "oom")
+    return point["result"], as_it_ran(point["result"], upgrade_overrides(point["overrides"]))
 
 
 def test_the_block_that_ran_out_of_memory_is_not_predicted_to_fit():
@@ -161,7 +171,7 @@ def test_the_block_that_ran_out_of_memory_is_not_predicted_to_fit():
     assert block["recompute_num_layers"] > result["config"]["recompute"]["recompute_num_layers"]
 
 
-def test_the_oom_point_is_never_said_to_fit_by_any_tool(capsys):
+def test_the_oom_point_is_never_said_to_fit_by_any_tool(capsys, h200):
     """Issue 17: one fit rule. The committed OOM point (full/block over 5 of 32 layers at
     size=h200_long, 139 GiB H200) is "tight" or "over" in recipes.predict.fit, in `python -m recipes
     estimate --budget-gib 139` (one option and --all) and in the advisor, before and after running."""
@@ -190,15 +200,15 @@ def test_the_oom_point_is_never_said_to_fit_by_any_tool(capsys):
     assert all(verdict(r["predicted_peak_gib"], 139.0) == FITS for r in before["options"] if r["fits"])
 
     # the advisor after running: the measured OOM is not fitting, never the choice
-    after = advise(measured_candidates(H200 / "confirm_long"), 139.0)
+    after = advise(measured_candidates(h200 / "confirm_long"), 139.0)
     assert after["choice"]["recompute"] == "selective/mlp"
     assert [c["recompute"] for c in after["not_fitting"]] == ["full/block"]
 
 
-def test_sweep_advice_prices_the_unmeasured_block_at_the_fewest_layers_that_fit():
+def test_sweep_advice_prices_the_unmeasured_block_at_the_fewest_layers_that_fit(h200):
     """The realistic-size sweep measured no full/block: the advice lists it at the fewest layers that
     fit 137 GiB with the allocator's slack, with the overrides that run it (never as the choice)."""
-    sweep = H200 / "long_standard_attn"
+    sweep = h200 / "long_standard_attn"
     predicted = predicted_candidates(sweep, 137.0)
     block = next(c for c in predicted if c["recompute"] == "full/block")
     assert block["recompute_num_layers"] == 8 and block["memory_gib"] <= 137.0
@@ -207,14 +217,11 @@ def test_sweep_advice_prices_the_unmeasured_block_at_the_fewest_layers_that_fit(
     assert "worth a run (recompute=full/block recompute.recompute_num_layers=8)" in explain(advice, str(sweep))
 
 
-# --- two H200s (docs/h200x2, 2026-11-30): expert parallel (issue 23) ----------------------------------
-
-H200X2 = REPO / "docs" / "h200x2"
+# --- two H200s (docs/evidence/h200x2, 2026-11-30): expert parallel (issue 23) -----------------------
 
 
 def _x2(sweep: str, parallel: str, recompute: str) -> dict:
-    for path in sorted((H200X2 / sweep).glob("*/result.json")):
-        result = json.loads(path.read_text())
+    for result in evidence.load("h200x2").results(sweep):
         if result["choices"]["parallel"] == parallel and result["choices"]["recompute"] == recompute:
             return result
     raise LookupError(f"{sweep} {parallel} {recompute}")
@@ -241,11 +248,10 @@ def test_compare_without_a_routing_record_prices_ep_ranks_at_balanced_routing():
 
 def test_the_ep2_layernorm_pick_that_ran_out_of_memory_is_no_longer_said_to_fit():
     """`advise --predict` for size=h200_long on two GPUs picked selective/layernorm (118.3 GiB
-    predicted, "fits" 137 GiB): it ran out of memory needing at least 127.0 (docs/h200x2/long_moe).
+    predicted, "fits" 137 GiB): it ran out of memory needing at least 127.0 (h200x2's long_moe).
     Now the worst EP rank is priced at the imbalance bound and with the EP allocator slack: it is
     over, and selective/moe_act (which ran: 97.93 GiB allocated, 113.47 reserved) is the pick."""
-    oom = next(json.loads(p.read_text()) for p in (H200X2 / "long_moe").glob("*/result.json")
-               if json.loads(p.read_text())["status"] == "oom")
+    oom = next(r for r in evidence.load("h200x2").results("long_moe") if r["status"] == "oom")
     assert oom["choices"]["recompute"] == "selective/layernorm"
     overrides = as_it_ran(oom, ["model=moe", "size=h200_long", "parallel=ep2"])
     advice = advise_before_running(overrides, 137.0)
@@ -259,17 +265,17 @@ def test_the_ep2_layernorm_pick_that_ran_out_of_memory_is_no_longer_said_to_fit(
     assert peak >= 126.0  # what it needed: at least 127.0 GiB allocated
 
 
-def test_an_all_oom_gpu_sweep_is_judged_as_a_gpu_sweep():
-    """docs/h200x2/long_moe has no completed point (an OOM and a hung point): it is still a GPU sweep
+def test_an_all_oom_gpu_sweep_is_judged_as_a_gpu_sweep(h200x2):
+    """h200x2's long_moe has no completed point (an OOM and a hung point): it is still a GPU sweep
     (the ranks' device says so), judged on reserved GiB, not the CPU's ledger."""
-    advice = advise(measured_candidates(H200X2 / "long_moe"), 137.0)
+    advice = advise(measured_candidates(h200x2 / "long_moe"), 137.0)
     assert advice["device"] == "gpu" and advice["basis"].startswith("peak_reserved_gib")
     text = explain(advice, "long_moe")
     assert "140288" not in text and "CPU results" not in text
 
 
-def test_predicted_rows_of_a_layout_sweep_name_their_layout():
-    sweep = H200X2 / "moe"
+def test_predicted_rows_of_a_layout_sweep_name_their_layout(h200x2):
+    sweep = h200x2 / "moe"
     predicted = predicted_candidates(sweep, 15.0)
     assert predicted and all(c["parallel"] in ("parallel=ep2", "parallel=tp2") for c in predicted)
     assert all(c["point"].endswith(c["parallel"]) for c in predicted)
@@ -280,10 +286,9 @@ def test_predicted_rows_of_a_layout_sweep_name_their_layout():
 
 
 def test_compare_names_are_whole_and_show_the_recompute_option():
-    sweep = H200X2 / "moe"
-    rows = [r for p in sorted(sweep.rglob("result.json")) for r in compare_result(json.loads(p.read_text()),
-                                                                                  p.parent.name)]
+    points = evidence.load("h200x2").points("moe")
+    rows = [r for p in points for r in compare_result(p["result"], p["point"])]
     text = format_comparison(rows)
-    for p in sweep.glob("*/result.json"):
-        assert p.parent.name in text
+    for p in points:
+        assert p["point"] in text
     assert sum("selective/moe_act" in line for line in text.splitlines()) == 4  # ep2 and tp2, 2 ranks each

@@ -1,7 +1,7 @@
 """recipes.measure.regions: a checkpoint region's host cost, measured on regions that really replay."""
 
 import torch
-from conftest import REPO, build_trainer, compose
+from conftest import build_trainer, compose
 
 
 def test_region_host_ms_replays_each_kind_of_region(megatron_world, monkeypatch):
@@ -76,29 +76,6 @@ def test_region_functions_name_real_labels_and_methods():
     for label, (module, cls, method) in REGION_FUNCTIONS.items():
         assert label in LABELS
         assert callable(getattr(getattr(import_module(module), cls), method))
-
-
-def test_bench_region_times_every_part_of_each_region():
-    """benchmarks/bench_region.py on a CPU (times mean nothing here): each region ran its first forward
-    under no_grad, its replay from the hook and its nested backward once a step and region, and the
-    experts' activation ran once under no_grad and once under grad a region with the option on, once
-    under grad with it switched off."""
-    import re
-    import subprocess
-    import sys
-
-    done = subprocess.run([sys.executable, "benchmarks/bench_region.py", "--steps", "2", "model=moe", "size=tiny",
-                           "recompute=selective/moe_act"], cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    regions = int(re.search(r"(\d+) regions a step", done.stdout).group(1))
-    calls = {m.group(1).strip(): int(m.group(2)) for m in re.finditer(r"^\| ([^|]+) \| (\d+) \|", done.stdout, re.M)}
-    assert regions > 0
-    for part in ("checkpoint (first forward, no_grad, RNG states saved)", "discard output, register hook",
-                 "recompute hook (RNG fork, replay, share storage)", "region backward (nested autograd.backward)",
-                 "experts' activation, no_grad (on steps)", "experts' activation, grad (on steps)",
-                 "experts' activation, grad (off steps)"):
-        assert calls[part] == regions, (part, done.stdout)
-    assert calls["replayed function"] == 2 * regions and "step ms:" in done.stdout
 
 
 def test_offload_host_ms_moves_groups_through_megatrons_manager(megatron_world, monkeypatch):

@@ -2,7 +2,7 @@
 
 Checked in every file:
 - markdown link targets: the file exists, and a ``#anchor`` is one of the target's headings;
-- paths into the repository's folders (``recipes/run/controller.py``, ``docs/h200/sweep_mla``), in
+- paths into the repository's folders (``recipes/run/controller.py``, ``docs/evidence/h200.md``), in
   backticks or not, and a name after a Python path (``recipes/run/window.py: control_ledgers``) is
   defined in that file;
 - dotted module names (``recipes.predict.estimate``, ``recipes.build.gdn.check_fla_kernels``): the
@@ -13,7 +13,7 @@ Checked in every file:
 
 And in the README: every documented Makefile target is mentioned, and the config-group table lists
 exactly the options under ``conf/<group>/`` (a group's options may be split over several rows that
-start with the same group). Placeholders (``docs/h200/<sweep>``, ``*.log``) are
+start with the same group). Placeholders (``docs/evidence/<name>.md``, ``*.log``) are
 skipped. Exit status 1 lists each problem as ``file:line: what``.
 
     python tools/check_links.py
