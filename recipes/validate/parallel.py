@@ -99,7 +99,7 @@ def check_parallel(cfg, num_gpus: int) -> None:
         raise ConfigError("parallel.context_parallel_size", "the worker does not yet split each "
                           "sequence over the context-parallel ranks (Megatron-LM's "
                           "get_batch_on_this_cp_rank), so every rank would attend over all of it",
-                          "use context_parallel_size=1 (docs/parallel.md says what is missing)")
+                          "use context_parallel_size=1 (docs/recipes.md says what is missing)")
     if MLP_KIND[m["family"]] == "moe":
         check(m["num_moe_experts"] % ep == 0, "parallel.expert_model_parallel_size",
                f"{m['num_moe_experts']} experts do not split over EP={ep}", "pick EP dividing the experts")
