@@ -1,7 +1,7 @@
 """``train.deterministic`` checked: each selective label against ``none`` in one process, and the table
 of benchmarks/gpu_determinism.sh.
 
-    python benchmarks/determinism.py labels OUT.json [overrides...]   # every family in FAMILIES
+    python benchmarks/determinism.py labels [--families F,...] OUT.json [overrides...]
     python benchmarks/determinism.py table OUT_DIR                    # the script's table from its runs
 
 ``labels``: in one process (one rank), for each family a ``Trainer`` (the worker's) from the same seed

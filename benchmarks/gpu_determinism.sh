@@ -53,7 +53,7 @@ for family in ${FAMILIES//,/ }; do
 done
 
 stamp "(c) each selective label against none, one step's gradients, one process"
-$PY benchmarks/determinism.py labels "$OUT/labels.json" --families $FAMILIES size=$SIZE model.num_layers=$LAYERS \
+$PY benchmarks/determinism.py labels --families $FAMILIES "$OUT/labels.json" size=$SIZE model.num_layers=$LAYERS \
   ${EXTRA:-} 2>&1 | grep --line-buffered "regions replayed\|Error\|error"
 
 stamp "table ($((SECONDS - t0)) s in all)"
