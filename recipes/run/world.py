@@ -88,7 +88,7 @@ def use_deterministic(cfg: dict) -> bool:
     kernel raises instead of drifting: index_add/scatter_add (MoE's combine, the gradient of index_select in
     the dispatcher) and the embedding's backward take their sorted kernels, SDPA runs flash's deterministic
     backward or the memory-efficient one with one key split and never cuDNN's (torch's dispatcher skips it),
-    cuDNN's convolutions pick deterministic algorithms, and ``torch.empty`` fills its memory (a cost).
+    and ``torch.empty`` fills its memory (a cost).
     Inductor (``model.compile``, megatron's fused SwiGLU) skips the on-device benchmarking that picks kernels
     by time. The workers' environment (``recipes.run.workers``) carries cuBLAS's fixed workspace and one NCCL
     algorithm; a process started otherwise (benchmarks, tests) gets them here, before CUDA starts, unless
