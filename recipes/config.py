@@ -217,6 +217,7 @@ class TrainConfig:
     # Megatron-LM: on one H200 it changed no step time (docs/training.md)
     manual_gc: bool = False
     manual_gc_interval: int = 100
+    deterministic: bool = False  # bit-identical reruns and resumes, slower (recipes.run.world.use_deterministic)
 
 
 @dataclass

@@ -12,6 +12,10 @@ own ``DotProductAttention`` rejects (Megatron-LM issue 1589, see ``recipes.build
   memory-efficient kernels on a GPU): it never stores the probabilities, so ``core_attn`` saves
   little there. The guide's point, measurable with the ledger.
 
+Under ``train.deterministic`` (torch's deterministic algorithms) both are deterministic without a change
+here: torch's SDPA dispatcher skips cuDNN's kernel, runs flash attention's deterministic backward, and
+the memory-efficient kernel (MLA's unequal q/k and v head dims) with one key split.
+
 Context parallelism is not supported by either (megatron's TE attention is needed for it).
 """
 

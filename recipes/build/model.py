@@ -133,6 +133,9 @@ def transformer_config_kwargs(cfg: Any, on_gpu: bool) -> dict:
         deallocate_pipeline_outputs=True,
         variable_seq_lengths=False,
         batch_p2p_comm=on_gpu,  # batched p2p calls torch.cuda.synchronize; gloo uses isend/irecv
+        # train.deterministic: megatron's deterministic code paths (the embedding's gradient by indexing, not
+        # F.embedding's atomics); torch's half is recipes.run.world.use_deterministic
+        deterministic_mode=bool(cfg["train"].get("deterministic", False)),
     )
     if attention == "mla":
         kwargs.update(multi_latent_attention=True, rope_type="rope", rotary_base=model["rotary_base"])

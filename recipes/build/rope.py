@@ -19,6 +19,9 @@ interleaved input (``mla_rotary_interleaved``), any ``mscale``, a pass-through t
 fewer than the head dim). Anything else (``rotary_interleaved``, the packed thd layout, a tensor on
 a CPU) takes megatron's unfused code. ``install`` swaps it in for the process
 (``model.apply_rope_fusion``, ``recipes.build.model``).
+
+Deterministic as it stands (``train.deterministic`` changes nothing here): each program writes its own
+rows once, with no atomics and no sum across programs, and ``cos``/``sin`` take no gradient.
 """
 
 from __future__ import annotations

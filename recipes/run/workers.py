@@ -20,6 +20,7 @@ from recipes.build.upstream import start_share_storage_build
 from recipes.files import REPO_ROOT
 from recipes.run import multirun
 from recipes.validate import gpu_count
+from recipes.validate.run import DETERMINISTIC_ENV
 from recipes.validate.share_storage import share_storage_labels
 
 
@@ -87,6 +88,9 @@ def worker_environment(cfg: dict) -> dict[str, str]:
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // cfg["launcher"]["nproc_per_node"])))
     if cfg["measure"]["expandable_segments"]:
         env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    if cfg["train"].get("deterministic"):  # read once, as CUDA, cuBLAS and NCCL start (validate refused other values)
+        for key, value in DETERMINISTIC_ENV.items():
+            env.setdefault(key, value)
     if env.get("RANK") is None and cfg["launcher"]["nproc_per_node"] * cfg["launcher"]["nnodes"] == 1:
         env.update(ONE_RANK_ENV)  # its port 0: the worker's store binds a free one itself
     return env

@@ -1,18 +1,22 @@
 """The process's distributed world and its random state: megatron's parallel groups from torchrun's
 environment (``init_distributed``), or a one-rank world for benchmarks and tests (``init_one_rank``),
-the RNGs a rank's model draws its weights from, and a fresh ``Trainer`` for a process that builds
+the RNGs a rank's model draws its weights from, torch's deterministic algorithms
+(``train.deterministic``: ``use_deterministic``), and a fresh ``Trainer`` for a process that builds
 several (``fresh_trainer``)."""
 
 from __future__ import annotations
 
 import os
+import sys
 import time
 
 import torch
 
 from launch.torchrun import set_one_rank_env
 from recipes.build import compat, upstream
+from recipes.errors import ConfigError
 from recipes.run.trainer import Trainer
+from recipes.validate.run import DETERMINISTIC_ENV, deterministic_env_problem
 
 
 def init_distributed(cfg: dict, marks: dict | None = None) -> None:
@@ -22,6 +26,7 @@ def init_distributed(cfg: dict, marks: dict | None = None) -> None:
     8-14 s of a sweep point's 18-25 s, the largest fixed cost, so it is split to show which part.
     """
     marks = {} if marks is None else marks
+    use_deterministic(cfg)  # before CUDA, cuBLAS and NCCL start: they read its environment once
     # lazy: megatron's import is timed as its own phase (megatron_imported); the console shows it
     from megatron.core import parallel_state
 
@@ -71,7 +76,36 @@ def reseed(cfg: dict) -> None:
     from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
 
     destroy_moe_metrics_tracker()
+    use_deterministic(cfg)
     _seed(cfg)
+
+
+def use_deterministic(cfg: dict) -> bool:
+    """``train.deterministic``: torch's deterministic algorithms for this process (or, off, torch's default);
+    returns whether on. megatron's half is ``TransformerConfig.deterministic_mode`` (``recipes.build.model``).
+
+    On: ``torch.use_deterministic_algorithms(True)`` without warn_only, so an op with no deterministic
+    kernel raises instead of drifting: index_add/scatter_add (MoE's combine, the gradient of index_select in
+    the dispatcher) and the embedding's backward take their sorted kernels, SDPA runs flash's deterministic
+    backward or the memory-efficient one with one key split and never cuDNN's (torch's dispatcher skips it),
+    and ``torch.empty`` fills its memory (a cost).
+    Inductor (``model.compile``, megatron's fused SwiGLU) skips the on-device benchmarking that picks kernels
+    by time. The workers' environment (``recipes.run.workers``) carries cuBLAS's fixed workspace and one NCCL
+    algorithm; a process started otherwise (benchmarks, tests) gets them here, before CUDA starts, unless
+    they are already set to values that would break it (refused, as the controller refuses them)."""
+    on = bool(cfg["train"].get("deterministic"))
+    if on:
+        problem = deterministic_env_problem(os.environ)
+        if problem:
+            raise ConfigError("train.deterministic", *problem)
+        for key, value in DETERMINISTIC_ENV.items():
+            os.environ.setdefault(key, value)
+    torch.use_deterministic_algorithms(on)
+    if on or "torch._inductor.config" in sys.modules:  # megatron imports it; a CPU-only tool may not
+        import torch._inductor.config as inductor
+
+        inductor.deterministic = on or os.environ.get("TORCHINDUCTOR_DETERMINISTIC") == "1"
+    return on
 
 
 def fresh_trainer(cfg: dict) -> Trainer:

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
+
 from recipes.errors import check
+from recipes.recompute import ATTENTION_KIND
 
 
 def check_run(cfg) -> None:
@@ -49,6 +53,45 @@ def check_run(cfg) -> None:
            "bounds the worst expert-parallel rank", "use 1.0 (balanced) or more; the default 1.5 was measured")
     check(data["name"] in ("mock", "indexed"), "data", f"unknown data {data['name']!r}",
            "use data=mock or data=indexed")
+    check_deterministic(cfg)
+
+
+#: What ``train.deterministic`` needs in the workers' environment (``recipes.run.workers`` sets each one
+#: that is unset): cuBLAS's fixed workspace (torch's deterministic mode refuses cuBLAS without it), one
+#: NCCL algorithm (Megatron-LM's --deterministic-mode refuses to start without one of those below: NVLS
+#: reduces inside the switch, in no fixed order) and Transformer Engine's deterministic attention.
+DETERMINISTIC_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8", "NCCL_ALGO": "Ring", "NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0"}
+#: The values of those variables under which it still holds (torch's two workspace sizes; Megatron-LM's list).
+DETERMINISTIC_VALUES = {"CUBLAS_WORKSPACE_CONFIG": (":4096:8", ":16:8"),
+                        "NCCL_ALGO": ("Tree", "Ring", "CollnetDirect", "CollnetChain", "^NVLS"),
+                        "NVTE_ALLOW_NONDETERMINISTIC_ALGO": ("0",)}
+
+
+def deterministic_env_problem(environ: Mapping[str, str]) -> tuple[str, str] | None:
+    """(problem, fix) when ``environ`` sets a variable ``train.deterministic`` needs to another value."""
+    for key, allowed in DETERMINISTIC_VALUES.items():
+        value = environ.get(key)
+        if value is not None and value not in allowed:
+            return (f"{key}={value} in the environment breaks it",
+                    f"unset {key} (train.deterministic sets {key}={DETERMINISTIC_ENV[key]}) or set one of: "
+                    + ", ".join(allowed))
+    return None
+
+
+def check_deterministic(cfg, environ: Mapping[str, str] | None = None) -> None:
+    """``train.deterministic``: refused where bit-identical runs cannot be promised (see
+    ``recipes.run.world.use_deterministic`` for what it switches on)."""
+    if not cfg["train"].get("deterministic"):
+        return
+    family = cfg["model"]["family"]
+    check(ATTENTION_KIND[family] != "gdn", "train.deterministic",
+          f"model={family}'s GatedDeltaNet layers run fla's Triton kernels, which pick their tile sizes by timing "
+          "them in each process (autotune), so two runs may sum in different orders; megatron's deterministic "
+          "mode swaps in a PyTorch chunked delta rule but keeps fla's l2norm, and no run has shown it bit-identical",
+          "use a family without GatedDeltaNet layers (model=standard_attn, mla, moe, mla_moe), or "
+          "train.deterministic=false")
+    problem = deterministic_env_problem(os.environ if environ is None else environ)
+    check(problem is None, "train.deterministic", *(problem or ("", "")))
 
 
 #: megatron-core's OptimizerParamScheduler decay styles (optimizer_param_scheduler.py get_lr).
