@@ -18,10 +18,8 @@ from omegaconf import DictConfig, OmegaConf
 from launch.affinity import usable_cores
 from launch.slurm import node_rank, wait_for_rank_files
 from recipes.analyze.logger import close_unfinished, usable_logger, write_identity
-from recipes.data.indexed import validate_data
 from recipes.errors import ConfigError
 from recipes.files import UnreadableFile, write_json_atomic
-from recipes.measure.profile import write_timeline_pngs
 from recipes.offload import option_of as offload_option_of
 from recipes.predict.estimate import planned_host_bytes
 from recipes.recipe import apply_recipe
@@ -163,6 +161,8 @@ def check_point(plain: dict, num_gpus: int | None = None, job_memory_gib: float 
         problem = host_memory_problem(plain, planned, job_memory_gib)
         if problem:
             raise ConfigError(*problem)
+    from recipes.data.indexed import validate_data  # lazy: numpy, once the rules passed
+
     validate_data(plain)  # files, .idx header and .bin size, tokenizer sidecar (cheap)
 
 
@@ -269,6 +269,8 @@ def _launch(cfg: DictConfig, plain: dict, name: str, choices: dict, run_dir: Pat
     if plain["launcher"]["nnodes"] > 1:  # the other nodes' rank files, over a shared file system
         wait_for_rank_files(run_dir, world)
     result = merge_result(run_dir, meta, world, launch_error)
+    from recipes.measure.profile import write_timeline_pngs  # lazy: torch, never on a refusal's path
+
     write_timeline_pngs(result, run_dir)
     if result["status"] == "failed" and not result.get("ranks"):
         result["log_tail"] = log_path.read_text()[-4000:]
