@@ -21,15 +21,16 @@ from recipes.analyze.logger import close_unfinished, usable_logger, write_identi
 from recipes.errors import ConfigError
 from recipes.files import UnreadableFile, write_json_atomic
 from recipes.offload import option_of as offload_option_of
-from recipes.predict.estimate import planned_host_bytes
+from recipes.predict.estimate import planned_host_bytes, predict
 from recipes.recipe import apply_recipe
 from recipes.recompute import option_of
 from recipes.results import NOT_MEASURED, load_result, merge_result
 from recipes.run import multirun, workers
 from recipes.run.console import print_run
-from recipes.validate import validate
-from recipes.validate.offload import host_memory_problem
+from recipes.validate import gpu_count, validate
+from recipes.validate.offload import host_memory_available, host_memory_problem
 from recipes.validate.parallel import validate_cores
+from recipes.validate.run import output_problem, peak_memory_problem
 
 #: Statuses that count as a complete result (a sweep re-run skips them unless rerun=true).
 COMPLETE = ("ok", "oom")
@@ -150,20 +151,40 @@ def stored(run_dir: Path) -> dict | None:
 
 
 def check_point(plain: dict, num_gpus: int | None = None, job_memory_gib: float | None = None,
-                submitting: bool = False) -> None:
+                submitting: bool = False, single: bool = False) -> None:
     """Every check a point passes before its workers start: the rules (``recipes.validate``), activation
-    offload's predicted host copies against the node's memory, the data files. ``submitting``: checked
-    on the machine that submits a Slurm job, not the node, so the host copies only against the job's
-    memory (``job_memory_gib``) or ``offload.host_memory_gib`` where given."""
+    offload's predicted host copies against the node's memory, the predicted peak against this machine
+    (``single``: a single run on a GPU too; a sweep's GPU point that runs out is a measurement), the data
+    files. ``submitting``: checked on the machine that submits a Slurm job, not the node, so the host
+    copies only against the job's memory (``job_memory_gib``) or ``offload.host_memory_gib`` where given."""
+    num_gpus = gpu_count() if num_gpus is None else num_gpus
     validate(plain, num_gpus=num_gpus)  # the rules first: the estimator predicts only what passes them
     if not submitting or job_memory_gib is not None or (plain.get("offload") or {}).get("host_memory_gib") is not None:
         planned = planned_host_bytes(plain, "cuda" if submitting else "auto")
         problem = host_memory_problem(plain, planned, job_memory_gib)
         if problem:
             raise ConfigError(*problem)
+    if not submitting and (single or not num_gpus):
+        problem = peak_memory_problem(plain, *_peak_and_capacity(plain, num_gpus))
+        if problem:
+            raise ConfigError(*problem)
     from recipes.data.indexed import validate_data  # lazy: numpy, once the rules passed
 
     validate_data(plain)  # files, .idx header and .bin size, tokenizer sidecar (cheap)
+
+
+def _peak_and_capacity(plain: dict, num_gpus: int) -> tuple[int | None, int | None, str, int]:
+    """The estimator's peak for one rank, what holds it (this GPU's memory, or on a CPU this host's
+    available memory for all its ranks), its name, and the ranks sharing it."""
+    try:
+        peak = predict(plain, "cuda" if num_gpus else "cpu")["peak_bytes"]
+    except Exception:  # a layout the estimator does not model: the run itself decides
+        return None, None, "", 1
+    if not num_gpus:
+        return peak, host_memory_available(), "this machine's available memory", plain["launcher"]["nproc_per_node"]
+    import torch  # a GPU machine: torch is loaded already (gpu_count)
+
+    return peak, torch.cuda.get_device_properties(0).total_memory, f"this GPU's memory ({torch.cuda.get_device_name(0)})", 1
 
 
 def _run(cfg: DictConfig) -> dict:
@@ -189,8 +210,10 @@ def _run(cfg: DictConfig) -> dict:
                   "runs the points left)", flush=True)
             return {"status": "not_started", "name": name, "run_dir": str(run_dir)}
     try:
-        check_point(plain)  # before any worker starts
+        check_point(plain, single=not multirun.in_multirun())  # before any worker starts
         validate_cores(plain, usable_cores())  # launcher.cpu_cores_per_rank on this machine
+        if problem := output_problem(run_dir):
+            raise ConfigError(*problem)
     except ConfigError as err:
         if not multirun.in_multirun():
             raise

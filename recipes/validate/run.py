@@ -86,3 +86,49 @@ def check_schedule(t) -> None:
     check(incr != "constant" or start == end, "train.weight_decay_incr_style",
            f"constant weight decay but start {start} != end {end}",
            "set train.weight_decay_incr_style=linear or cosine, or equal start/end weight decay")
+
+
+def peak_memory_problem(cfg, predicted_peak_bytes: int | None, capacity_bytes: int | None, where: str,
+                        ranks: int = 1) -> tuple[str, str, str] | None:
+    """(option, problem, fix) where ``ranks`` ranks of the estimator's predicted peak
+    (``recipes.predict.estimate.predict``) do not fit ``capacity_bytes`` (``where``: this GPU, or this
+    host for a CPU run's ranks), unless ``allow_over_memory``; else None. A cap the user set on purpose
+    (``measure.memory_fraction``, ``measure.memory_budget_gib``) is a measurement of running out: not refused."""
+    meas = cfg["measure"]
+    if (not predicted_peak_bytes or not capacity_bytes or cfg.get("allow_over_memory")
+            or meas.get("memory_fraction") is not None or meas.get("memory_budget_gib") is not None):
+        return None
+    need = predicted_peak_bytes * ranks
+    if need <= capacity_bytes:
+        return None
+    gib = 2**30
+    each = f" ({predicted_peak_bytes / gib:,.1f} GiB per rank x {ranks} ranks)" if ranks > 1 else ""
+    return ("allow_over_memory", f"the estimator predicts a peak of {need / gib:,.1f} GiB{each}, above {where} "
+            f"({capacity_bytes / gib:,.1f} GiB): the run would run out of memory",
+            "shrink train.seq_length, train.micro_batch_size or the model, recompute more (python -m recipes estimate "
+            "... --all lists every option's peak), or add allow_over_memory=true to launch it anyway")
+
+
+def output_problem(path) -> tuple[str, str, str] | None:
+    """(option, problem, fix) where a run could not write ``path`` (its directory): a regular file is in
+    the way, or its nearest existing directory takes no new file (read-only, no permission); else None.
+    Probed by creating a file, which is what the run will do (permission bits alone mislead root)."""
+    import os
+    import tempfile
+    from pathlib import Path
+
+    path = Path(path).absolute()
+    probe = path
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    fix = "set output_dir (or hydra.run.dir / hydra.sweep.dir) to a writable directory"
+    if not probe.is_dir():
+        under = f" ({path} would be under it)" if probe != path else ""
+        return "output_dir", f"{probe} is a file, not a directory{under}", fix
+    try:
+        fd, name = tempfile.mkstemp(dir=probe, prefix=".write-probe-")
+        os.close(fd)
+        os.unlink(name)
+    except OSError as err:
+        return "output_dir", f"{path} cannot be written ({probe}: {err.strerror or err})", fix
+    return None
