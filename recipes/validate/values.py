@@ -73,7 +73,7 @@ RANGES = (
     ("measure", "peak_tflops", 0.0, INF, False, False, "989"),
     ("measure", "memory_fraction", 0.0, 1.0, False, True, "0.5 (or null: no cap)"),
     ("measure", "memory_budget_gib", 0.0, INF, False, False, "40 (or null: no cap)"),
-    ("measure", "repeat", 0, INF, True, False, "0"),
+    ("measure", "repeat", 0, INF, True, False, "0,1,2 with -m (one process per repetition)"),
     ("offload", "min_offloaded_tensor_size", 0, INF, True, False, "1048576"),
     ("offload", "activation_offload_fraction", 0.0, 1.0, False, True, "1.0"),
     ("offload", "cpu_offloading_num_layers", 0, INF, True, False, "0"),
