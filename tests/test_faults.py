@@ -375,17 +375,19 @@ BAD_INPUTS = [
     (["launcher.nnodes=0"], "launcher.nnodes"), (["train.seq_length=10000000"], "allow_over_memory"),
     (["model.num_layers=abc"], "model.num_layers"), (["train.lr=x"], "train.lr"), (["model=mooe"], "model=mooe"),
     (["recompute=selective/moe_ac"], "recompute=selective/moe_ac"), (["model.hiden_size=3"], "model.hiden_size"),
-    (["parallel=pp3"], "parallel=pp3"),
+    (["parallel=pp3"], "parallel=pp3"), (["recipe=llama3_8b", "model=moe"], "model=moe"),
+    (["recipe=llama3_8b", "model.num_layers=8"], "model.num_layers"),
+    (["recipe=llama3_8b", "model.hidden_size=128"], "model.hidden_size"),
 ]
 
 
 def tally(inputs: list = BAD_INPUTS) -> dict:
-    """Each bad input through what the controller runs before launch (compose, then ``check_point``: the
+    """Each bad input through what the controller runs before launch (compose, a recipe's depth, ``check_point``: the
     rules, the estimator's memory checks, the data checks; on a machine without a GPU), counted: refused
     clearly (a ConfigError naming an option, the one given with the input where given, with a fix), a
     traceback (any other exception), or silent (accepted). train.py exits 2 on each of them."""
-    from recipes.config import compose_config
     from recipes.errors import ConfigError
+    from recipes.recipe import compose_recipe
     from recipes.run.controller import check_point
 
     counts = {"tried": len(inputs), "refused clearly": 0, "tracebacks": 0, "silent": 0}
@@ -393,7 +395,7 @@ def tally(inputs: list = BAD_INPUTS) -> dict:
     for item in inputs:
         overrides, option = item if isinstance(item, tuple) else (item, None)
         try:
-            cfg = compose_config(overrides)
+            cfg, _ = compose_recipe(overrides, on_gpu=False)  # recipe=: as the controller applies it
             check_point(cfg, num_gpus=0)
         except ConfigError as err:
             clear = bool(err.option) and "\n  fix: " in str(err) and bool(err.fix) and option in (None, err.option)

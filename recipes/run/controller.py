@@ -194,7 +194,8 @@ def _run(cfg: DictConfig) -> dict:
     ``refused`` point and the sweep goes on.
     """
     choices = multirun.hydra_choices()
-    plain, recipe_notes = apply_recipe(OmegaConf.to_container(cfg, resolve=True))  # recipe=: depth, layout
+    plain, recipe_notes = apply_recipe(OmegaConf.to_container(cfg, resolve=True),  # recipe=: depth, layout
+                                       overrides=multirun.hydra_overrides())
     for note in recipe_notes:
         print(f"[recipe] {note}", flush=True)
     name = run_name(cfg, choices)

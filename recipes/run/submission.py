@@ -61,7 +61,7 @@ def check_points(config: Any, slurm: bool = True) -> None:
                 check_point(plain, num_gpus=max(1, plain["launcher"]["nproc_per_node"]),
                             job_memory_gib=config.hydra.launcher.get("mem_gb"), submitting=True)
             else:
-                plain, _ = apply_recipe(plain)
+                plain, _ = apply_recipe(plain, overrides=overrides)
                 check_point(plain)
                 validate_cores(plain, usable_cores())
         except ConfigError as err:
