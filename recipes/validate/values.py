@@ -73,7 +73,7 @@ RANGES = (
     ("measure", "peak_tflops", 0.0, INF, False, False, "989"),
     ("measure", "memory_fraction", 0.0, 1.0, False, True, "0.5 (or null: no cap)"),
     ("measure", "memory_budget_gib", 0.0, INF, False, False, "40 (or null: no cap)"),
-    ("measure", "repeat", 0, INF, True, False, "0,1,2 with -m (one process per repetition)"),
+    ("measure", "repeat", 0, INF, True, False, "0,1,2 (-m: one process per repetition)"),
     ("offload", "min_offloaded_tensor_size", 0, INF, True, False, "1048576"),
     ("offload", "activation_offload_fraction", 0.0, 1.0, False, True, "1.0"),
     ("offload", "cpu_offloading_num_layers", 0, INF, True, False, "0"),
@@ -118,7 +118,7 @@ def check_values(cfg) -> None:
             bounds = f"in {'[' if low_ok else '('}{low}, {high}{']' if high_ok else ')'}"
         finite = not number or value - value == 0  # NaN and infinity are not
         check(inside, name, f"{value} is not {'a finite number ' if not finite else ''}{bounds}",
-              f"set {name} {bounds}, e.g. {name}={example}")
+              f"set {name}={example}; it must be {bounds}")
     check_split(cfg["data"]["split"])
     pos = cfg["model"]["position_embedding_type"]
     check(pos in ("rope", "learned_absolute", "none"), "model.position_embedding_type",
