@@ -18,7 +18,7 @@ from typing import Any, Dict, List, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
-from recipes.errors import ConfigError
+from recipes.errors import from_hydra
 from recipes.files import CONF_DIR
 
 #: ``model.compile``'s scopes: what ``recipes.build.model.compile_layers`` hands to ``torch.compile``.
@@ -351,6 +351,7 @@ class RecipeConfig:
     output_dir: Optional[str] = None  # defaults to Hydra's run/sweep directory
     rerun: bool = False  # in a sweep, re-run points that already have a complete result
     dry_run: bool = False  # validate and write the config, start no worker
+    allow_over_memory: bool = False  # launch a single run the estimator predicts above this machine's memory
     lock_wait_s: float = 1800.0  # another run holds this point's directory: wait this long, then skip it
     fork_server: bool = True  # sweep points of one process fork from a server that imported megatron once
 
@@ -435,21 +436,9 @@ def register_configs() -> None:
         # Cached by its literal argument: Hydra copies the sweep's resolver cache into every job (as
         # for ${now:}), so `${once:...}` keeps the sweep's value in each point (conf/config.yaml sweep.dir).
         OmegaConf.register_new_resolver("once", lambda value: value, use_cache=True)
-    cs = ConfigStore.instance()
-    cs.store(name="recipe_schema", node=RecipeConfig)
-    groups = {
-        "model": ModelConfig,
-        "attention": AttentionConfig,
-        "recompute": RecomputeConfig,
-        "offload": OffloadConfig,
-        "parallel": ParallelConfig,
-        "launcher": LauncherConfig,
-        "data": DataConfig,
-        "logger": LoggerConfig,
-        "checkpoint": CheckpointConfig,
-    }
-    for group, node in groups.items():
-        cs.store(group=group, name=f"{group}_schema", node=node)
+    # The root schema types every section, so each group option (conf/<group>/*.yaml) is checked against its
+    # section's dataclass when composed; no per-group schema entry (it would be listed as an option in --help)
+    ConfigStore.instance().store(name="recipe_schema", node=RecipeConfig)
 
 
 def compose_config(overrides: list[str] = ()) -> dict:
@@ -464,8 +453,5 @@ def compose_config(overrides: list[str] = ()) -> dict:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
             cfg = compose(config_name="config", overrides=list(overrides))
     except (HydraException, OmegaConfBaseException) as err:  # a typo, a wrong type, an unknown option
-        text = str(err).splitlines()[0]
-        cause = str(err.__cause__).splitlines()[0] if err.__cause__ else ""
-        raise ConfigError("overrides", f"{text} {cause}".strip(), "check the spelling and type against conf/ and "
-                          "recipes/config.py (python train.py --cfg job prints every setting)") from err
+        raise from_hydra(err, str(CONF_DIR)) from err
     return OmegaConf.to_container(cfg, resolve=True)

@@ -54,28 +54,30 @@ def layout_text(cfg: dict) -> str:
     return f"{' '.join(parts)} on {launch['nnodes']} node(s) x {launch['nproc_per_node']} = {world} processes"
 
 
-def apply_recipe(cfg: dict, on_gpu: bool | None = None) -> tuple[dict, list[str]]:
-    """(the config to run, notes to print). Unchanged without ``recipe=``; see the module docstring."""
+def apply_recipe(cfg: dict, on_gpu: bool | None = None, overrides: list[str] = ()) -> tuple[dict, list[str]]:
+    """(the config to run, notes to print). Unchanged without ``recipe=``; see the module docstring.
+    ``overrides``: the command line's, refused where the recipe would replace them (``check_overrides``)."""
     recipe = cfg.get("recipe")
     if not recipe:
         return cfg, []
     name = recipe["name"]
+    if on_gpu is None:
+        from recipes.validate import gpu_count  # torch only where there is a GPU driver
+
+        on_gpu = gpu_count() > 0
     if recipe["gpu"] not in GPU_BUDGET_GIB:
         raise ConfigError("recipe.gpu", f"unknown GPU {recipe['gpu']!r}", f"use one of {', '.join(GPU_BUDGET_GIB)}")
     published = copy.deepcopy(cfg)
     if published["launcher"]["nnodes"] > 1:  # a cluster's layout: torchrun on every node (launcher=slurm)
         published["launcher"]["name"] = "slurm"
     validate(published, num_gpus=0, te_available=False)  # the published layout, whatever runs here
+    check_overrides(cfg, overrides, on_gpu)
     title = recipe["title"] or name
     notes = [f"recipe={name} needs Transformer Engine for {feature}; runs without it as noted in "
              f"conf/recipe/{name}.yaml" for feature in recipe["te_only"]]
     if recipe["full_depth"]:
         return cfg, [f"recipe={name}: {title} at full depth ({cfg['model']['num_layers']} layers), "
                      f"{layout_text(cfg)}"] + notes
-    if on_gpu is None:
-        import torch
-
-        on_gpu = torch.cuda.is_available()
     out = copy.deepcopy(cfg)
     m, full_layers = out["model"], cfg["model"]["num_layers"]
     reduced = dict(recipe["reduced"])
@@ -116,11 +118,44 @@ def apply_recipe(cfg: dict, on_gpu: bool | None = None) -> tuple[dict, list[str]
     return out, notes
 
 
+#: Groups a recipe sets whole (its model, its layout): a choice of them would be overwritten.
+RECIPE_GROUPS = ("model", "parallel")
+
+
+def check_overrides(cfg: dict, overrides: list[str], on_gpu: bool) -> None:
+    """Refuse a command-line override that the recipe would silently replace: a ``model=`` or ``parallel=``
+    choice (the recipe sets both), and, at reduced depth, the depth, the layout, the launch and (on a
+    machine without a GPU) the widths that ``apply_recipe`` sets."""
+    recipe = cfg["recipe"]
+    name, reduced = recipe["name"], not recipe["full_depth"]
+    replaced = set()
+    if reduced:
+        replaced |= {"model.num_layers", "train.global_batch_size", "launcher.nproc_per_node", "launcher.nnodes"}
+        replaced |= {f"model.{k}" for k in recipe["reduced"]} | {f"parallel.{k}" for k in cfg["parallel"]}
+        if not on_gpu:
+            replaced |= {f"model.{k}" for k in CPU_WIDTHS} | {"train.seq_length", "train.micro_batch_size"}
+            replaced |= {f"model.{k}" for k in ("num_query_groups", "q_lora_rank", "num_moe_experts",
+                                                "moe_router_topk", "moe_shared_expert_intermediate_size")}
+    for override in overrides:
+        key = str(override).lstrip("+~").split("=", 1)[0]
+        if key in RECIPE_GROUPS:
+            fix = ("change single fields with model.<field>=..., or run without recipe=" if key == "model" else
+                   "its published layout runs with recipe.full_depth=true (parallel.<field>=... changes it there)")
+            raise ConfigError(f"{key}={override.split('=', 1)[-1]}", f"recipe={name} sets the {key} itself, so this "
+                              "choice would be overwritten", f"drop {key}=...; {fix}")
+        if key in replaced:
+            where = "at reduced depth" + ("" if on_gpu or key.startswith(("parallel", "launcher")) or key in (
+                "model.num_layers", "train.global_batch_size") else " on a machine without a GPU")
+            raise ConfigError(key, f"recipe={name} {where} sets {key} itself (recipes.recipe.apply_recipe), so this "
+                              "override would be silently replaced", f"drop {key}, or add recipe.full_depth=true to "
+                              "run the published layout with it (a cluster: launcher=slurm)")
+
+
 def compose_recipe(overrides: list[str] = (), on_gpu: bool | None = None) -> tuple[dict, list[str]]:
     """``compose_config`` then ``apply_recipe``: what ``train.py`` runs for these overrides, and its notes."""
     from recipes.config import compose_config
 
-    return apply_recipe(compose_config(overrides), on_gpu)
+    return apply_recipe(compose_config(overrides), on_gpu, overrides)
 
 
 def at_full_depth(overrides: list[str]) -> list[str]:

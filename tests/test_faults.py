@@ -117,13 +117,15 @@ def test_a_refused_single_run_exits_2_with_one_message(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_refused_point_makes_the_sweep_exit_2_after_its_report(tmp_path):
-    """Refused points are recorded and the sweep goes on; the exit code still says one was refused."""
+def test_a_refused_point_refuses_the_sweep_before_any_point_runs(tmp_path):
+    """A local sweep checks every point first (as a Slurm one does): an invalid point costs no finished one."""
     sweep = tmp_path / "sweep"
     done = train(["-m", "recompute=none,selective/moe_act", *TINY, f"hydra.sweep.dir={sweep}", "dry_run=true"],
                  tmp_path)
     assert done.returncode == 2, done.stdout + done.stderr
-    assert "[refused]" in done.stdout and "[dry-run]" in done.stdout
+    assert "error: recompute=selective/moe_act:" in done.stderr and "fix:" in done.stderr
+    assert "no point was run" in done.stderr and "[dry-run]" not in done.stdout
+    assert not list(sweep.rglob("config.yaml"))
 
 
 @pytest.mark.slow
@@ -351,28 +353,55 @@ BAD_INPUTS = [
     ["measure.memory_fraction=0.5"], ["measure.repeat=-1"], ["measure.peak_tflops=0"], ["data.eval_interval=-1"],
     ["data=indexed", "data.paths=[]"], ["data=indexed", "data.paths=[no/such/prefix]"], ["logger.mode=sometimes"],
     ["data.num_workers=-1"], ["data.eval_interval=5", "data.eval_iters=0"],
+    # each with the option its refusal must name
+    (["checkpoint.interval=-1"], "checkpoint.interval"), (["checkpoint.keep_last=-1"], "checkpoint.keep_last"),
+    (["train.log_interval=-1"], "train.log_interval"), (["train.exit_interval=0"], "train.exit_interval"),
+    (["train.lr_warmup_iters=-5"], "train.lr_warmup_iters"), (["train.lr=nan"], "train.lr"),
+    (["train.lr=inf"], "train.lr"), (["train.clip_grad=inf"], "train.clip_grad"), (["train.min_lr=-1"], "train.min_lr"),
+    (["offload.host_memory_gib=-1"], "offload.host_memory_gib"), (["offload.host_memory_gib=0"], "offload.host_memory_gib"),
+    (["offload.activation_offload_fraction=0"], "offload.activation_offload_fraction"),
+    (["offload.min_offloaded_tensor_size=-1"], "offload.min_offloaded_tensor_size"),
+    (["data.split=abc"], "data.split"), (["data.split='0,0,0'"], "data.split"), (["data.split='98,2'"], "data.split"),
+    (["recompute=selective/mlp", "recompute.recompute_modules=[mlp,mlp]"], "recompute.recompute_modules"),
+    (["measure.memory_fraction=0"], "measure.memory_fraction"), (["measure.memory_fraction=nan"], "measure.memory_fraction"),
+    (["measure.memory_budget_gib=-1"], "measure.memory_budget_gib"), (["estimate.mfu=1.5"], "estimate.mfu"),
+    (["estimate.moe_imbalance=0.5"], "estimate.moe_imbalance"), (["estimate.host_link_gb_s=0"], "estimate.host_link_gb_s"),
+    (["lock_wait_s=-1"], "lock_wait_s"), (["lock_wait_s=nan"], "lock_wait_s"),
+    (["model.vocab_size=256"], "model.vocab_size"), (["model.kv_channels=15"], "model.kv_channels"),
+    (["model.hidden_size=66", "model.num_attention_heads=6", "model.num_query_groups=null"], "model.hidden_size"),
+    (["model=mla", "model.qk_pos_emb_head_dim=7"], "model.qk_pos_emb_head_dim"),
+    (["parallel=pp2", "parallel.num_layers_in_first_pipeline_stage=-1"], "parallel.num_layers_in_first_pipeline_stage"),
+    (["parallel.pipeline_model_parallel_size=0"], "parallel.pipeline_model_parallel_size"),
+    (["launcher.nnodes=0"], "launcher.nnodes"), (["train.seq_length=10000000"], "allow_over_memory"),
+    (["model.num_layers=abc"], "model.num_layers"), (["train.lr=x"], "train.lr"), (["model=mooe"], "model=mooe"),
+    (["recompute=selective/moe_ac"], "recompute=selective/moe_ac"), (["model.hiden_size=3"], "model.hiden_size"),
+    (["parallel=pp3"], "parallel=pp3"), (["recipe=llama3_8b", "model=moe"], "model=moe"),
+    (["recipe=llama3_8b", "model.num_layers=8"], "model.num_layers"),
+    (["recipe=llama3_8b", "model.hidden_size=128"], "model.hidden_size"),
 ]
 
 
-def tally(inputs: list[list[str]] = BAD_INPUTS) -> dict:
-    """Each bad input through what the controller runs before launch (compose, validate, the data
-    checks), counted: refused clearly (a ConfigError naming an option, with a fix), a traceback (any
-    other exception), or silent (accepted)."""
-    from recipes.config import compose_config
-    from recipes.data.indexed import validate_data
+def tally(inputs: list = BAD_INPUTS) -> dict:
+    """Each bad input through what the controller runs before launch (compose, a recipe's depth, ``check_point``: the
+    rules, the estimator's memory checks, the data checks; on a machine without a GPU), counted: refused
+    clearly (a ConfigError naming an option, the one given with the input where given, with a fix), a
+    traceback (any other exception), or silent (accepted). train.py exits 2 on each of them."""
     from recipes.errors import ConfigError
-    from recipes.validate import validate
+    from recipes.recipe import compose_recipe
+    from recipes.run.controller import check_point
 
     counts = {"tried": len(inputs), "refused clearly": 0, "tracebacks": 0, "silent": 0}
     failures = []
-    for overrides in inputs:
+    for item in inputs:
+        overrides, option = item if isinstance(item, tuple) else (item, None)
         try:
-            cfg = compose_config(overrides)
-            validate(cfg, num_gpus=0, te_available=False)
-            validate_data(cfg)
+            cfg, _ = compose_recipe(overrides, on_gpu=False)  # recipe=: as the controller applies it
+            check_point(cfg, num_gpus=0)
         except ConfigError as err:
-            clear = bool(err.option) and "fix:" in str(err)
+            clear = bool(err.option) and "\n  fix: " in str(err) and bool(err.fix) and option in (None, err.option)
             counts["refused clearly" if clear else "tracebacks"] += 1
+            if not clear:
+                failures.append((overrides, f"unclear or another option: {err}"))
             continue
         except Exception as err:  # what a user would see as a raw traceback
             counts["tracebacks"] += 1
@@ -386,7 +415,7 @@ def tally(inputs: list[list[str]] = BAD_INPUTS) -> dict:
 
 def test_every_bad_input_is_refused_clearly():
     counts = tally()
-    assert counts["failures"] == [] and counts["refused clearly"] == counts["tried"] >= 60, counts
+    assert counts["failures"] == [] and counts["refused clearly"] == counts["tried"] >= 110, counts
 
 
 if __name__ == "__main__":

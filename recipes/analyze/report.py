@@ -26,7 +26,6 @@ from recipes.analyze.logger import sweep_group, usable_logger
 from recipes.analyze.pareto import plot_pareto, point_rows
 from recipes.analyze.sweep import find_results, match_key, merge_repeats, write_manifest
 from recipes.files import MIB
-from recipes.measure.profile import plot_timelines
 from recipes.recompute import recompute_order
 from recipes.results import (
     NOT_MEASURED,  # config sections that do not change a measurement
@@ -251,6 +250,8 @@ def write_report(sweep_dir: Path, wandb_logger: dict | None = None) -> str:
     png = plot_pareto(rows, sweep_dir / "report.png", f"{sweep_group(str(sweep_dir))}: memory vs step time")
     md = format_markdown(rows)
     notes = "\n".join(f"- {n}" for n in _notes(rows, results))
+    from recipes.measure.profile import plot_timelines  # lazy: torch; train.py loads this callback on every run
+
     timelines = plot_timelines(results, sweep_dir / "timelines.png")
     side_by_side = f"\n\n![memory over one step]({timelines.name})" if timelines else ""
     (sweep_dir / "report.md").write_text(

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from recipes.build import rope
 from recipes.build.compat import device
 from recipes.build.gdn import gdn_layer_spec
+from recipes.build.resolve import resolve_precision, resolve_swiglu_fusion
 from recipes.build.wgrad import enable as enable_wgrad_fusion
 from recipes.build.wgrad import resolve_wgrad_fusion
 from recipes.recompute import ATTENTION_KIND, MLP_KIND, layer_kinds, moe_pattern
@@ -47,25 +48,6 @@ NON_TRANSFORMER_OFFLOAD_FIELDS = {"host_memory_gib", "emulate_on_cpu"}
 NON_MPC_PARALLEL_FIELDS: set[str] = set()
 #: RecomputeConfig fields that are ours (``transformer_config_kwargs`` passes megatron's by name).
 NON_TRANSFORMER_RECOMPUTE_FIELDS = {"mlp_replays_fc2"}
-
-
-def resolve_precision(precision: str, on_gpu: bool) -> str:
-    """``auto`` means bf16 on a GPU (what real runs use) and fp32 on a CPU (exact, fast enough)."""
-    if precision == "auto":
-        return "bf16" if on_gpu else "fp32"
-    return precision
-
-
-def resolve_swiglu_fusion(model: dict, on_gpu: bool) -> bool:
-    """``model.bias_activation_fusion``: null (auto) is megatron's fused SwiGLU (``bias_swiglu_impl``,
-    in the grouped experts ``weighted_bias_swiglu_impl``) on a GPU for a SwiGLU model, the one fusion
-    megatron-core has without biases or Transformer Engine; off on a CPU, where its ``torch.compile``
-    costs seconds per process and gains nothing. On the H200 it saves two of the five [tokens, ffn]
-    tensors per MLP and 2.5 ms of elementwise kernels per dense step (docs/h200-results.md)."""
-    fusion = model["bias_activation_fusion"]
-    if fusion is None:
-        return on_gpu and model["gated_linear_unit"] and model["activation"] == "silu"
-    return bool(fusion)
 
 
 def resolve_rope_fusion(model: dict, on_gpu: bool) -> bool:

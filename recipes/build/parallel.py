@@ -15,7 +15,10 @@
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # torch loads where a gradient is reduced: the estimator's schedule needs none of it
+    import torch
 
 
 def pipeline_schedule(num_microbatches: int, pp_size: int, pp_rank: int,
@@ -65,6 +68,7 @@ def from_last_stage(value) -> float | None:
     """``value`` (a float, a 0-d tensor, or None off the last stage) from this rank's last pipeline
     stage, as a float on every stage of the pipeline; a collective: every stage calls it together.
     Without pipelining, the value itself."""
+    import torch
     from megatron.core import parallel_state as ps
 
     if not ps.model_parallel_is_initialized() or ps.get_pipeline_model_parallel_world_size() == 1:
@@ -79,6 +83,8 @@ def from_last_stage(value) -> float | None:
 
 
 def _all_reduce(tensor: torch.Tensor, group) -> None:
+    import torch
+
     if group is not None and torch.distributed.get_world_size(group) > 1:
         torch.distributed.all_reduce(tensor, group=group)
 
@@ -90,6 +96,7 @@ def reduce_gradients_cpu(chunks: list[torch.nn.Module], config, clip_grad: float
     scaled by 1/dp and summed over expert-DP, which is DDP's scaling (each expert's gradient already
     sums the tokens routed to it from every expert-parallel rank).
     """
+    import torch
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
     from megatron.core.transformer.module import param_is_not_shared

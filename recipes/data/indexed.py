@@ -30,7 +30,7 @@ import struct
 from pathlib import Path
 from typing import Any
 
-from recipes.data.gpt import gpt_dataset_config
+from recipes.data.gpt import ByteTokenizer, gpt_dataset_config
 from recipes.data.tokenizer import BYTE_EOD, BYTE_VOCAB, KINDS, check_spec, load_tokenizer
 from recipes.errors import ConfigError
 from recipes.files import REPO_ROOT, UnreadableFile, read_json, write_json_atomic
@@ -316,9 +316,15 @@ def _identity(tokenizer: dict) -> tuple:
 
 
 def validate_data(cfg: Any) -> None:
-    """Controller-side refusal of bad ``data=indexed`` input (cheap: no megatron, no token reads)."""
+    """Controller-side refusal of bad ``data=indexed`` input (cheap: no megatron, no token reads), and of a
+    vocabulary too small for ``data=mock``'s token ids (the embedding lookup would raise IndexError)."""
     if cfg["data"]["name"] == "indexed":
         inspect_data(cfg)
+    elif cfg["data"]["name"] == "mock" and cfg["model"]["vocab_size"] < ByteTokenizer.vocab_size:
+        raise ConfigError("model.vocab_size", f"{cfg['model']['vocab_size']} is smaller than data=mock's "
+                          f"{ByteTokenizer.vocab_size} token ids (bytes and the end-of-document id "
+                          f"{ByteTokenizer.eod}); the embedding would index past its table",
+                          f"set model.vocab_size>={ByteTokenizer.vocab_size}, e.g. model.vocab_size=512")
 
 
 class DatasetTokenizer:

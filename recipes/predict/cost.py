@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import statistics
 
-from recipes.build.model import resolve_swiglu_fusion
+from recipes.build.resolve import resolve_swiglu_fusion
 from recipes.config import EstimateConfig
 from recipes.measure.flops import layer_forward_flops, mlp_replays_fc2, replayed_layer_flops
 from recipes.predict.replay import Timeline, stream_pace

@@ -144,6 +144,10 @@ def main(argv: list[str] | None = None) -> int:
 
         from recipes.files import UnreadableFile, read_json
 
+        if not Path(args.compare).is_dir():  # a usage error (exit 2), not a comparison that found nothing
+            print(f"error: --compare: {args.compare} is not a directory\n  fix: give a run or sweep directory "
+                  "(outputs/... or multirun/...) that holds result.json files", file=sys.stderr)
+            return 2
         rows = []
         for p in sorted(Path(args.compare).rglob("result.json")):
             try:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from recipes.build.model import resolve_precision
+from recipes.build.resolve import resolve_precision
 from recipes.recompute import ATTENTION_KIND, chunk_layers, gdn_pattern, moe_pattern
 
 

@@ -18,20 +18,19 @@ from omegaconf import DictConfig, OmegaConf
 from launch.affinity import usable_cores
 from launch.slurm import node_rank, wait_for_rank_files
 from recipes.analyze.logger import close_unfinished, usable_logger, write_identity
-from recipes.data.indexed import validate_data
 from recipes.errors import ConfigError
 from recipes.files import UnreadableFile, write_json_atomic
-from recipes.measure.profile import write_timeline_pngs
 from recipes.offload import option_of as offload_option_of
-from recipes.predict.estimate import planned_host_bytes
+from recipes.predict.estimate import planned_host_bytes, predict
 from recipes.recipe import apply_recipe
 from recipes.recompute import option_of
 from recipes.results import NOT_MEASURED, load_result, merge_result
 from recipes.run import multirun, workers
 from recipes.run.console import print_run
-from recipes.validate import validate
-from recipes.validate.offload import host_memory_problem
+from recipes.validate import gpu_count, validate
+from recipes.validate.offload import host_memory_available, host_memory_problem
 from recipes.validate.parallel import validate_cores
+from recipes.validate.run import output_problem, peak_memory_problem
 
 #: Statuses that count as a complete result (a sweep re-run skips them unless rerun=true).
 COMPLETE = ("ok", "oom")
@@ -152,18 +151,40 @@ def stored(run_dir: Path) -> dict | None:
 
 
 def check_point(plain: dict, num_gpus: int | None = None, job_memory_gib: float | None = None,
-                submitting: bool = False) -> None:
+                submitting: bool = False, single: bool = False) -> None:
     """Every check a point passes before its workers start: the rules (``recipes.validate``), activation
-    offload's predicted host copies against the node's memory, the data files. ``submitting``: checked
-    on the machine that submits a Slurm job, not the node, so the host copies only against the job's
-    memory (``job_memory_gib``) or ``offload.host_memory_gib`` where given."""
+    offload's predicted host copies against the node's memory, the predicted peak against this machine
+    (``single``: a single run on a GPU too; a sweep's GPU point that runs out is a measurement), the data
+    files. ``submitting``: checked on the machine that submits a Slurm job, not the node, so the host
+    copies only against the job's memory (``job_memory_gib``) or ``offload.host_memory_gib`` where given."""
+    num_gpus = gpu_count() if num_gpus is None else num_gpus
     validate(plain, num_gpus=num_gpus)  # the rules first: the estimator predicts only what passes them
     if not submitting or job_memory_gib is not None or (plain.get("offload") or {}).get("host_memory_gib") is not None:
         planned = planned_host_bytes(plain, "cuda" if submitting else "auto")
         problem = host_memory_problem(plain, planned, job_memory_gib)
         if problem:
             raise ConfigError(*problem)
+    if not submitting and (single or not num_gpus):
+        problem = peak_memory_problem(plain, *_peak_and_capacity(plain, num_gpus))
+        if problem:
+            raise ConfigError(*problem)
+    from recipes.data.indexed import validate_data  # lazy: numpy, once the rules passed
+
     validate_data(plain)  # files, .idx header and .bin size, tokenizer sidecar (cheap)
+
+
+def _peak_and_capacity(plain: dict, num_gpus: int) -> tuple[int | None, int | None, str, int]:
+    """The estimator's peak for one rank, what holds it (this GPU's memory, or on a CPU this host's
+    available memory for all its ranks), its name, and the ranks sharing it."""
+    try:
+        peak = predict(plain, "cuda" if num_gpus else "cpu")["peak_bytes"]
+    except Exception:  # a layout the estimator does not model: the run itself decides
+        return None, None, "", 1
+    if not num_gpus:
+        return peak, host_memory_available(), "this machine's available memory", plain["launcher"]["nproc_per_node"]
+    import torch  # a GPU machine: torch is loaded already (gpu_count)
+
+    return peak, torch.cuda.get_device_properties(0).total_memory, f"this GPU's memory ({torch.cuda.get_device_name(0)})", 1
 
 
 def _run(cfg: DictConfig) -> dict:
@@ -173,7 +194,8 @@ def _run(cfg: DictConfig) -> dict:
     ``refused`` point and the sweep goes on.
     """
     choices = multirun.hydra_choices()
-    plain, recipe_notes = apply_recipe(OmegaConf.to_container(cfg, resolve=True))  # recipe=: depth, layout
+    plain, recipe_notes = apply_recipe(OmegaConf.to_container(cfg, resolve=True),  # recipe=: depth, layout
+                                       overrides=multirun.hydra_overrides())
     for note in recipe_notes:
         print(f"[recipe] {note}", flush=True)
     name = run_name(cfg, choices)
@@ -189,8 +211,10 @@ def _run(cfg: DictConfig) -> dict:
                   "runs the points left)", flush=True)
             return {"status": "not_started", "name": name, "run_dir": str(run_dir)}
     try:
-        check_point(plain)  # before any worker starts
+        check_point(plain, single=not multirun.in_multirun())  # before any worker starts
         validate_cores(plain, usable_cores())  # launcher.cpu_cores_per_rank on this machine
+        if problem := output_problem(run_dir):
+            raise ConfigError(*problem)
     except ConfigError as err:
         if not multirun.in_multirun():
             raise
@@ -269,6 +293,8 @@ def _launch(cfg: DictConfig, plain: dict, name: str, choices: dict, run_dir: Pat
     if plain["launcher"]["nnodes"] > 1:  # the other nodes' rank files, over a shared file system
         wait_for_rank_files(run_dir, world)
     result = merge_result(run_dir, meta, world, launch_error)
+    from recipes.measure.profile import write_timeline_pngs  # lazy: torch, never on a refusal's path
+
     write_timeline_pngs(result, run_dir)
     if result["status"] == "failed" and not result.get("ranks"):
         result["log_tail"] = log_path.read_text()[-4000:]

@@ -27,26 +27,45 @@ from recipes.recipe import apply_recipe
 from recipes.run.controller import check_point
 
 
-def check_points(config: Any) -> None:
-    """Every point of a Slurm sweep passes the checks the controller runs before a local launch
-    (``recipes.run.controller.check_point``), here, before anything is submitted: a refusal costs no
-    queue time. The job's machine has ``launcher.nproc_per_node`` GPUs, and activation offload's host
-    copies are checked against the memory the job asks for per node (``hydra.launcher.mem_gb``) or
-    ``offload.host_memory_gib``: this machine is not the node."""
+def check_points(config: Any, slurm: bool = True) -> None:
+    """Every point of a sweep passes the checks the controller runs before a launch
+    (``recipes.run.controller.check_point``), here, before any point runs or is submitted: a refusal costs
+    no queue time and no finished point. ``slurm``: the job's machine has ``launcher.nproc_per_node``
+    GPUs, and activation offload's host copies are checked against the memory the job asks for per node
+    (``hydra.launcher.mem_gb``) or ``offload.host_memory_gib``: this machine is not the node. Locally:
+    this machine's GPUs, cores and memory, and where each point writes."""
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from launch.affinity import usable_cores
+    from recipes.errors import from_hydra
+    from recipes.files import CONF_DIR
+    from recipes.validate.parallel import validate_cores
+
     loader = GlobalHydra.instance().config_loader()
+    nothing = "nothing was submitted" if slurm else "no point was run"
     for overrides in sweep_point_overrides(config):
-        point = loader.load_sweep_config(config, overrides)
+        where = f"sweep point {' '.join(overrides) or 'defaults'}; {nothing}"
+        try:
+            point = loader.load_sweep_config(config, overrides)
+        except (HydraException, OmegaConfBaseException) as err:  # a typo in one point's value
+            refusal = from_hydra(err, str(CONF_DIR))
+            raise ConfigError(refusal.option, f"{refusal.problem} ({where})", refusal.fix) from err
         with open_dict(point):
             del point["hydra"]
         plain = OmegaConf.to_container(point, resolve=True)
         try:
-            if plain.get("recipe"):  # its published layout, as the controller will run it
-                plain, _ = apply_recipe(plain, on_gpu=True)
-            check_point(plain, num_gpus=max(1, plain["launcher"]["nproc_per_node"]),
-                        job_memory_gib=config.hydra.launcher.get("mem_gb"), submitting=True)
+            if slurm:
+                if plain.get("recipe"):  # its published layout, as the controller will run it
+                    plain, _ = apply_recipe(plain, on_gpu=True)
+                check_point(plain, num_gpus=max(1, plain["launcher"]["nproc_per_node"]),
+                            job_memory_gib=config.hydra.launcher.get("mem_gb"), submitting=True)
+            else:
+                plain, _ = apply_recipe(plain, overrides=overrides)
+                check_point(plain)
+                validate_cores(plain, usable_cores())
         except ConfigError as err:
-            raise ConfigError(err.option, f"{err.problem} (sweep point {' '.join(overrides) or 'defaults'}; "
-                              "nothing was submitted)", err.fix) from err
+            raise ConfigError(err.option, f"{err.problem} ({where})", err.fix) from err
 
 
 class LaunchCheck(Callback):
@@ -67,8 +86,8 @@ class LaunchCheck(Callback):
             check_output_dir(config)
             check_submission(config)
             recipe_note = check_recipe_submission(config)
-            if str(config.hydra.launcher.get("_target_", "")).endswith("SlurmLauncher"):
-                check_points(config)
+            check_sweep_dir(config)
+            check_points(config, slurm=str(config.hydra.launcher.get("_target_", "")).endswith("SlurmLauncher"))
         except ConfigError as err:
             _refuse(err)
         if config.get("dry_run") and str(config.hydra.launcher.get("_target_", "")).endswith("SlurmLauncher"):
@@ -91,6 +110,14 @@ class LaunchCheck(Callback):
         from recipes.config import register_configs
 
         register_configs()
+
+
+def check_sweep_dir(config: Any) -> None:
+    """The sweep's directory can be written (not a file, not read-only), before any point runs."""
+    from recipes.validate.run import output_problem
+
+    if problem := output_problem(str(config.hydra.sweep.dir)):
+        raise ConfigError("hydra.sweep.dir", problem[1], "set hydra.sweep.dir to a writable directory")
 
 
 def _refuse(err: ConfigError) -> None:

@@ -16,7 +16,6 @@ from launch.forkserver import ForkServer, env_key
 from launch.process import end_group, start_group
 from launch.slurm import slurm_rendezvous
 from launch.torchrun import ONE_RANK_ENV, torchrun_command
-from recipes.build.upstream import start_share_storage_build
 from recipes.files import REPO_ROOT
 from recipes.run import multirun
 from recipes.validate import gpu_count
@@ -181,4 +180,6 @@ def build_share_storage_ahead(plain: dict, env: dict[str, str]) -> None:
     num_gpus = gpu_count()
     points = [plain, *({**plain, "recompute": section} for section in sections)]
     if any(share_storage_labels(point, num_gpus) for point in points):
+        from recipes.build.upstream import start_share_storage_build  # lazy: torch, after validation
+
         SHARE_STORAGE_BUILD["process"] = start_share_storage_build(env)

@@ -10,6 +10,7 @@ extension some labels need built), ``offload``, ``parallel`` and ``run``; ``vali
 from __future__ import annotations
 
 import importlib.util
+import os
 from typing import Any
 
 from recipes.errors import check
@@ -32,8 +33,15 @@ def transformer_engine_importable() -> bool:
     return True
 
 
+#: Present where a GPU driver is loaded (NVIDIA's, or ROCm's for torch's HIP build).
+GPU_DRIVER_FILES = ("/proc/driver/nvidia/version", "/dev/nvidiactl", "/dev/kfd")
+
+
 def gpu_count() -> int:
-    """The GPUs this process sees (0 without CUDA)."""
+    """The GPUs this process sees (0 without CUDA). Without a GPU driver the answer is 0 without importing
+    torch (seconds), so a refusal on a CPU machine answers before torch loads."""
+    if not any(os.path.exists(path) for path in GPU_DRIVER_FILES):
+        return 0
     import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0

@@ -42,6 +42,14 @@ def check_model(cfg) -> None:
         check(m["hidden_size"] % heads == 0, "model.hidden_size",
                f"hidden_size {m['hidden_size']} is not divisible by {heads} heads",
                "set model.kv_channels or a hidden size divisible by the head count")
+    head_dim = m["kv_channels"] or m["hidden_size"] // heads
+    if ATTENTION_KIND[m["family"]] == "mla":  # only the decoupled rope part of a head rotates
+        check(m["qk_pos_emb_head_dim"] % 2 == 0, "model.qk_pos_emb_head_dim", f"{m['qk_pos_emb_head_dim']} is odd: "
+              "rotary embedding turns pairs of dimensions", "set model.qk_pos_emb_head_dim to an even number, e.g. 64")
+    elif m["position_embedding_type"] == "rope":
+        check(head_dim % 2 == 0, "model.kv_channels" if m["kv_channels"] else "model.hidden_size",
+              f"a head of {head_dim} dimensions is odd: rotary embedding turns pairs of dimensions",
+              "pick kv_channels (or hidden_size / num_attention_heads) even, e.g. model.kv_channels=64")
     layer_kinds(m)  # the layer pattern reads (moe_layer_freq, linear_attention_freq), or ConfigError
     if MLP_KIND[m["family"]] == "moe":
         check(bool(m["num_moe_experts"]), "model.num_moe_experts", f"model={m['family']} needs experts",

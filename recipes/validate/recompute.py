@@ -44,6 +44,11 @@ def check_recompute(cfg) -> None:
             check(not par["sequence_parallel"], "recompute.distribute_saved_activations",
                    "cannot distribute saved activations with sequence parallel",
                    "set parallel.sequence_parallel=false or distribute_saved_activations=false")
+    modules = list(rc["recompute_modules"] or [])
+    twice = sorted({m for m in modules if modules.count(m) > 1})
+    check(not twice, "recompute.recompute_modules", f"{', '.join(twice)} listed twice (megatron would wrap it "
+          "once; the run's name and the report would count it twice)", "list each label once, e.g. "
+          f"recompute.recompute_modules=[{','.join(dict.fromkeys(modules))}]")
     for label in labels_of(cfg):
         check(label in LABELS, "recompute.recompute_modules", f"unknown label {label!r}",
                f"use labels from: {', '.join(LABELS)}")

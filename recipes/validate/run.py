@@ -28,29 +28,11 @@ def check_run(cfg) -> None:
            "use logger=none or logger=wandb")
     check(log["mode"] in ("offline", "online", "disabled"), "logger.mode",
            f"unknown W&B mode {log['mode']!r}", "use offline, online or disabled")
-    check(meas.get("repeat", 0) >= 0, "measure.repeat", f"{meas.get('repeat')} is negative",
-           "use measure.repeat=0,1,2 (one process per value) to repeat each point")
     check(meas["profile"] in ("none", "peak"), "measure.profile",
            f"unknown profile {meas['profile']!r}", "use measure.profile=none or peak")
-    frac = meas["memory_fraction"]
-    check(frac is None or 0 < frac <= 1, "measure.memory_fraction", f"{frac} is not in (0, 1]",
-           "use a fraction such as 0.5, or null")
-    budget = meas.get("memory_budget_gib")
-    check(budget is None or budget > 0, "measure.memory_budget_gib", f"{budget} is not > 0",
-           "give the allocator's budget in GiB, e.g. measure.memory_budget_gib=19, or null")
-    check(budget is None or frac is None, "measure.memory_budget_gib",
+    # the ranges of measure.* and estimate.* are recipes.validate.values.RANGES'
+    check(meas.get("memory_budget_gib") is None or meas["memory_fraction"] is None, "measure.memory_budget_gib",
            "both it and measure.memory_fraction cap the allocator", "set one of them, the other null")
-    imbalance = (cfg.get("estimate") or {}).get("moe_imbalance", 1.0)  # results written before it existed
-    est = cfg.get("estimate") or {}
-    for key, example in (("mfu", "0.38"), ("host_link_gb_s", "50"), ("hbm_gb_s", "3000")):
-        value = est.get(key, 1.0)
-        check(value > 0 and (key != "mfu" or value <= 1), f"estimate.{key}", f"{value} is not "
-               + ("in (0, 1]" if key == "mfu" else "> 0"), f"set estimate.{key}={example}")
-    for key, example in (("replay_region_ms", "0.142"), ("launch_us", "10")):
-        value = est.get(key, 0.0)
-        check(value >= 0, f"estimate.{key}", f"{value} is negative", f"set estimate.{key}={example} (0: not counted)")
-    check(imbalance >= 1.0, "estimate.moe_imbalance", f"{imbalance} is below balanced routing (1.0): it "
-           "bounds the worst expert-parallel rank", "use 1.0 (balanced) or more; the default 1.5 was measured")
     check(data["name"] in ("mock", "indexed"), "data", f"unknown data {data['name']!r}",
            "use data=mock or data=indexed")
     check_deterministic(cfg)
@@ -129,3 +111,49 @@ def check_schedule(t) -> None:
     check(incr != "constant" or start == end, "train.weight_decay_incr_style",
            f"constant weight decay but start {start} != end {end}",
            "set train.weight_decay_incr_style=linear or cosine, or equal start/end weight decay")
+
+
+def peak_memory_problem(cfg, predicted_peak_bytes: int | None, capacity_bytes: int | None, where: str,
+                        ranks: int = 1) -> tuple[str, str, str] | None:
+    """(option, problem, fix) where ``ranks`` ranks of the estimator's predicted peak
+    (``recipes.predict.estimate.predict``) do not fit ``capacity_bytes`` (``where``: this GPU, or this
+    host for a CPU run's ranks), unless ``allow_over_memory``; else None. A cap the user set on purpose
+    (``measure.memory_fraction``, ``measure.memory_budget_gib``) is a measurement of running out: not refused."""
+    meas = cfg["measure"]
+    if (not predicted_peak_bytes or not capacity_bytes or cfg.get("allow_over_memory")
+            or meas.get("memory_fraction") is not None or meas.get("memory_budget_gib") is not None):
+        return None
+    need = predicted_peak_bytes * ranks
+    if need <= capacity_bytes:
+        return None
+    gib = 2**30
+    each = f" ({predicted_peak_bytes / gib:,.1f} GiB per rank x {ranks} ranks)" if ranks > 1 else ""
+    return ("allow_over_memory", f"the estimator predicts a peak of {need / gib:,.1f} GiB{each}, above {where} "
+            f"({capacity_bytes / gib:,.1f} GiB): the run would run out of memory",
+            "shrink train.seq_length, train.micro_batch_size or the model, recompute more (python -m recipes estimate "
+            "... --all lists every option's peak), or add allow_over_memory=true to launch it anyway")
+
+
+def output_problem(path) -> tuple[str, str, str] | None:
+    """(option, problem, fix) where a run could not write ``path`` (its directory): a regular file is in
+    the way, or its nearest existing directory takes no new file (read-only, no permission); else None.
+    Probed by creating a file, which is what the run will do (permission bits alone mislead root)."""
+    import os
+    import tempfile
+    from pathlib import Path
+
+    path = Path(path).absolute()
+    probe = path
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    fix = "set output_dir (or hydra.run.dir / hydra.sweep.dir) to a writable directory"
+    if not probe.is_dir():
+        under = f" ({path} would be under it)" if probe != path else ""
+        return "output_dir", f"{probe} is a file, not a directory{under}", fix
+    try:
+        fd, name = tempfile.mkstemp(dir=probe, prefix=".write-probe-")
+        os.close(fd)
+        os.unlink(name)
+    except OSError as err:
+        return "output_dir", f"{path} cannot be written ({probe}: {err.strerror or err})", fix
+    return None

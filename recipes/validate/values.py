@@ -31,6 +31,7 @@ def _unknown(key: str, known: list[str]) -> None:
                       "would fail on it in the worker or ignore it)", f"drop +{key}{hint}")
 
 
+INF = float("inf")
 #: Sizes and counts that must be at least 1 (None, where the schema allows it, means "not set").
 POSITIVE = {
     "model": ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
@@ -38,27 +39,57 @@ POSITIVE = {
               "qk_pos_emb_head_dim", "v_head_dim", "num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size",
               "moe_shared_expert_intermediate_size", "linear_attention_freq", "linear_conv_kernel_dim",
               "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads", "linear_num_value_heads"),
-    "train": ("train_iters", "micro_batch_size", "global_batch_size", "seq_length"),
+    "train": ("train_iters", "micro_batch_size", "global_batch_size", "seq_length", "exit_interval",
+              "lr_decay_iters", "lr_wsd_decay_iters"),
     "measure": ("start_step", "steps"),
-    "parallel": ("expert_tensor_parallel_size",),
+    "parallel": ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+                 "expert_model_parallel_size", "expert_tensor_parallel_size", "virtual_pipeline_model_parallel_size",
+                 "num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage"),
     "data": ("eval_iters",),
-    "launcher": ("cpu_cores_per_rank",),
+    "launcher": ("nproc_per_node", "nnodes", "cpu_cores_per_rank"),
 }
-#: (section, key, lowest, highest, whether the lowest is allowed, whether the highest is, the fix's example)
+#: The domain of every other number: (section, key, lowest, highest, whether the lowest is allowed, whether
+#: the highest is, the fix's example). Section None: a top-level key. None passes where the schema allows it
+#: (Optional: "not set"); NaN and infinity are outside every range here.
 RANGES = (
     ("model", "hidden_dropout", 0.0, 1.0, True, False, "0.1"),
     ("model", "attention_dropout", 0.0, 1.0, True, False, "0.1"),
-    ("model", "init_method_std", 0.0, float("inf"), False, False, "0.02"),
-    ("model", "moe_aux_loss_coeff", 0.0, float("inf"), True, False, "0.01"),
-    ("train", "lr", 0.0, float("inf"), False, False, "1e-4"),
-    ("train", "weight_decay", 0.0, float("inf"), True, False, "0.01"),
-    ("train", "clip_grad", 0.0, float("inf"), True, False, "1.0"),
+    ("model", "init_method_std", 0.0, INF, False, False, "0.02"),
+    ("model", "moe_aux_loss_coeff", 0.0, INF, True, False, "0.01"),
+    ("model", "moe_expert_capacity_factor", 0.0, INF, False, False, "1.25 (or null: no token dropping)"),
+    ("train", "lr", 0.0, INF, False, False, "1e-4"),
+    ("train", "min_lr", 0.0, INF, True, False, "0.0"),
+    ("train", "lr_warmup_iters", 0, INF, True, False, "0 (no warm-up) or 100"),
+    ("train", "lr_warmup_init", 0.0, INF, True, False, "0.0"),
+    ("train", "weight_decay", 0.0, INF, True, False, "0.01"),
+    ("train", "start_weight_decay", 0.0, INF, True, False, "0.01 (or null)"),
+    ("train", "end_weight_decay", 0.0, INF, True, False, "0.1 (or null)"),
+    ("train", "clip_grad", 0.0, INF, True, False, "1.0"),
     ("train", "seed", 0, 2**32 - 1, True, True, "1234"),
-    ("data", "eval_interval", 0, float("inf"), True, False, "0 (off) or 10"),
-    ("train", "manual_gc_interval", 0, float("inf"), True, False, "100 (0: never during training)"),
-    ("data", "num_workers", 0, float("inf"), True, False, "0"),
-    ("measure", "peak_tflops", 0.0, float("inf"), False, False, "989"),
+    ("train", "log_interval", 0, INF, True, False, "0 (no progress lines) or 100"),
+    ("train", "manual_gc_interval", 0, INF, True, False, "100 (0: never during training)"),
+    ("data", "eval_interval", 0, INF, True, False, "0 (off) or 10"),
+    ("data", "num_workers", 0, INF, True, False, "0"),
+    ("measure", "peak_tflops", 0.0, INF, False, False, "989"),
+    ("measure", "memory_fraction", 0.0, 1.0, False, True, "0.5 (or null: no cap)"),
+    ("measure", "memory_budget_gib", 0.0, INF, False, False, "40 (or null: no cap)"),
+    ("measure", "repeat", 0, INF, True, False, "0,1,2 (-m: one process per repetition)"),
+    ("offload", "min_offloaded_tensor_size", 0, INF, True, False, "1048576"),
+    ("offload", "activation_offload_fraction", 0.0, 1.0, False, True, "1.0"),
+    ("offload", "cpu_offloading_num_layers", 0, INF, True, False, "0"),
+    ("offload", "host_memory_gib", 0.0, INF, False, False, "512 (or null: this machine's available memory)"),
+    ("checkpoint", "interval", 0, INF, True, False, "0 (only at the end and on a signal) or 500"),
+    ("checkpoint", "keep_last", 0, INF, True, False, "3 (0: keep all)"),
+    ("estimate", "moe_imbalance", 1.0, INF, True, False, "1.5"),
+    ("estimate", "mfu", 0.0, 1.0, False, True, "0.38"),
+    ("estimate", "host_link_gb_s", 0.0, INF, False, False, "50"),
+    ("estimate", "offload_ms_per_group", 0.0, INF, True, False, "0.072"),
+    ("estimate", "offload_ms_per_gib", 0.0, INF, True, False, "2.98"),
+    ("estimate", "hbm_gb_s", 0.0, INF, False, False, "3000"),
+    ("estimate", "replay_region_ms", 0.0, INF, True, False, "0.142"),
+    ("estimate", "launch_us", 0.0, INF, True, False, "10"),
     ("launcher", "master_port", 0, 65535, True, True, "0 (a free port)"),
+    (None, "lock_wait_s", 0.0, INF, True, False, "1800 (0: skip a busy point at once)"),
 )
 
 
@@ -72,17 +103,39 @@ def check_values(cfg) -> None:
                    "at least 1)", f"set {section}.{key} to a positive number"
                    + (", or null" if value is not None and _optional(section, key) else ""))
     for section, key, low, high, low_ok, high_ok, example in RANGES:
-        value = cfg[section].get(key)
-        inside = (low <= value if low_ok else low < value) and (value <= high if high_ok else value < high)
-        if high == float("inf"):
+        name = f"{section}.{key}" if section else key
+        where = cfg.get(section) if section else cfg
+        if not where or key not in where:  # a stored config of an older schema: the tool upgrades it
+            continue
+        value = where[key]
+        if value is None and section and _optional(section, key):
+            continue
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        inside = number and (low <= value if low_ok else low < value) and (value <= high if high_ok else value < high)
+        if high == INF:
             bounds = f"{'>=' if low_ok else '>'} {low}"
         else:
             bounds = f"in {'[' if low_ok else '('}{low}, {high}{']' if high_ok else ')'}"
-        check(value is not None and inside, f"{section}.{key}", f"{value} is not {bounds}",
-               f"set {section}.{key} {bounds}, e.g. {section}.{key}={example}")
+        finite = not number or value - value == 0  # NaN and infinity are not
+        check(inside, name, f"{value} is not {'a finite number ' if not finite else ''}{bounds}",
+              f"set {name}={example}; it must be {bounds}")
+    check_split(cfg["data"]["split"])
     pos = cfg["model"]["position_embedding_type"]
     check(pos in ("rope", "learned_absolute", "none"), "model.position_embedding_type",
            f"unknown position embedding {pos!r}", "use rope, learned_absolute or none")
+
+
+def check_split(split: str) -> None:
+    """``data.split``: megatron's train,valid,test weights, three numbers >= 0 that do not sum to 0 (mock data
+    splits by it too)."""
+    parts = str(split).split(",")
+    try:
+        weights = [float(p) for p in parts]
+    except ValueError:
+        weights = []
+    check(len(weights) == 3 and all(w >= 0 and w != INF for w in weights) and sum(weights) > 0, "data.split",
+          f"{split!r} is not three weights train,valid,test (numbers >= 0, not all 0)",
+          "set data.split=98,2,0 (megatron's train,valid,test weights)")
 
 
 def _optional(section: str, key: str) -> bool:
