@@ -142,7 +142,7 @@ def train_and_measure(cfg: dict, result: dict, run_dir: Path | None = None,
     check_resolved(result["labels"])  # a label that wraps nothing is refused before training
     resume, notes = find_resume(cfg, run_dir)
     if resume is not None:
-        restored = load_checkpoint(trainer, cfg, resume)
+        restored = load_checkpoint(trainer, cfg, resume, verified=True)
         notes += restored["notes"]
         result["resumed_from"] = {"path": str(resume), "step": restored["step"]}
         result.update(restored["measured"])
@@ -278,7 +278,9 @@ def main(run_dir: str, exiting: bool = False) -> int:
     except (LabelError, ConfigError) as err:  # a label that wraps nothing; a checkpoint of another model
         result.update(status="refused", error=str(err))
         exit_code = 2
-    except Exception as err:  # recorded, never lost: the sweep goes on
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as err:  # recorded, never lost: the sweep goes on (torch's CheckpointException is a BaseException)
         if is_oom(err):
             first = next((l for l in str(err).splitlines() if "memory" in l or "calloc" in l), str(err))
             result.update(status="oom", error=first.strip(), memory_at_failure=memory_now())
@@ -308,7 +310,7 @@ def main(run_dir: str, exiting: bool = False) -> int:
 def resumes(cfg: dict, run_dir: Path) -> bool:
     """Whether this process will continue a checkpoint (then its W&B run continues the earlier one)."""
     try:
-        return find_resume(cfg, run_dir)[0] is not None
+        return find_resume(cfg, run_dir, deep=False)[0] is not None
     except Exception:  # a bad checkpoint.resume is refused later, by train_and_measure
         return False
 
