@@ -20,7 +20,7 @@ from launch.slurm import node_rank, wait_for_rank_files
 from recipes.analyze.logger import close_unfinished, usable_logger, write_identity
 from recipes.data.indexed import validate_data
 from recipes.errors import ConfigError
-from recipes.files import UnreadableFile, write_json_atomic
+from recipes.files import UnreadableFile, write_json_atomic, write_json_or_fallback
 from recipes.measure.profile import write_timeline_pngs
 from recipes.offload import option_of as offload_option_of
 from recipes.predict.estimate import planned_host_bytes
@@ -213,6 +213,29 @@ def _run(cfg: DictConfig) -> dict:
         lock.release()
 
 
+#: What a result.json keeps when the whole one cannot be written (``record``).
+RECORD_KEYS = ("schema_version", "name", "choices", "overrides", "run_dir", "created", "wall_s", "config")
+
+
+def record(run_dir: Path, result: dict) -> dict:
+    """Write ``RUN_DIR/result.json``. On a full disk or an unwritable directory the run still ends with
+    a record: a small result.json (status ``failed``, the error, the checkpoint) if that fits, and a
+    message naming the path and what was kept (the checkpoint, worker.log, progress.jsonl)."""
+    path = run_dir / "result.json"
+    saved = next((r["checkpoint"] for r in result.get("ranks") or [] if r.get("checkpoint")), None)
+    small = {**{k: result[k] for k in RECORD_KEYS if k in result}, "status": "failed", "checkpoint": saved,
+             "ranks": [{k: r.get(k) for k in ("rank", "status", "error")} for r in result.get("ranks") or []]}
+    err = write_json_or_fallback(path, result, {**small, "error": f"the full result could not be written to {path}"})
+    if err is None:
+        return result
+    error = f"{path} could not be written ({type(err).__name__}: {err}) for a run that ended {result.get('status')}"
+    kept = [f"checkpoint of step {saved['step']} at {saved['path']} (the same command resumes from it)" if saved
+            else "no checkpoint", f"{run_dir / 'worker.log'}", f"{run_dir / 'progress.jsonl'} (if logged)"]
+    print(f"[error] {error}; kept: {'; '.join(kept)}; free space or choose another output_dir and run the same "
+          "command again", file=sys.stderr, flush=True)
+    return {**result, "status": "failed", "error": error}
+
+
 def _launch(cfg: DictConfig, plain: dict, name: str, choices: dict, run_dir: Path, node: int) -> dict:
     previous = stored(run_dir) if node == 0 and not cfg.rerun else None
     if previous is not None:
@@ -272,7 +295,7 @@ def _launch(cfg: DictConfig, plain: dict, name: str, choices: dict, run_dir: Pat
     write_timeline_pngs(result, run_dir)
     if result["status"] == "failed" and not result.get("ranks"):
         result["log_tail"] = log_path.read_text()[-4000:]
-    write_json_atomic(run_dir / "result.json", result)
+    result = record(run_dir, result)
     print_run(result)
     close_unfinished(plain["logger"], result)  # only a W&B run a killed worker left open; warns, never raises
     while workers.RECEIVED:  # under Slurm's submitit launcher: its own handler requeues the job now

@@ -37,7 +37,7 @@ from recipes.build import compat
 from recipes.build.model import num_parameters
 from recipes.data.indexed import check_tokenizer
 from recipes.errors import ConfigError
-from recipes.files import GIB, write_json_atomic
+from recipes.files import GIB, write_json_or_fallback
 from recipes.measure.collections import collection_findings
 from recipes.measure.labels import LabelError, check_resolved, label_findings, resolve_labels
 from recipes.measure.routing import RoutingRecorder
@@ -289,7 +289,15 @@ def main(run_dir: str, exiting: bool = False) -> int:
             result.update(status="failed", error=f"{type(err).__name__}: {err}")
             result["traceback"] = traceback.format_exc(limit=20)
             exit_code = 1
-    write_json_atomic(run / "ranks" / f"rank{rank}.json", result)
+    rank_file = run / "ranks" / f"rank{rank}.json"
+    small = {k: result.get(k) for k in ("rank", "status", "error", "host", "device", "checkpoint", "stopped_at")}
+    if (err := write_json_or_fallback(rank_file, result, small)) is not None:  # a full disk: say what was kept
+        saved = result.get("checkpoint")
+        result.update(status="failed", error=f"{rank_file} could not be written ({type(err).__name__}: {err})")
+        print(f"[rank {rank}] {result['error']}; the run ended {small['status']}; kept: "
+              + (f"the checkpoint of step {saved['step']} at {saved['path']}" if saved else "no checkpoint"),
+              file=sys.stderr)
+        exit_code = exit_code or 1
     if exit_code == CONTROL_ABANDONED:
         print(f"[rank {rank}] ok, but its in-run control ledger ran out of memory: leaving now so that no rank "
               "waits in that pass (torchrun stops the others; their results are written)", file=sys.stderr)
