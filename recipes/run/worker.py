@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from launch.affinity import pin_worker
+from launch.process import PREEMPT_SIGNALS
 from recipes.analyze.logger import NullRun, WandbRun, open_run, read_identity
 from recipes.build import compat
 from recipes.build.model import num_parameters
@@ -67,13 +68,13 @@ from recipes.run.world import init_distributed, rank_coordinates
 
 
 class StopSignal:
-    """SIGTERM and SIGUSR1 (Slurm's warning before the time limit, a preemption) set a flag; the
-    training loop saves a checkpoint at the next step boundary and stops (status ``preempted``).
+    """``launch.process.PREEMPT_SIGNALS`` (SIGTERM, SIGUSR1, SIGUSR2: a preemption, Slurm's warning before
+    the time limit) set a flag; the training loop saves a checkpoint at the next step boundary and stops (status ``preempted``).
 
     With several ranks the flag is agreed over a gloo group (a CPU all-reduce: no device sync), so
     every rank stops at the same step even when only some received the signal."""
 
-    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+    SIGNALS = PREEMPT_SIGNALS
 
     def __init__(self):
         self.received: str | None = None
