@@ -155,6 +155,16 @@ def find_resume(cfg: dict, run_dir: Path | None, deep: bool = True) -> tuple[Pat
     return None, notes + [f"checkpoint.resume=auto: no checkpoint in {root}, starting from step 0"]
 
 
+def discard(root: Path) -> list[Path]:
+    """Delete every checkpoint of ``root`` (``step_*``, ``tmp.*``, ``latest``): ``rerun=true`` replaces a
+    run. Returns the checkpoints deleted; nothing else in ``root`` is touched."""
+    steps, partial = _step_dirs(root)
+    for d in steps + partial:
+        shutil.rmtree(d, ignore_errors=True)
+    (root / LATEST).unlink(missing_ok=True)
+    return steps
+
+
 def _latest_named(root: Path) -> Path | None:
     try:
         return root / (root / LATEST).read_text().strip()

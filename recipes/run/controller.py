@@ -213,6 +213,51 @@ def _run(cfg: DictConfig) -> dict:
         lock.release()
 
 
+#: ``train.*`` keys that may change when a finished run is continued further (``extension``).
+EXTENDABLE = ("train_iters", "lr_decay_iters", "exit_interval", "log_interval")
+
+
+def extension(previous: dict, plain: dict, run_dir: Path, name: str) -> bool:
+    """Whether this run continues a finished one further: ``checkpoint.resume`` set, only
+    ``train.train_iters`` raised (and the ``EXTENDABLE`` keys), a checkpoint to continue from. Says what is
+    kept and what is replaced; a finished run that kept no checkpoint is refused with the fix."""
+    saved = previous.get("config") or {}
+    if previous.get("status") not in COMPLETE or not plain["checkpoint"]["resume"]:
+        return False
+    if changed_keys(saved, plain) != ["train"]:
+        return False
+    old, new = saved.get("train") or {}, plain["train"]
+    if any(old.get(k) != new.get(k) for k in set(old) | set(new) if k not in EXTENDABLE):
+        return False
+    if not isinstance(old.get("train_iters"), int) or new["train_iters"] <= old["train_iters"]:
+        return False
+    from recipes.run.checkpoint import find_resume
+
+    path, _ = find_resume(plain, run_dir, deep=False)  # a checkpoint that does not verify is refused here
+    if path is None:
+        raise ConfigError("train.train_iters", f"{run_dir} finished at step {old['train_iters']} but kept no "
+                          "checkpoint to continue from", "rerun=true trains it again from step 0 with "
+                          f"train.train_iters={new['train_iters']} (its result is replaced), or choose another output_dir")
+    print(f"[extend] {name}: continuing {run_dir} from {path.name} to train.train_iters={new['train_iters']} "
+          f"(was {old['train_iters']}); kept: its checkpoints, progress.jsonl and W&B run; replaced at the end: "
+          "result.json (the measured window is carried over); the learning-rate schedule continues (its notes follow)",
+          flush=True)
+    return True
+
+
+def replace(plain: dict, run_dir: Path, name: str) -> None:
+    """``rerun=true``: this run replaces what ``run_dir`` holds, its result, progress and checkpoints,
+    and trains from step 0 (a checkpoint left behind would be resumed, or mixed with the new ones)."""
+    from recipes.run.checkpoint import checkpoint_root, discard
+
+    ck = plain["checkpoint"]
+    deleted = discard(checkpoint_root(plain, run_dir)) if ck["save"] or ck["resume"] else []
+    (run_dir / "progress.jsonl").unlink(missing_ok=True)
+    if deleted or (run_dir / "result.json").exists():
+        print(f"[rerun] {name}: replacing {run_dir}: its result, progress.jsonl and {len(deleted)} checkpoint(s) "
+              "are deleted; training starts at step 0", flush=True)
+
+
 #: What a result.json keeps when the whole one cannot be written (``record``).
 RECORD_KEYS = ("schema_version", "name", "choices", "overrides", "run_dir", "created", "wall_s", "config")
 
@@ -243,15 +288,18 @@ def _launch(cfg: DictConfig, plain: dict, name: str, choices: dict, run_dir: Pat
         if previous.get("status") in COMPLETE and not changed:
             print(f"[skip] {name}: complete result in {run_dir} (rerun=true to run again)")
             return previous
+        extends = extension(previous, plain, run_dir, name)
         # output_dir=<a run directory>: never overwritten silently, unless this run continues it from its
         # checkpoints (checkpoint.resume: the worker refuses a checkpoint of another model, naming what differs)
-        continues = bool(plain["checkpoint"]["resume"]) and previous.get("status") not in COMPLETE
+        continues = bool(plain["checkpoint"]["resume"]) and (previous.get("status") not in COMPLETE or extends)
         if changed and not multirun.in_multirun() and not continues:
             raise ConfigError("output_dir", f"{run_dir} holds a run with other {', '.join(changed)} "
-                              f"(status {previous.get('status')})", "add rerun=true to replace it, or choose "
-                              "another output_dir")
-        if previous.get("status") in COMPLETE:
+                              f"(status {previous.get('status')})", "choose another output_dir, or add rerun=true "
+                              "to replace that run (its result and checkpoints are deleted; training starts at step 0)")
+        if previous.get("status") in COMPLETE and not extends:
             print(f"[rerun] {name}: the stored result was measured with other {', '.join(changed)}")
+    if cfg.rerun and node == 0:
+        replace(plain, run_dir, name)
     run_dir.mkdir(parents=True, exist_ok=True)
     if node == 0:
         OmegaConf.save(OmegaConf.create(plain), run_dir / "config.yaml")
