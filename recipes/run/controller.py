@@ -298,14 +298,14 @@ def _launch(cfg: DictConfig, plain: dict, name: str, choices: dict, run_dir: Pat
                               "to replace that run (its result and checkpoints are deleted; training starts at step 0)")
         if previous.get("status") in COMPLETE and not extends:
             print(f"[rerun] {name}: the stored result was measured with other {', '.join(changed)}")
-    if cfg.rerun and node == 0:
-        replace(plain, run_dir, name)
     run_dir.mkdir(parents=True, exist_ok=True)
     if node == 0:
         OmegaConf.save(OmegaConf.create(plain), run_dir / "config.yaml")
     if cfg.dry_run:
         print(f"[dry-run] {name}: config written to {run_dir / 'config.yaml'}")
         return {"status": "dry_run", "name": name, "run_dir": str(run_dir)}
+    if cfg.rerun and node == 0:  # after a dry run's return: it deletes nothing
+        replace(plain, run_dir, name)
     for stale in (run_dir / "ranks").glob("rank*.json") if node == 0 else ():
         stale.unlink()
     if node == 0:  # logger=wandb: the run's W&B name, group, job type and Hydra choices, for the worker
