@@ -17,9 +17,10 @@ from typing import Any
 def build_scheduler(optimizer, train: dict[str, Any], override: bool = False):
     """The OptimizerParamScheduler of ``train.*`` (``recipes.config.TrainConfig``) over ``optimizer``.
 
-    On resume the checkpoint's schedule is kept (``recipes.run.checkpoint`` refuses a run whose
-    schedule differs, before training), unless ``override`` (``checkpoint.override_scheduler``):
-    then this config's schedule applies from the checkpoint's step on."""
+    On resume the checkpoint's schedule is kept, its decay horizon included when only
+    ``train.train_iters`` was raised (``resumed_horizon``; another change is refused before training),
+    unless ``override`` (``checkpoint.override_scheduler``): then this config's schedule applies from
+    the checkpoint's step on."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     wd = train["weight_decay"]
