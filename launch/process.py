@@ -15,6 +15,12 @@ import signal
 import subprocess
 import sys
 
+#: The signals that ask a run to save a checkpoint and stop: SIGTERM (``kill``, a preemption) and the
+#: warning a scheduler sends before the time limit: SIGUSR2 is what submitit's sbatch asks Slurm for
+#: (``--signal=USR2@<hydra.launcher.signal_delay_s>``, submitit's default), SIGUSR1 what a hand-written
+#: ``sbatch --signal=USR1@120`` often asks for. The controller forwards them, torchrun passes them on,
+#: each worker saves on them (``recipes.run.worker.StopSignal``).
+PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
 

@@ -103,6 +103,34 @@ def wait_for_rank_files(run_dir: Path, world: int, timeout_s: float = 60.0) -> i
         time.sleep(1.0)
 
 
+def _values(node: Any, key: str):
+    """(dotted key, value) of every leaf under ``node`` (plain mappings and lists)."""
+    if isinstance(node, Mapping):
+        for k, v in node.items():
+            yield from _values(v, f"{key}.{k}")
+    elif isinstance(node, (list, tuple)):
+        for i, v in enumerate(node):
+            yield from _values(v, f"{key}[{i}]")
+    else:
+        yield key, node
+
+
+def check_launcher_values(launcher: Any) -> None:
+    """Refuse a ``hydra.launcher.*`` value holding a newline or another control character: submitit writes
+    each value into one line of the job script (``#SBATCH --x=<value>``, the setup lines, the command),
+    quoting but not escaping newlines, so a newline would start a line of its own, which runs."""
+    from omegaconf import OmegaConf
+
+    plain = OmegaConf.to_container(launcher, resolve=True) if OmegaConf.is_config(launcher) else launcher
+    for key, value in _values(plain, "hydra.launcher"):
+        bad = sorted({c for c in str(value) if ord(c) < 32 or ord(c) == 127}) if isinstance(value, str) else []
+        if bad:
+            raise ConfigError(key, f"{value!r} holds the control character(s) {', '.join(map(repr, bad))}: the job "
+                              "script takes each value on one line, and a newline would start a line of its own "
+                              "that runs as a command", "remove it (several setup lines are a list: "
+                              "hydra.launcher.setup='[line one,line two]')")
+
+
 def check_submission(config: Any, which: Callable[[str], str | None] = shutil.which,
                      run: Callable[..., Any] = subprocess.run) -> None:
     """Refuse a Slurm submission that cannot work, before anything is submitted.
@@ -110,6 +138,7 @@ def check_submission(config: Any, which: Callable[[str], str | None] = shutil.wh
     ``config`` is the composed root config with its ``hydra`` node (a callback's view).
     """
     hl, launcher = config["hydra"]["launcher"], config["launcher"]
+    check_launcher_values(hl)  # every launcher: submitit_local writes a script too
     if not str(hl.get("_target_", "")).endswith("SlurmLauncher"):
         return
     nodes, tasks = hl["nodes"], hl["tasks_per_node"]

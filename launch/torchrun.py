@@ -13,6 +13,8 @@ import os
 import sys
 from dataclasses import dataclass
 
+from launch.process import PREEMPT_SIGNALS
+
 
 @dataclass(frozen=True)
 class Rendezvous:
@@ -55,5 +57,6 @@ def torchrun_command(launcher: dict, program: list[str], rendezvous: Rendezvous 
     else:
         cmd += [f"--nnodes={rendezvous.nnodes}", f"--node-rank={rendezvous.node_rank}",
                 f"--master-addr={rendezvous.master_addr}", f"--master-port={rendezvous.master_port}"]
-    # SIGUSR1 (Slurm's warning before the time limit) reaches the workers too, which save and stop.
-    return cmd + ["--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"] + program
+    # the preemption signals (Slurm's warning before the time limit) reach the workers too, which save and stop
+    handled = dict.fromkeys(["SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", *(s.name for s in PREEMPT_SIGNALS)])
+    return cmd + [f"--signals-to-handle={','.join(handled)}"] + program

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-import tempfile
+import secrets
 from pathlib import Path
 from typing import Any
 
@@ -26,10 +27,18 @@ class UnreadableFile(ValueError):
         super().__init__(f"{path}: unreadable JSON ({type(err).__name__}: {err})")
 
 
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
+def _new_file(directory: Path, name: str) -> tuple[int, Path]:
+    """A new, unique file in ``directory`` open for writing, created with mode 0666 less the process's
+    umask (the kernel applies it, as to a plain ``open``): no umask change, which would be seen by every
+    thread of the process."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+    for _ in range(100):
+        tmp = directory / f".{name}.{os.getpid()}.{secrets.token_hex(6)}.tmp"
+        try:
+            return os.open(tmp, flags, 0o666), tmp
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"no free temporary name for {directory / name}")
 
 
 def write_json_atomic(path: Path, data: Any) -> None:
@@ -39,17 +48,29 @@ def write_json_atomic(path: Path, data: Any) -> None:
     hide results from the rest of a group on a shared cluster file system."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    fd, tmp = _new_file(path.parent, path.name)
     try:
         with os.fdopen(fd, "w") as f:
             json.dump(data, f, indent=2, default=str)
             f.flush()
             os.fsync(f.fileno())
-        os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
+
+
+def write_json_or_fallback(path: Path, data: Any, fallback: Any) -> OSError | None:
+    """``write_json_atomic(path, data)``; if that fails (a full disk, a read-only or vanished directory),
+    try the small ``fallback`` record at the same path and return the first error (None: all written).
+    The caller says what was kept: the error names the path."""
+    try:
+        write_json_atomic(path, data)
+        return None
+    except OSError as err:
+        with contextlib.suppress(OSError):
+            write_json_atomic(path, fallback)
+        return err
 
 
 def read_json(path: Path) -> Any:

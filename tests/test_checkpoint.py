@@ -117,7 +117,7 @@ def test_partial_checkpoints_are_named_and_never_used(saved, tmp_path):
     path, notes = find_resume(cfg, run)
     assert path == ckpts / "step_00000004"
     assert any("tmp.step_00000006" in n and "ignored" in n for n in notes)
-    assert any("step_00000008" in n and "ignored" in n for n in notes)
+    assert any("skipped checkpoint" in n and "step_00000008" in n for n in notes)
 
 
 def test_resume_auto_without_a_checkpoint_starts_fresh_and_says_so(tmp_path):
@@ -135,3 +135,169 @@ def test_a_failed_save_stops_training_with_a_clear_error(megatron_world, tmp_pat
     with pytest.raises(CheckpointError, match="cannot create .*training stopped"):
         train(cfg, tmp_path)
     assert not (blocker.parent / LATEST).exists()
+
+
+# --- checkpoints that cannot lose or run code --------------------------------------------------------
+
+
+def _copy(saved: Path, tmp_path: Path) -> Path:
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(saved, run)
+    return run
+
+
+class _Marker:
+    """Unpickling it creates ``path`` (what a crafted checkpoint could do with any command)."""
+
+    def __init__(self, path: Path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return open, (self.path, "w")
+
+
+def test_a_tampered_metadata_file_is_refused_before_anything_is_unpickled(megatron_world, saved, tmp_path):
+    import pickle
+
+    run = _copy(saved, tmp_path)
+    newest = run / "checkpoints" / "step_00000004"
+    probe = tmp_path / "probe"
+    pickle.loads(pickle.dumps(_Marker(probe)))  # the payload works: unpickling it creates the file
+    assert probe.exists()
+    marker = tmp_path / "code_ran"
+    size = (newest / ".metadata").stat().st_size  # the same size: only its hash tells it apart
+    payload = pickle.dumps(_Marker(marker))
+    (newest / ".metadata").write_bytes(payload + b" " * (size - len(payload)))
+    from recipes.run.checkpoint import load_checkpoint
+
+    cfg = compose("train.train_iters=4", "measure.start_step=2", "measure.profile=none", "checkpoint=default",
+                  f"checkpoint.resume={newest}")
+    with pytest.raises(ConfigError, match=r"does not verify .*\.metadata: .*sha256") as err:
+        find_resume(cfg, run)
+    assert str(newest) in str(err.value) and "checkpoint.resume" in str(err.value)
+    from conftest import build_trainer
+
+    trainer = build_trainer(cfg)
+    try:
+        with pytest.raises(ConfigError, match="does not verify"):
+            load_checkpoint(trainer, cfg, newest)  # called directly: it verifies before it reads
+    finally:
+        trainer.close()
+    path, notes = find_resume(compose("checkpoint=default"), run)  # auto: the previous one
+    assert path == run / "checkpoints" / "step_00000002"
+    assert any(f"skipped checkpoint {newest}" in n and ".metadata" in n for n in notes)
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("damage", ["truncated", "emptied_meta", "extra_file", "no_manifest"])
+def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one_and_names_it(megatron_world, saved, tmp_path, damage):
+    from recipes.run.manifest import MANIFEST
+
+    run = _copy(saved, tmp_path)
+    newest = run / "checkpoints" / "step_00000004"
+    if damage == "truncated":
+        shard = max((p for p in newest.iterdir() if p.suffix == ".distcp"), key=lambda p: p.stat().st_size)
+        shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    elif damage == "emptied_meta":
+        (newest / "meta.json").write_text("")
+    elif damage == "extra_file":
+        (newest / "__9_0.distcp").write_bytes(b"x")
+    else:
+        (newest / MANIFEST).unlink()
+    cfg = compose("train.train_iters=4", "measure.start_step=2", "measure.profile=none", "checkpoint=default")
+    path, notes = find_resume(cfg, run)
+    assert path == run / "checkpoints" / "step_00000002"
+    assert any(n.startswith(f"skipped checkpoint {newest}") for n in notes), notes
+    if damage == "truncated":  # and the run goes on from there, saving step 4 again over the damaged one
+        result, _ = train(cfg, run)
+        assert result["resumed_from"]["step"] == 2 and len(result["loss"]) == 2
+        assert any(f"skipped checkpoint {newest}" in n for n in result["checkpoint_notes"])
+        assert find_resume(cfg, run)[0] == newest
+
+
+def test_no_checkpoint_that_verifies_is_refused_not_started_over(saved, tmp_path):
+    from recipes.run.manifest import MANIFEST
+
+    run = _copy(saved, tmp_path)
+    for ckpt in (run / "checkpoints").glob("step_*"):
+        (ckpt / MANIFEST).unlink()
+    with pytest.raises(ConfigError, match="(?s)no checkpoint under .* verifies.*python -m recipes.run.manifest trust"):
+        find_resume(compose("checkpoint=default"), run)
+    from recipes.run.manifest import trust
+
+    trust(run / "checkpoints" / "step_00000004")
+    assert find_resume(compose("checkpoint=default"), run)[0] == run / "checkpoints" / "step_00000004"
+
+
+def test_a_save_failing_with_a_base_exception_stops_naming_step_directory_and_error(megatron_world, tmp_path, monkeypatch):
+    from megatron.core import dist_checkpointing
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    assert not issubclass(CheckpointException, Exception)  # why the save catches BaseException
+
+    def failing(*args, **kwargs):
+        raise CheckpointException("write failed: no space left on device", {})
+
+    monkeypatch.setattr(dist_checkpointing, "save", failing)
+    cfg = compose("train.train_iters=3", "measure.start_step=2", "measure.profile=none", "checkpoint=default")
+    with pytest.raises(CheckpointError) as err:
+        train(cfg, tmp_path)
+    text = str(err.value)
+    assert "step 3" in text and str(tmp_path / "checkpoints" / "tmp.step_00000003") in text
+    assert "CheckpointException" in text and "no space left" in text and "training stopped" in text
+    assert not (tmp_path / "checkpoints" / LATEST).exists()
+
+
+def _fake_checkpoint(root: Path, step: int) -> Path:
+    import json
+
+    from recipes.run.checkpoint import FORMAT, step_name
+    from recipes.run.manifest import trust
+
+    d = root / step_name(step)
+    d.mkdir(parents=True)
+    (d / "meta.json").write_text(json.dumps({"format": FORMAT, "step": step}))
+    trust(d)
+    return d
+
+
+@pytest.mark.parametrize("keep", [-3, -1, 0, None, 1, 2])
+def test_retention_never_deletes_the_newest_complete_checkpoint(tmp_path, keep):
+    from recipes.run.checkpoint import _prune
+
+    root = tmp_path / "checkpoints"
+    made = [_fake_checkpoint(root, s) for s in (2, 4, 6)]
+    later = _fake_checkpoint(root, 10)  # a later step of a run this one resumed before: not ours to delete
+    deleted = _prune(root, keep, made[-1])
+    left = sorted(p for p in root.iterdir())
+    assert made[-1] in left and later in left
+    if keep is None or keep < 1:
+        assert deleted == [] and len(left) == 4
+    else:
+        assert left == sorted([*made[-keep:], later])
+
+
+def test_raising_train_iters_continues_the_learning_rate_curve(megatron_world, tmp_path):
+    """A finished 12-step cosine run extended to 18 steps follows the curve of an uninterrupted 18-step run
+    whose decay ends at step 12: no jump, no second warm-up, min_lr past the horizon."""
+    schedule = ("train.lr=1e-3", "train.min_lr=1e-4", "train.lr_warmup_iters=3", "train.lr_decay_style=cosine",
+                "measure.profile=none", "measure.start_step=2")
+    straight, _ = train(compose(*schedule, "train.train_iters=18", "train.lr_decay_iters=12"), tmp_path / "straight")
+    run = tmp_path / "extended"
+    first, _ = train(compose(*schedule, "train.train_iters=12", "checkpoint=default"), run)
+    assert first["status"] == "ok" and first["lr"] == straight["lr"][:12]
+    second, _ = train(compose(*schedule, "train.train_iters=18", "checkpoint=default"), run)
+    assert second["resumed_from"]["step"] == 12 and second["first_step"] == 13
+    assert second["lr"] == straight["lr"][12:] and second["lr"][0] == pytest.approx(1e-4)
+    assert any("decay still ends at step 12" in n for n in second["checkpoint_notes"])
+    # train.lr_decay_iters moves the horizon from the checkpoint's step on, and says so
+    moved = tmp_path / "moved"
+    import shutil
+
+    shutil.copytree(run, moved, ignore=shutil.ignore_patterns("step_00000018"))
+    (moved / "checkpoints" / LATEST).write_text("step_00000012\n")
+    third, _ = train(compose(*schedule, "train.train_iters=18", "train.lr_decay_iters=24", "checkpoint=default"), moved)
+    assert third["resumed_from"]["step"] == 12 and third["lr"][0] > second["lr"][0]
+    assert any("train.lr_decay_iters=24: the decay now ends at that step" in n for n in third["checkpoint_notes"])

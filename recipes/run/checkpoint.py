@@ -13,13 +13,16 @@ format (``dist_checkpointing.save``), holding:
   and validation: the data-iterator position);
 - ``rank_state``: per rank (a ``ShardedObject`` over the world), the torch, CUDA and megatron
   tracker RNG states and the measurements of the window, when it is already behind;
-- megatron ``content_metadata``, and ``meta.json`` (plain JSON, written last, for tools and for the
-  controller's check before launch): the step, the world size and layout, and the model config.
+- megatron ``content_metadata``, and ``meta.json`` (plain JSON, for tools and for the controller's
+  check before launch): the step, the world size and layout, the model config and the schedule;
+- ``manifest.json``, written last: every file's size and sha256 (``recipes.run.manifest``).
 
-Atomicity: all ranks write into ``tmp.step_<n>``; rank 0 then writes ``meta.json``, renames the
-directory to ``step_<n>`` and only then rewrites ``latest`` (the name of the newest complete
-checkpoint). A crash mid-save leaves a ``tmp.*`` directory that is never loaded (a warning names
-it). Load it with megatron's own API: ``docs/training.md``.
+Atomicity: all ranks write into ``tmp.step_<n>``; rank 0 writes ``meta.json``, the ranks hash their
+share of the files, rank 0 writes the manifest, renames the directory to ``step_<n>`` and, once it
+verifies, rewrites ``latest`` and deletes the checkpoints past ``checkpoint.keep_last``. Nothing is
+loaded that does not verify against its manifest (files, sizes, hashes), before any file is
+unpickled; ``resume=auto`` falls back to the newest one that does, naming each one it skipped.
+Load it with megatron's own API: ``docs/training.md``.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import torch
 from recipes.build import upstream
 from recipes.errors import ConfigError
 from recipes.files import write_json_atomic
+from recipes.run import manifest
 
 LATEST = "latest"
 META = "meta.json"
@@ -67,51 +71,98 @@ def checkpoint_root(cfg: dict, run_dir: Path | None) -> Path:
 
 def read_meta(path: Path) -> dict | None:
     try:
-        return json.loads((Path(path) / META).read_text())
+        meta = json.loads((Path(path) / META).read_text())
     except (OSError, ValueError):
         return None
+    return meta if isinstance(meta, dict) else None
+
+
+def _step_dirs(root: Path) -> tuple[list[Path], list[Path]]:
+    """(``step_<n>`` directories, newest first; ``tmp.*`` ones: saves that did not finish)."""
+    if not root.is_dir():
+        return [], []
+    dirs = [d for d in root.iterdir() if d.is_dir() and not d.is_symlink()]
+    steps = sorted((d for d in dirs if d.name.startswith("step_")), key=lambda d: d.name, reverse=True)
+    return steps, sorted(d for d in dirs if d.name.startswith("tmp."))
 
 
 def complete_checkpoints(root: Path) -> tuple[list[Path], list[Path]]:
-    """(complete checkpoints by step, partial ones): complete = renamed and with ``meta.json``."""
-    if not root.is_dir():
-        return [], []
-    complete, partial = [], []
-    for d in sorted(root.iterdir()):
-        if not d.is_dir():
-            continue
-        if d.name.startswith("tmp.") or (d.name.startswith("step_") and read_meta(d) is None):
-            partial.append(d)
-        elif d.name.startswith("step_"):
-            complete.append(d)
-    complete.sort(key=lambda d: read_meta(d)["step"])
-    return complete, partial
+    """(checkpoints whose manifest lists their files at their sizes, oldest first; the rest found).
+    Sizes only: the hashes are checked (``verify``) before the one to load is read."""
+    steps, partial = _step_dirs(root)
+    complete = [d for d in steps if not manifest.problems(d, deep=False)]
+    return complete[::-1], sorted(partial + [d for d in steps if d not in complete])
 
 
-def find_resume(cfg: dict, run_dir: Path | None) -> tuple[Path | None, list[str]]:
+def verify(path: Path, deep: bool = True) -> list[str]:
+    """Why the checkpoint ``path`` must not be loaded (empty: it may). With several ranks, ``deep``
+    hashes are shared out among them and the answer agreed, so every rank decides alike."""
+    dist = torch.distributed.is_available() and torch.distributed.is_initialized()
+    rank, world = (torch.distributed.get_rank(), torch.distributed.get_world_size()) if dist else (0, 1)
+    found = manifest.problems(path, deep=deep, share=(rank, world))
+    if meta_problem := (None if found else _meta_problem(path)):
+        found.append(meta_problem)
+    if world == 1 or not deep:
+        return found
+    every: list = [None] * world
+    torch.distributed.all_gather_object(every, found)
+    return sorted({p for rank_found in every for p in rank_found})
+
+
+def _meta_problem(path: Path) -> str | None:
+    meta = read_meta(path)
+    if meta is None or meta.get("format") != FORMAT or not isinstance(meta.get("step"), int):
+        return f"{META} is not this project's (format {FORMAT}, with a step)"
+    return None
+
+
+#: How to make a checkpoint of your own that predates manifests loadable (recipes.run.manifest).
+TRUST_FIX = "python -m recipes.run.manifest trust <dir> writes one for a checkpoint you saved yourself"
+
+
+def find_resume(cfg: dict, run_dir: Path | None, deep: bool = True) -> tuple[Path | None, list[str]]:
     """The checkpoint to resume from (or None) and what to tell the user about the choice.
 
-    ``checkpoint.resume``: null (start fresh), ``auto`` (the newest complete checkpoint under
-    ``checkpoint_root``; none: start fresh and say so), or a path (a checkpoint directory, or a
-    directory of them). A partial checkpoint is never used; each one found is named."""
+    ``checkpoint.resume``: null (start fresh), ``auto`` (the newest checkpoint under ``checkpoint_root``
+    that verifies: its manifest's files, sizes and, with ``deep``, hashes; each one skipped is named;
+    none at all: start fresh and say so), or a path (a checkpoint directory, or a directory of them).
+    Nothing is loaded that does not verify: ``recipes.run.manifest``."""
     resume = cfg["checkpoint"]["resume"]
     if not resume:
         return None, []
     root = checkpoint_root(cfg, run_dir) if resume == "auto" else Path(os.path.expanduser(resume))
-    if resume != "auto" and read_meta(root) is not None:
-        return root, [f"resuming from {root} (step {read_meta(root)['step']})"]
-    complete, partial = complete_checkpoints(root)
+    single = resume != "auto" and any((root / name).exists() for name in (manifest.MANIFEST, META, ".metadata"))
+    steps, partial = ([root], []) if single else _step_dirs(root)
     notes = [f"partial checkpoint {p} ignored (a save did not finish)" for p in partial]
-    latest = _latest_named(root)
-    if latest is not None and latest in complete and latest != complete[-1]:
-        notes.append(f"{root / LATEST} names {latest.name}, but {complete[-1].name} is newer and complete")
-    if not complete:
-        if resume != "auto":
-            raise ConfigError("checkpoint.resume", f"no complete checkpoint in {root}",
-                              "give a step_<n> directory written by this project, or checkpoint.resume=auto")
-        return None, notes + [f"checkpoint.resume=auto: no checkpoint in {root}, starting from step 0"]
-    chosen = complete[-1]
-    return chosen, notes + [f"resuming from {chosen} (step {read_meta(chosen)['step']})"]
+    for candidate in steps:
+        found = verify(candidate, deep=deep)
+        if not found:
+            step = read_meta(candidate)["step"]
+            latest = _latest_named(root)
+            if not single and latest is not None and latest != candidate and latest.name > candidate.name:
+                notes.append(f"{root / LATEST} names {latest.name}, which does not verify")
+            return candidate, notes + [f"resuming from {candidate} (step {step})"]
+        notes.append(f"skipped checkpoint {candidate}: " + "; ".join(found[:3]) + (" ..." if len(found) > 3 else ""))
+    if single or steps:
+        what = f"{root} does not verify" if single else f"no checkpoint under {root} verifies"
+        raise ConfigError("checkpoint.resume", f"{what} ({'; '.join(notes[-len(steps):])}), so none is loaded: "
+                          "a checkpoint is read with pickle, and one that changed after its save could run code",
+                          f"if they are your own from before manifests, {TRUST_FIX}; otherwise start fresh with "
+                          "checkpoint.resume=null and another checkpoint.dir (or rerun=true, which replaces them)")
+    if resume != "auto":
+        raise ConfigError("checkpoint.resume", f"no complete checkpoint in {root}",
+                          "give a step_<n> directory written by this project, or checkpoint.resume=auto")
+    return None, notes + [f"checkpoint.resume=auto: no checkpoint in {root}, starting from step 0"]
+
+
+def discard(root: Path) -> list[Path]:
+    """Delete every checkpoint of ``root`` (``step_*``, ``tmp.*``, ``latest``): ``rerun=true`` replaces a
+    run. Returns the checkpoints deleted; nothing else in ``root`` is touched."""
+    steps, partial = _step_dirs(root)
+    for d in steps + partial:
+        shutil.rmtree(d, ignore_errors=True)
+    (root / LATEST).unlink(missing_ok=True)
+    return steps
 
 
 def _latest_named(root: Path) -> Path | None:
@@ -270,18 +321,22 @@ def full_state(trainer, extra: dict, is_loading: bool) -> dict:
 def _meta(cfg: dict, trainer) -> dict:
     return {"format": FORMAT, "step": trainer.step_count,
             "world_size": torch.distributed.get_world_size(), "global_batch_size": trainer.global_batch_size,
-            "config": {k: cfg[k] for k in ("model", "parallel", "train", "data")}}
+            "config": {k: cfg[k] for k in ("model", "parallel", "train", "data")},
+            "schedule": trainer.scheduler.state_dict()}
 
 
 def save_checkpoint(trainer, cfg: dict, root: Path, measured: dict | None = None) -> Path:
     """Save step ``trainer.step_count`` under ``root``; returns the complete checkpoint's path.
 
-    Raises ``CheckpointError`` (with the last good checkpoint) when any rank fails: ``latest`` is
-    only rewritten after the whole directory is complete and renamed."""
+    Raises ``CheckpointError`` naming the step, the directory and the error when any rank fails, for
+    any exception class (torch's ``CheckpointException`` is a ``BaseException``). The manifest is
+    written last; ``latest`` is rewritten and older checkpoints deleted (``checkpoint.keep_last``) only
+    once the renamed directory verifies."""
     from megatron.core import dist_checkpointing
 
-    rank = torch.distributed.get_rank()
-    final = root / step_name(trainer.step_count)
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    step = trainer.step_count
+    final = root / step_name(step)
     tmp = root / f"tmp.{final.name}"
     error = None
     try:
@@ -292,26 +347,53 @@ def save_checkpoint(trainer, cfg: dict, root: Path, measured: dict | None = None
             tmp.mkdir()
     except OSError as err:
         error = f"{type(err).__name__}: {err}"
-    _agree(error, f"cannot create {tmp}")
+    _agree(error, f"cannot create {tmp} for the checkpoint of step {step}")
     cause = None
     try:
         state = full_state(trainer, {"measured": measured}, is_loading=False)
         dist_checkpointing.save(state, str(tmp), content_metadata=_meta(cfg, trainer)["config"]["model"])
-    except Exception as err:  # noqa: BLE001  disk full, read-only, a rank's error: all stop together
-        error, cause = f"{type(err).__name__}: {err}", err
-    _agree(error, f"saving the checkpoint of step {trainer.step_count} to {tmp} failed", cause)
-    try:
         if rank == 0:
             write_json_atomic(tmp / META, _meta(cfg, trainer))
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as err:  # noqa: BLE001  disk full, read-only, a rank's error, CheckpointException
+        error, cause = describe(err), err
+    _agree(error, f"saving the checkpoint of step {step} to {tmp} failed", cause)
+    files: dict = {}
+    try:  # every rank hashes its share of the files (the slow part of a manifest)
+        names = [n for n in manifest.listed(tmp)[0] if n != META]
+        files = manifest.entries(tmp, names[rank::world])
+    except OSError as err:
+        error, cause = f"{type(err).__name__}: {err}", err
+    _agree(error, f"hashing the checkpoint of step {step} in {tmp} failed", cause)
+    shares: list = [None] * world
+    torch.distributed.all_gather_object(shares, files)
+    try:
+        if rank == 0:
+            for share in shares:
+                files.update(share)
+            files.update(manifest.entries(tmp, [META]))
+            manifest.write_manifest(tmp, files, step)
             if final.exists():
                 shutil.rmtree(final)
             tmp.rename(final)
+            found = manifest.problems(final, deep=False)
+            if found:
+                raise OSError(f"{final} does not verify after its save: {'; '.join(found[:3])}")
             _write_text_atomic(root / LATEST, final.name)
-            _prune(root, cfg["checkpoint"]["keep_last"])
+            _prune(root, cfg["checkpoint"]["keep_last"], final)
     except OSError as err:
-        error = f"{type(err).__name__}: {err}"
-    _agree(error, f"finishing the checkpoint {final} failed")
+        error, cause = f"{type(err).__name__}: {err}", err
+    _agree(error, f"finishing the checkpoint of step {step} in {final} failed", cause)
     return final
+
+
+def describe(err: BaseException) -> str:
+    """``Type: message``; torch's ``CheckpointException`` prints only its ranks, so its message comes first."""
+    text = str(err).strip()
+    if err.args and str(err.args[0]) not in text:
+        text = f"{err.args[0]} ({text})"
+    return f"{type(err).__name__}: {text}"
 
 
 def _agree(error: str | None, what: str, cause: BaseException | None = None) -> None:
@@ -331,31 +413,39 @@ def _write_text_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _prune(root: Path, keep_last: int) -> None:
-    """Delete all but the newest ``keep_last`` complete checkpoints (0 or null keeps all)."""
-    if not keep_last:
-        return
+def _prune(root: Path, keep_last: int | None, newest: Path) -> list[Path]:
+    """Delete all but the newest ``keep_last`` complete checkpoints up to ``newest`` (the one just saved
+    and verified, never deleted); 0, null or less keeps all. Checkpoints of later steps (from a run this
+    one resumed before their step) are left alone. Returns what was deleted."""
+    if not keep_last or keep_last < 1:
+        return []
     complete, _ = complete_checkpoints(root)
-    for old in complete[:-keep_last]:
+    older = [d for d in complete if d.name < newest.name]
+    doomed = older[:max(0, len(older) - (keep_last - 1))]
+    for old in doomed:
         shutil.rmtree(old, ignore_errors=True)
+    return doomed
 
 
-def load_checkpoint(trainer, cfg: dict, path: Path) -> dict:
+def load_checkpoint(trainer, cfg: dict, path: Path, verified: bool = False) -> dict:
     """Load ``path`` into the trainer (model, optimizer, scheduler, data position, step, and the
-    RNG states when the world size matches); returns ``{"step", "measured", "notes"}``."""
+    RNG states when the world size matches); returns ``{"step", "measured", "notes"}``. Nothing is read
+    but JSON until it verifies against its manifest (``verified``: ``find_resume`` just checked it)."""
     from megatron.core import dist_checkpointing
 
-    from recipes.run.schedule import schedule_differences
+    from recipes.run.schedule import restep, resumed_horizon
 
+    if not verified and (found := verify(path)):
+        raise ConfigError("checkpoint.resume", f"{path} does not verify ({'; '.join(found[:3])}), so it is not "
+                          "loaded: a checkpoint is read with pickle", f"resume another one; {TRUST_FIX}")
     meta = check_compatible(path, cfg)
     notes = []
+    horizon = None
     if not cfg["checkpoint"]["override_scheduler"]:
-        saved = _saved_scheduler(meta, cfg)
-        diff = schedule_differences(saved, trainer.scheduler.state_dict()) if saved else []
-        if diff:
-            raise ConfigError("train.lr*", f"{path} was trained with another schedule: " + "; ".join(diff),
-                              "resume with the same train.* schedule, or checkpoint.override_scheduler=true "
-                              "to apply this run's schedule from the checkpoint's step on")
+        saved = _saved_scheduler(meta)
+        if saved:
+            horizon, said = resumed_horizon(saved, trainer.scheduler.state_dict(), cfg["train"], str(path))
+            notes += said
     notes += batch_differences(meta, cfg, trainer.global_batch_size)
     same_world = meta["world_size"] == torch.distributed.get_world_size()
     state = full_state(trainer, {}, is_loading=True)
@@ -363,16 +453,26 @@ def load_checkpoint(trainer, cfg: dict, path: Path) -> dict:
         state.pop("rank_state")
         notes.append(f"saved with {meta['world_size']} ranks, loaded with "
                      f"{torch.distributed.get_world_size()}: RNG states start from the seed")
-    loaded = dist_checkpointing.load(state, str(path))
+    try:
+        loaded = dist_checkpointing.load(state, str(path))
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as err:  # noqa: BLE001  torch's CheckpointException is a BaseException
+        raise CheckpointError(f"loading the checkpoint {path} (step {meta['step']}) failed: {describe(err)}; "
+                              "it matches its manifest, so it was saved this way") from err
     for i, chunk in enumerate(trainer.chunks):
         key = "model" if len(trainer.chunks) == 1 else f"model{i}"
         _gpt(chunk).load_state_dict(loaded[key], strict=True)
     load_optimizer_state(trainer, loaded["optimizer"])
+    scheduler = trainer.scheduler
     if cfg["checkpoint"]["override_scheduler"]:
-        trainer.scheduler.num_steps = 0
-        trainer.scheduler.step(increment=int(loaded["step"]))
-    else:
-        trainer.scheduler.load_state_dict(loaded["scheduler"])
+        scheduler.num_steps = int(loaded["step"])
+        notes.append(f"checkpoint.override_scheduler=true: this run's train.* schedule applies from step {loaded['step']}")
+    else:  # megatron keeps the checkpoint's values (use_checkpoint_opt_param_scheduler)
+        scheduler.load_state_dict(loaded["scheduler"])
+        if horizon is not None:
+            scheduler.lr_decay_steps = scheduler.wd_incr_steps = horizon
+    restep(scheduler)  # megatron's load steps before it sets the weight-decay horizon
     trainer.step_count = int(loaded["step"])
     trainer.data.seek(int(loaded["consumed_samples"]))
     if trainer.valid_data is not None:
@@ -398,8 +498,10 @@ def batch_differences(meta: dict, cfg: dict, global_batch_size: int) -> list[str
             for key in now if saved[key] is not None and saved[key] != now[key]]
 
 
-def _saved_scheduler(meta: dict, cfg: dict) -> dict | None:
-    """The checkpoint's schedule, rebuilt from its stored ``train`` config (no load needed)."""
+def _saved_scheduler(meta: dict) -> dict | None:
+    """The checkpoint's schedule: as saved (``meta.json`` ``schedule``), else rebuilt from its ``train``."""
+    if isinstance(meta.get("schedule"), dict):
+        return meta["schedule"]
     train = (meta.get("config") or {}).get("train")
     if not train:
         return None

@@ -19,7 +19,7 @@ from launch.affinity import usable_cores
 from launch.slurm import node_rank, wait_for_rank_files
 from recipes.analyze.logger import close_unfinished, usable_logger, write_identity
 from recipes.errors import ConfigError
-from recipes.files import UnreadableFile, write_json_atomic
+from recipes.files import UnreadableFile, write_json_atomic, write_json_or_fallback
 from recipes.offload import option_of as offload_option_of
 from recipes.predict.estimate import planned_host_bytes, predict
 from recipes.recipe import apply_recipe
@@ -237,6 +237,74 @@ def _run(cfg: DictConfig) -> dict:
         lock.release()
 
 
+#: ``train.*`` keys that may change when a finished run is continued further (``extension``).
+EXTENDABLE = ("train_iters", "lr_decay_iters", "exit_interval", "log_interval")
+
+
+def extension(previous: dict, plain: dict, run_dir: Path, name: str) -> bool:
+    """Whether this run continues a finished one further: ``checkpoint.resume`` set, only
+    ``train.train_iters`` raised (and the ``EXTENDABLE`` keys), a checkpoint to continue from. Says what is
+    kept and what is replaced; a finished run that kept no checkpoint is refused with the fix."""
+    saved = previous.get("config") or {}
+    if previous.get("status") not in COMPLETE or not plain["checkpoint"]["resume"]:
+        return False
+    if changed_keys(saved, plain) != ["train"]:
+        return False
+    old, new = saved.get("train") or {}, plain["train"]
+    if any(old.get(k) != new.get(k) for k in set(old) | set(new) if k not in EXTENDABLE):
+        return False
+    if not isinstance(old.get("train_iters"), int) or new["train_iters"] <= old["train_iters"]:
+        return False
+    from recipes.run.checkpoint import find_resume
+
+    path, _ = find_resume(plain, run_dir, deep=False)  # a checkpoint that does not verify is refused here
+    if path is None:
+        raise ConfigError("train.train_iters", f"{run_dir} finished at step {old['train_iters']} but kept no "
+                          "checkpoint to continue from", "rerun=true trains it again from step 0 with "
+                          f"train.train_iters={new['train_iters']} (its result is replaced), or choose another output_dir")
+    print(f"[extend] {name}: continuing {run_dir} from {path.name} to train.train_iters={new['train_iters']} "
+          f"(was {old['train_iters']}); kept: its checkpoints, progress.jsonl and W&B run; replaced at the end: "
+          "result.json (the measured window is carried over); the learning-rate schedule continues (its notes follow)",
+          flush=True)
+    return True
+
+
+def replace(plain: dict, run_dir: Path, name: str) -> None:
+    """``rerun=true``: this run replaces what ``run_dir`` holds, its result, progress and checkpoints,
+    and trains from step 0 (a checkpoint left behind would be resumed, or mixed with the new ones)."""
+    from recipes.run.checkpoint import checkpoint_root, discard
+
+    ck = plain["checkpoint"]
+    deleted = discard(checkpoint_root(plain, run_dir)) if ck["save"] or ck["resume"] else []
+    (run_dir / "progress.jsonl").unlink(missing_ok=True)
+    if deleted or (run_dir / "result.json").exists():
+        print(f"[rerun] {name}: replacing {run_dir}: its result, progress.jsonl and {len(deleted)} checkpoint(s) "
+              "are deleted; training starts at step 0", flush=True)
+
+
+#: What a result.json keeps when the whole one cannot be written (``record``).
+RECORD_KEYS = ("schema_version", "name", "choices", "overrides", "run_dir", "created", "wall_s", "config")
+
+
+def record(run_dir: Path, result: dict) -> dict:
+    """Write ``RUN_DIR/result.json``. On a full disk or an unwritable directory the run still ends with
+    a record: a small result.json (status ``failed``, the error, the checkpoint) if that fits, and a
+    message naming the path and what was kept (the checkpoint, worker.log, progress.jsonl)."""
+    path = run_dir / "result.json"
+    saved = next((r["checkpoint"] for r in result.get("ranks") or [] if r.get("checkpoint")), None)
+    small = {**{k: result[k] for k in RECORD_KEYS if k in result}, "status": "failed", "checkpoint": saved,
+             "ranks": [{k: r.get(k) for k in ("rank", "status", "error")} for r in result.get("ranks") or []]}
+    err = write_json_or_fallback(path, result, {**small, "error": f"the full result could not be written to {path}"})
+    if err is None:
+        return result
+    error = f"{path} could not be written ({type(err).__name__}: {err}) for a run that ended {result.get('status')}"
+    kept = [f"checkpoint of step {saved['step']} at {saved['path']} (the same command resumes from it)" if saved
+            else "no checkpoint", f"{run_dir / 'worker.log'}", f"{run_dir / 'progress.jsonl'} (if logged)"]
+    print(f"[error] {error}; kept: {'; '.join(kept)}; free space or choose another output_dir and run the same "
+          "command again", file=sys.stderr, flush=True)
+    return {**result, "status": "failed", "error": error}
+
+
 def _launch(cfg: DictConfig, plain: dict, name: str, choices: dict, run_dir: Path, node: int) -> dict:
     previous = stored(run_dir) if node == 0 and not cfg.rerun else None
     if previous is not None:
@@ -244,14 +312,15 @@ def _launch(cfg: DictConfig, plain: dict, name: str, choices: dict, run_dir: Pat
         if previous.get("status") in COMPLETE and not changed:
             print(f"[skip] {name}: complete result in {run_dir} (rerun=true to run again)")
             return previous
+        extends = extension(previous, plain, run_dir, name)
         # output_dir=<a run directory>: never overwritten silently, unless this run continues it from its
         # checkpoints (checkpoint.resume: the worker refuses a checkpoint of another model, naming what differs)
-        continues = bool(plain["checkpoint"]["resume"]) and previous.get("status") not in COMPLETE
+        continues = bool(plain["checkpoint"]["resume"]) and (previous.get("status") not in COMPLETE or extends)
         if changed and not multirun.in_multirun() and not continues:
             raise ConfigError("output_dir", f"{run_dir} holds a run with other {', '.join(changed)} "
-                              f"(status {previous.get('status')})", "add rerun=true to replace it, or choose "
-                              "another output_dir")
-        if previous.get("status") in COMPLETE:
+                              f"(status {previous.get('status')})", "choose another output_dir, or add rerun=true "
+                              "to replace that run (its result and checkpoints are deleted; training starts at step 0)")
+        if previous.get("status") in COMPLETE and not extends:
             print(f"[rerun] {name}: the stored result was measured with other {', '.join(changed)}")
     run_dir.mkdir(parents=True, exist_ok=True)
     if node == 0:
@@ -259,6 +328,8 @@ def _launch(cfg: DictConfig, plain: dict, name: str, choices: dict, run_dir: Pat
     if cfg.dry_run:
         print(f"[dry-run] {name}: config written to {run_dir / 'config.yaml'}")
         return {"status": "dry_run", "name": name, "run_dir": str(run_dir)}
+    if cfg.rerun and node == 0:  # after a dry run's return: it deletes nothing
+        replace(plain, run_dir, name)
     for stale in (run_dir / "ranks").glob("rank*.json") if node == 0 else ():
         stale.unlink()
     if node == 0:  # logger=wandb: the run's W&B name, group, job type and Hydra choices, for the worker
@@ -298,7 +369,7 @@ def _launch(cfg: DictConfig, plain: dict, name: str, choices: dict, run_dir: Pat
     write_timeline_pngs(result, run_dir)
     if result["status"] == "failed" and not result.get("ranks"):
         result["log_tail"] = log_path.read_text()[-4000:]
-    write_json_atomic(run_dir / "result.json", result)
+    result = record(run_dir, result)
     print_run(result)
     close_unfinished(plain["logger"], result)  # only a W&B run a killed worker left open; warns, never raises
     while workers.RECEIVED:  # under Slurm's submitit launcher: its own handler requeues the job now

@@ -17,9 +17,10 @@ from typing import Any
 def build_scheduler(optimizer, train: dict[str, Any], override: bool = False):
     """The OptimizerParamScheduler of ``train.*`` (``recipes.config.TrainConfig``) over ``optimizer``.
 
-    On resume the checkpoint's schedule is kept (``recipes.run.checkpoint`` refuses a run whose
-    schedule differs, before training), unless ``override`` (``checkpoint.override_scheduler``):
-    then this config's schedule applies from the checkpoint's step on."""
+    On resume the checkpoint's schedule is kept, its decay horizon included when only
+    ``train.train_iters`` was raised (``resumed_horizon``; another change is refused before training),
+    unless ``override`` (``checkpoint.override_scheduler``): then this config's schedule applies from
+    the checkpoint's step on."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     wd = train["weight_decay"]
@@ -56,13 +57,55 @@ def current_lr(optimizer) -> float | None:
     return float(lr) if lr is not None else None
 
 
-def schedule_differences(saved: dict, current: dict) -> list[str]:
-    """What differs between two ``OptimizerParamScheduler.state_dict()`` (not the step count); the
+#: The scheduler's decay horizon (``train.lr_decay_iters``, else ``train.train_iters``).
+HORIZON = ("lr_decay_steps", "wd_incr_steps")
+
+
+def differing_keys(saved: dict, current: dict) -> list[str]:
+    """The keys of two ``OptimizerParamScheduler.state_dict()`` that differ (not the step count); the
     decay length does not matter to a constant schedule, so extending such a run is no change."""
-    keys = set(saved) | set(current)
-    keys -= {"num_steps"}
+    keys = (set(saved) | set(current)) - {"num_steps"}
     if saved.get("lr_decay_style") == current.get("lr_decay_style") == "constant" and (
             saved.get("wd_incr_style") == current.get("wd_incr_style") == "constant"):
-        keys -= {"lr_decay_steps", "wd_incr_steps"}
-    return [f"{k}: checkpoint {saved.get(k)!r}, now {current.get(k)!r}" for k in sorted(keys)
-            if saved.get(k) != current.get(k)]
+        keys -= set(HORIZON)
+    return sorted(k for k in keys if saved.get(k) != current.get(k))
+
+
+def schedule_differences(saved: dict, current: dict) -> list[str]:
+    """What differs between two ``OptimizerParamScheduler.state_dict()``, as text."""
+    return [f"{k}: checkpoint {saved.get(k)!r}, now {current.get(k)!r}" for k in differing_keys(saved, current)]
+
+
+def resumed_horizon(saved: dict, current: dict, train: dict[str, Any], where: str) -> tuple[int | None, list[str]]:
+    """The decay horizon a resumed run follows (None: the checkpoint's) and what to say about it.
+
+    Raising ``train.train_iters`` continues the saved curve: megatron's scheduler keeps the checkpoint's
+    horizon (``use_checkpoint_opt_param_scheduler``), so the learning rate neither jumps nor warms up
+    again; past the horizon it stays at ``train.min_lr``. Setting ``train.lr_decay_iters`` moves the
+    horizon from the checkpoint's step on. Any other change of the schedule is refused (``where``: the
+    checkpoint) unless ``checkpoint.override_scheduler=true``."""
+    from recipes.errors import ConfigError
+
+    keys = differing_keys(saved, current)
+    other = [k for k in keys if k not in HORIZON]
+    if other:
+        raise ConfigError("train.lr*", f"{where} was trained with another schedule: "
+                          + "; ".join(schedule_differences({k: saved.get(k) for k in other},
+                                                           {k: current.get(k) for k in other})),
+                          "resume with the same train.* schedule (raising train.train_iters is no change), or "
+                          "checkpoint.override_scheduler=true to apply this run's schedule from the checkpoint's step on")
+    if not keys:
+        return None, []
+    old = saved.get("lr_decay_steps")
+    if train.get("lr_decay_iters") is not None:
+        return int(train["lr_decay_iters"]), [f"train.lr_decay_iters={train['lr_decay_iters']}: the decay now ends at "
+                                              f"that step (the checkpoint's schedule ended it at step {old})"]
+    return None, [f"the learning-rate decay still ends at step {old}, the checkpoint's (train.train_iters="
+                  f"{train['train_iters']} continues past it at train.min_lr; train.lr_decay_iters=<step> moves it)"]
+
+
+def restep(scheduler) -> None:
+    """Recompute the learning rate and weight decay of ``scheduler.num_steps`` (after its fields changed)."""
+    steps = scheduler.num_steps
+    scheduler.num_steps = 0
+    scheduler.step(increment=steps)

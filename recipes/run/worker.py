@@ -32,12 +32,13 @@ from typing import Any
 import torch
 
 from launch.affinity import pin_worker
+from launch.process import PREEMPT_SIGNALS
 from recipes.analyze.logger import NullRun, WandbRun, open_run, read_identity
 from recipes.build import compat
 from recipes.build.model import num_parameters
 from recipes.data.indexed import check_tokenizer
 from recipes.errors import ConfigError
-from recipes.files import GIB, write_json_atomic
+from recipes.files import GIB, write_json_or_fallback
 from recipes.measure.collections import collection_findings
 from recipes.measure.labels import LabelError, check_resolved, label_findings, resolve_labels
 from recipes.measure.routing import RoutingRecorder
@@ -67,13 +68,13 @@ from recipes.run.world import init_distributed, rank_coordinates
 
 
 class StopSignal:
-    """SIGTERM and SIGUSR1 (Slurm's warning before the time limit, a preemption) set a flag; the
-    training loop saves a checkpoint at the next step boundary and stops (status ``preempted``).
+    """``launch.process.PREEMPT_SIGNALS`` (SIGTERM, SIGUSR1, SIGUSR2: a preemption, Slurm's warning before
+    the time limit) set a flag; the training loop saves a checkpoint at the next step boundary and stops (status ``preempted``).
 
     With several ranks the flag is agreed over a gloo group (a CPU all-reduce: no device sync), so
     every rank stops at the same step even when only some received the signal."""
 
-    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+    SIGNALS = PREEMPT_SIGNALS
 
     def __init__(self):
         self.received: str | None = None
@@ -142,7 +143,7 @@ def train_and_measure(cfg: dict, result: dict, run_dir: Path | None = None,
     check_resolved(result["labels"])  # a label that wraps nothing is refused before training
     resume, notes = find_resume(cfg, run_dir)
     if resume is not None:
-        restored = load_checkpoint(trainer, cfg, resume)
+        restored = load_checkpoint(trainer, cfg, resume, verified=True)
         notes += restored["notes"]
         result["resumed_from"] = {"path": str(resume), "step": restored["step"]}
         result.update(restored["measured"])
@@ -278,7 +279,9 @@ def main(run_dir: str, exiting: bool = False) -> int:
     except (LabelError, ConfigError) as err:  # a label that wraps nothing; a checkpoint of another model
         result.update(status="refused", error=str(err))
         exit_code = 2
-    except Exception as err:  # recorded, never lost: the sweep goes on
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as err:  # recorded, never lost: the sweep goes on (torch's CheckpointException is a BaseException)
         if is_oom(err):
             first = next((l for l in str(err).splitlines() if "memory" in l or "calloc" in l), str(err))
             result.update(status="oom", error=first.strip(), memory_at_failure=memory_now())
@@ -287,7 +290,15 @@ def main(run_dir: str, exiting: bool = False) -> int:
             result.update(status="failed", error=f"{type(err).__name__}: {err}")
             result["traceback"] = traceback.format_exc(limit=20)
             exit_code = 1
-    write_json_atomic(run / "ranks" / f"rank{rank}.json", result)
+    rank_file = run / "ranks" / f"rank{rank}.json"
+    small = {k: result.get(k) for k in ("rank", "status", "error", "host", "device", "checkpoint", "stopped_at")}
+    if (err := write_json_or_fallback(rank_file, result, small)) is not None:  # a full disk: say what was kept
+        saved = result.get("checkpoint")
+        result.update(status="failed", error=f"{rank_file} could not be written ({type(err).__name__}: {err})")
+        print(f"[rank {rank}] {result['error']}; the run ended {small['status']}; kept: "
+              + (f"the checkpoint of step {saved['step']} at {saved['path']}" if saved else "no checkpoint"),
+              file=sys.stderr)
+        exit_code = exit_code or 1
     if exit_code == CONTROL_ABANDONED:
         print(f"[rank {rank}] ok, but its in-run control ledger ran out of memory: leaving now so that no rank "
               "waits in that pass (torchrun stops the others; their results are written)", file=sys.stderr)
@@ -308,7 +319,7 @@ def main(run_dir: str, exiting: bool = False) -> int:
 def resumes(cfg: dict, run_dir: Path) -> bool:
     """Whether this process will continue a checkpoint (then its W&B run continues the earlier one)."""
     try:
-        return find_resume(cfg, run_dir)[0] is not None
+        return find_resume(cfg, run_dir, deep=False)[0] is not None
     except Exception:  # a bad checkpoint.resume is refused later, by train_and_measure
         return False
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from launch.forkserver import ForkServer, env_key
-from launch.process import end_group, start_group
+from launch.process import PREEMPT_SIGNALS, end_group, start_group
 from launch.slurm import slurm_rendezvous
 from launch.torchrun import ONE_RANK_ENV, torchrun_command
 from recipes.files import REPO_ROOT
@@ -109,8 +109,8 @@ ECHOED = ("[progress]", "[checkpoint]", "[signal]", "[eval]", "warning: W&B")
 def run_workers(command: list[str], env: dict[str, str], log, server: ForkServer | None = None,
                 run_dir: Path | None = None) -> subprocess.CompletedProcess:
     """Start the workers (``command``, or with a fork ``server`` one worker forked for ``run_dir``), copy
-    their output into ``log``, echo the live progress lines, and forward SIGTERM/SIGUSR1 (a preemption,
-    Slurm's time-limit warning) to them: they save a checkpoint at the next step boundary and exit, and
+    their output into ``log``, echo the live progress lines, and forward ``PREEMPT_SIGNALS`` (SIGTERM,
+    SIGUSR1, SIGUSR2: a preemption, Slurm's time-limit warning) to them: they save a checkpoint at the next step boundary and exit, and
     this controller records the run as ``preempted``."""
     import signal
 
@@ -123,7 +123,7 @@ def run_workers(command: list[str], env: dict[str, str], log, server: ForkServer
     pid_file = run_dir / WORKER_PID if run_dir is not None else None
     if pid_file is not None:  # which process runs this point (a forked worker's command line is the server's)
         pid_file.write_text(f"{proc.pid}\n")
-    forwarded = (signal.SIGTERM, signal.SIGUSR1)
+    forwarded = PREEMPT_SIGNALS
 
     def forward(signum, _frame):
         proc.send_signal(signum)
