@@ -399,8 +399,9 @@ def _swept_keys_of(multirun_yaml: str, mtime_ns: int) -> frozenset[str]:
     master = OmegaConf.load(multirun_yaml)
     task = list(OmegaConf.select(master, "hydra.overrides.task") or [])
     params = OmegaConf.select(master, "hydra.sweeper.params") or {}
-    pairs = [str(o).partition("=")[::2] for o in task] + [(str(k), str(v)) for k, v in params.items()]
-    return frozenset(k for k, v in pairs if _is_swept(v))
+    values = {str(k): str(v) for k, v in params.items()}  # the sweep file's; the command line's win
+    values.update(str(o).partition("=")[::2] for o in task)
+    return frozenset(k for k, v in values.items() if _is_swept(v))
 
 
 def slug(text: str, sweep_dir: str | None = None) -> str:

@@ -138,12 +138,12 @@ def test_same_command_same_directory(tmp_path):
     done = subprocess.run([*args, "rerun=true"], cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
-    sweep = tmp_path / "multirun/moe/measure.repeat=0__recompute=none__selective.moe_act"
+    sweep = tmp_path / "multirun/moe/recompute=none,selective.moe_act__measure.repeat=0"  # swept values first
     points = sorted(p.parent for p in sweep.glob("*/config.yaml"))
-    assert [p.name for p in points] == ["measure.repeat=0__recompute=none", "measure.repeat=0__recompute=selective.moe_act"]
+    assert [p.name for p in points] == ["recompute=none__measure.repeat=0", "recompute=selective.moe_act__measure.repeat=0"]
     for point in points:  # results as if measured; the second one with another seed
         config = yaml.safe_load((point / "config.yaml").read_text())
-        config["train"]["seed"] += point.name.endswith("moe_act")
+        config["train"]["seed"] += "moe_act" in point.name
         write_json_atomic(point / "result.json", {"name": point.name, "status": "ok", "config": config, "ranks": []})
     done = subprocess.run([*args, "logger=wandb"], cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True,
                           timeout=120)
