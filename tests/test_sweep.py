@@ -30,8 +30,9 @@ SWEEP_DIR = "multirun/standard_attn/" + slug("measure.start_step=2,recompute=non
 
 
 def point(recompute: str) -> str:
-    """A point's directory, named as Hydra's sweep subdir names it: the swept key first."""
-    return f"recompute={recompute}__measure.start_step=2__size=tiny__train.train_iters=3"
+    """A point's directory, named as Hydra's sweep subdir names it: the swept key first (cut at 64
+    characters, with its hash)."""
+    return slug(f"recompute={recompute},measure.start_step=2,size=tiny,train.train_iters=3")
 
 
 def test_names_lead_with_what_the_sweep_sweeps(tmp_path):
