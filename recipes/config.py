@@ -13,6 +13,7 @@ import copy
 import hashlib
 from dataclasses import dataclass, field
 from functools import cache
+from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
@@ -358,21 +359,90 @@ class RecipeConfig:
 
 #: Longest directory name ``slug`` makes: far below the file-name limit of 255 bytes, short enough to read.
 MAX_DIRNAME = 64
+#: Longest sweep directory name (it holds the swept value lists; its path below multirun/ is the W&B
+#: group, at most 128 characters).
+MAX_SWEEP_DIRNAME = 100
+#: Hydra's sweep functions: an override whose value starts with one is swept.
+_SWEEP_FUNCTIONS = ("range(", "choice(", "glob(", "interval(", "shuffle(", "sort(")
 
 
-def slug(text: str) -> str:
+def _depth(text: str) -> int:
+    return sum(text.count(c) for c in "[({") - sum(text.count(c) for c in "])}")
+
+
+def _overrides_of(dirname: str) -> list[str]:
+    """Hydra's ``override_dirname`` (overrides joined by ',') back into its overrides: a piece without
+    '=' or inside brackets continues the value before it (a sweep list, a list value)."""
+    items: list[str] = []
+    for piece in str(dirname).split(",") if dirname else []:
+        if items and ("=" not in piece or _depth(items[-1]) > 0):
+            items[-1] += "," + piece
+        else:
+            items.append(piece)
+    return items
+
+
+def _is_swept(value: Any) -> bool:
+    """A value Hydra's sweeper expands: a list at the top level (``a,b``) or a sweep function."""
+    text = str(value)
+    if text.startswith(_SWEEP_FUNCTIONS):
+        return True
+    depth = 0
+    for c in text:
+        depth += (c in "[({") - (c in "])}")
+        if c == "," and depth == 0:
+            return True
+    return False
+
+
+@cache
+def _swept_keys_of(multirun_yaml: str, mtime_ns: int) -> frozenset[str]:
+    """The keys a sweep sweeps, from its ``multirun.yaml`` (the command line's and the sweep file's)."""
+    master = OmegaConf.load(multirun_yaml)
+    task = list(OmegaConf.select(master, "hydra.overrides.task") or [])
+    params = OmegaConf.select(master, "hydra.sweeper.params") or {}
+    values = {str(k): str(v) for k, v in params.items()}  # the sweep file's; the command line's win
+    values.update(str(o).partition("=")[::2] for o in task)
+    return frozenset(k for k, v in values.items() if _is_swept(v))
+
+
+def slug(text: str, sweep_dir: str | None = None) -> str:
     """A short, stable directory name for Hydra overrides (``recompute=selective/core_attn,size=h200``
     becomes ``recompute=selective.core_attn__size=h200``).
 
-    A name longer than ``MAX_DIRNAME`` keeps a readable prefix of whole overrides plus 8 hex digits of
+    The swept overrides lead: a sweep's directory (``text`` holds its value lists) names what it sweeps,
+    then what it fixes (``recompute=none,full__model=moe``); a point's (``sweep_dir`` given: the keys its
+    ``multirun.yaml`` sweeps) its swept values, then the rest. A name longer than ``MAX_DIRNAME``
+    (``MAX_SWEEP_DIRNAME`` for a sweep's) keeps a readable prefix of whole overrides plus 8 hex digits of
     the full text's SHA-1, so any number of overrides fits the file-name limit and two command lines
     never share a directory. The full overrides are in each point's ``result.json`` and the sweep's
-    ``manifest.json``."""
-    name = str(text).replace("/", ".").replace(",", "__") or "defaults"
-    if len(name) <= MAX_DIRNAME:
+    ``manifest.json``. A point of a sweep started before the swept keys led keeps its directory."""
+    items = _overrides_of(text)
+    swept = {i.partition("=")[0] for i in items if _is_swept(i.partition("=")[2])}
+    master = Path(str(sweep_dir)) / "multirun.yaml" if sweep_dir else None
+    if master is not None and master.is_file():
+        swept |= _swept_keys_of(str(master), master.stat().st_mtime_ns)
+    ordered = [i for i in items if i.partition("=")[0] in swept] + [i for i in items if i.partition("=")[0] not in swept]
+    name = _short("__".join(_render(i, i.partition("=")[0] in swept) for i in ordered) or "defaults",
+                  MAX_SWEEP_DIRNAME if any(_is_swept(i.partition("=")[2]) for i in items) else MAX_DIRNAME)
+    if master is not None and not (master.parent / name).exists():
+        legacy = _short(str(text).replace("/", ".").replace(",", "__") or "defaults", MAX_DIRNAME)
+        if (master.parent / legacy).is_dir():  # the name before the swept keys led: resume there
+            return legacy
+    return name
+
+
+def _render(item: str, swept: bool) -> str:
+    """One override in a directory name: '/' as '.', a swept value's list kept as ``a,b``, other commas '__'."""
+    key, _, value = item.replace("/", ".").partition("=")
+    return f"{key}={value}" if swept and _is_swept(value) else item.replace("/", ".").replace(",", "__")
+
+
+def _short(name: str, limit: int) -> str:
+    if len(name) <= limit:
         return name
     digest = hashlib.sha1(name.encode()).hexdigest()[:8]
-    room = MAX_DIRNAME - len(digest) - 1
+    room = limit - len(digest) - 1
     cut = name.rfind("__", 0, room + 2)  # an item boundary at most `room` characters in
     return f"{name[:cut] if cut > 0 else name[:room]}-{digest}"
 

@@ -11,7 +11,9 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from recipes.config import upgrade
+from omegaconf import MISSING
+
+from recipes.config import _defaults, upgrade
 from recipes.files import MIB, UnreadableFile, read_json
 from recipes.offload import option_of as offload_option_of
 from recipes.recompute import option_of
@@ -75,14 +77,144 @@ def merge_result(run_dir: Path, meta: dict, expected_ranks: int, launch_error: s
     return result
 
 
+class BadResult(UnreadableFile):
+    """A ``result.json`` that is not a run's result: not a file, not JSON, or JSON of the wrong shape
+    (a list, a field of the wrong type). Its message names the file, what is wrong and the fix."""
+
+    def __init__(self, path: Path, why: str):
+        self.path = Path(path)
+        ValueError.__init__(self, f"{path}: {why}; move it away or delete it (re-running the sweep's "
+                                  "command measures that point again)")
+
+
+#: The fields of a result and of each rank that the tools read, with their JSON types (None is
+#: always allowed: a field a run did not record). Other fields are not checked.
+_NUMBER = (int, float)
+RESULT_FIELDS = {"schema_version": int, "status": str, "name": str, "run_dir": str, "error": str,
+                 "worst_rank": int, "repeats": int, "config": dict, "choices": dict, "overrides": list,
+                 "ranks": list}
+RANK_FIELDS = {"rank": int, "status": str, "error": str, "host": str, "device": str, "memory": dict,
+               "memory_at_failure": dict, "timing": dict, "ledger": dict, "profile": dict, "trace": dict,
+               "pipeline": dict, "coords": dict, "offload": dict, "module_times": dict, "moe_routing": dict,
+               "labels": dict, "loss": list, "grad_norm": list, "warnings": list}
+#: Numbers inside a rank's sections (``RankRow``'s columns, the advisor's and the estimator's inputs).
+RANK_NUMBERS = {"memory": ("peak_allocated_gib", "peak_reserved_gib", "fragmentation_gib", "activation_gib",
+                           "static_allocated_gib", "total_gib"),
+                "memory_at_failure": ("peak_allocated_gib", "peak_reserved_gib", "allocated_gib", "reserved_gib"),
+                "timing": ("step_time_s", "step_time_min_s", "step_time_max_s", "step_time_spread", "repeats",
+                           "tokens_per_s", "mfu", "model_tflops_per_gpu", "hardware_tflops_per_gpu",
+                           "recompute_flops_fraction", "host_wait_s"),
+                "ledger": ("total_bytes", "host_total_bytes", "control_total_bytes"),
+                "profile": ("peak_bytes",), "trace": ("gpu_busy_s", "span_s", "gpu_idle_s", "gpu_busy_spread"),
+                "pipeline": ("in_flight_ledger_bytes",), "coords": ("pp", "tp", "dp", "ep", "cp", "rank")}
+#: Objects inside a rank's sections.
+RANK_OBJECTS = {"offload": ("moved_per_step", "link", "transfer", "groups_moved", "groups_kept"),
+                "ledger": ("bytes_by_kind", "host_bytes_by_kind", "control_bytes_by_kind"),
+                "trace": ("copies",), "timing": ("gc",)}
+
+
+def _type_name(value) -> str:
+    return "null" if value is None else {dict: "object", list: "list", str: "string", bool: "boolean",
+                                         int: "number", float: "number"}.get(type(value), type(value).__name__)
+
+
+def _a(noun: str) -> str:
+    return f"{'an' if noun[0] in 'aeiou' else 'a'} {noun}"
+
+
+def _wrong(where: str, value, want: type | tuple) -> str | None:
+    """Why ``value`` is not of type ``want`` (None when it is, or is null)."""
+    if value is None:
+        return None
+    wants = want if isinstance(want, tuple) else (want,)
+    if isinstance(value, bool) and bool not in wants or not isinstance(value, wants):
+        names = " or ".join(sorted({_type_name(w()) for w in wants}))
+        return f"{where} is {_a(_type_name(value))}, not {_a(names)}"
+    return None
+
+
+def _config_problem(stored, default, where: str) -> str | None:
+    """The first field of a stored config whose JSON type differs from the schema default's (a
+    section that is not an object, a number where a string belongs); None when it has none."""
+    if isinstance(default, dict):
+        if not isinstance(stored, dict):
+            return f"{where} is {_a(_type_name(stored))}, not an object"
+        for key in default.keys() & stored.keys():
+            why = _config_problem(stored[key], default[key], f"{where}.{key}")
+            if why:
+                return why
+        return None
+    if stored is None or default is None or default == MISSING:  # MISSING: a size sets it (any type)
+        return None
+    want = bool if isinstance(default, bool) else _NUMBER if isinstance(default, _NUMBER) else type(default)
+    return _wrong(where, stored, want)
+
+
+def result_problem(result) -> str | None:
+    """What makes a parsed ``result.json`` unusable by the tools (None when nothing does): the
+    fields they read, at the JSON types the worker and the controller write."""
+    if not isinstance(result, dict):
+        return f"{_a('JSON ' + _type_name(result))}, not an object"
+    for key, want in RESULT_FIELDS.items():
+        why = _wrong(key, result.get(key), want)
+        if why:
+            return why
+    if result.get("status") is None:
+        return "no status"
+    for key in ("choices", "overrides"):
+        values = result.get(key) or {}
+        for k, v in values.items() if isinstance(values, dict) else enumerate(values):
+            why = _wrong(f"{key}[{k!r}]", v, str)
+            if why:
+                return why
+    if result["status"] not in _SEVERITY:
+        return f"status {result['status']!r} is none of {', '.join(_SEVERITY)}"
+    for i, rank in enumerate(result.get("ranks") or []):
+        if not isinstance(rank, dict):
+            return f"ranks[{i}] is {_a(_type_name(rank))}, not an object"
+        for key, want in RANK_FIELDS.items():
+            why = _wrong(f"ranks[{i}].{key}", rank.get(key), want)
+            if why:
+                return why
+        for want, sections in ((_NUMBER, RANK_NUMBERS), (dict, RANK_OBJECTS)):
+            for section, keys in sections.items():
+                for key in keys:
+                    why = _wrong(f"ranks[{i}].{section}.{key}", (rank.get(section) or {}).get(key), want)
+                    if why:
+                        return why
+        for key in ("loss", "grad_norm"):
+            for j, x in enumerate(rank.get(key) or []):
+                why = _wrong(f"ranks[{i}].{key}[{j}]", x, _NUMBER)
+                if why:
+                    return why
+    if result.get("config") is not None:
+        return _config_problem(result["config"], _defaults(), "config")
+    return None
+
+
 def load_result(path: Path) -> dict:
-    """A result.json, or a directory holding one."""
+    """A result.json, or a directory holding one, checked (``result_problem``): one that cannot be
+    read or is not a run's result raises ``BadResult`` (an ``UnreadableFile``) naming it and the fix."""
     path = Path(path)
-    if path.is_dir():
+    if path.is_dir() and (path / "result.json").exists():
         path = path / "result.json"
-    result = read_json(path)
-    if isinstance(result, dict) and isinstance(result.get("config"), dict):
-        result["config"] = upgrade(result["config"])  # written by an earlier version: today's schema
+    if path.is_dir():
+        raise BadResult(path, "a directory, not a run's result")
+    try:
+        result = read_json(path)
+    except UnreadableFile as err:
+        raise BadResult(path, f"not JSON, truncated or not a result ({err.__cause__})") from err
+    except OSError as err:
+        raise BadResult(path, f"cannot be read ({err.strerror or err})") from err
+    why = result_problem(result)
+    if why:
+        raise BadResult(path, f"not a run's result: {why}")
+    if isinstance(result.get("config"), dict):
+        try:  # written by an earlier version: today's schema; what the tools read of it must read
+            result["config"] = upgrade(result["config"])
+            recompute_of(result), offload_option_of(result["config"])
+        except (TypeError, ValueError, KeyError, AttributeError) as err:
+            raise BadResult(path, f"not a run's result: its config does not read ({type(err).__name__}: {err})") from err
     return result
 
 

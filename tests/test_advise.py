@@ -820,3 +820,26 @@ def test_a_sweep_whose_first_point_offloads_predicts_its_unmeasured_labels_witho
     assert "full" in rows and "none" in rows  # none: measured only with offload
     plain = predict(compose("attention=sdpa", "size=h200", "recompute=control"), "cuda")
     assert rows["control"]["memory_gib"] == pytest.approx(with_slack(plain["peak_bytes"], plain["allocator_slack"]) / GIB)
+
+
+def test_a_model_by_recompute_sweep_gets_one_answer_per_family(tmp_path, capsys):
+    """`-m model=standard_attn,moe recompute=none,full`: the choice is per family, never one point
+    picked across families (here none fits standard_attn, while moe needs full)."""
+    measured = {("standard_attn", "none"): (10.0, 10.5, 0.10), ("standard_attn", "full"): (6.0, 6.5, 0.13),
+                ("moe", "none"): (30.0, 31.0, 0.20), ("moe", "full"): (15.0, 16.0, 0.26)}
+    for (model, recompute), numbers in measured.items():
+        run_dir = tmp_path / f"recompute={recompute}__model={model}"
+        write_json_atomic(run_dir / "ranks" / "rank0.json", rank_result(0, numbers))
+        meta = {"name": f"{model} unfused {recompute}", "run_dir": str(run_dir),
+                "choices": {"model": model, "attention": "unfused", "recompute": recompute},
+                "config": compose(f"model={model}", "attention=unfused", f"recompute={recompute}", "size=h200")}
+        write_json_atomic(run_dir / "result.json", merge_result(run_dir, meta, 1, None))
+    assert advise.main([str(tmp_path), "--budget-gib", "20", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    choices = {g["group"]: g["choice"]["point"] for g in out["groups"]}
+    assert choices == {"model=standard_attn": "standard_attn unfused none", "model=moe": "moe unfused full"}
+    assert advise.main([str(tmp_path), "--budget-gib", "20"]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("This sweep holds 2 families (model=moe; model=standard_attn)") or \
+        text.startswith("This sweep holds 2 families (model=standard_attn; model=moe)")
+    assert f"Advice for {tmp_path} [model=moe]" in text and f"Advice for {tmp_path} [model=standard_attn]" in text

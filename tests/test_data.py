@@ -194,6 +194,44 @@ def test_bad_preprocess_inputs_name_the_file(tmp_path, capsys):
         assert "pip install transformers" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("case", ["binary", "text_not_a_string", "binary_jsonl", "device", "json_key_escapes",
+                                  "prefix_under_a_file"])
+def test_preprocess_refuses_bad_input_naming_it_and_the_fix(tmp_path, capsys, case):
+    """Exit 2, one line naming the input and what to do, nothing written (never a traceback, a hang
+    on an endless device, or files outside the output prefix)."""
+    from recipes.data.preprocess import main
+
+    out = tmp_path / "out" / "prefix"
+    text = tmp_path / "a.txt"
+    text.write_text("hello")
+    args, says = {
+        "binary": ("data.bin", "input {} is not UTF-8 text (binary?): remove it from the inputs, or convert it"),
+        "text_not_a_string": ("nums.jsonl", "{}:2: field 'text' holds [\"a\"], not a string: store the text as a "
+                              "string, or set --json-key"),
+        "binary_jsonl": ("bin.jsonl", "{}:1: not UTF-8 text (binary?): JSONL is UTF-8"),
+        "device": ("/dev/zero", "input {} is not a regular file (a device, pipe or socket): give text files"),
+        "json_key_escapes": ("a.txt", "--json-key '../../x': a field name of letters, digits"),
+        "prefix_under_a_file": ("a.txt", "cannot write {}/o_text_document.bin ({} is a file, not a directory): "
+                                "choose a prefix in a writable directory"),
+    }[case]
+    path = tmp_path / args if not args.startswith("/") else args
+    if case == "binary":
+        path.write_bytes(bytes(range(256)) * 4)
+    elif case == "text_not_a_string":
+        path.write_text('{"text": "fine"}\n{"text": ["a"]}\n')
+    elif case == "binary_jsonl":
+        path.write_bytes(b"\xff\xfe\x00{}")
+    argv = [str(path), "--output-prefix", str(out), "--progress-interval", "-1"]
+    if case == "json_key_escapes":
+        argv += ["--json-key", "../../x"]
+    if case == "prefix_under_a_file":
+        argv[2] = str(text / "o")
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and says.format(path, path) in err, err
+    assert not list(tmp_path.rglob("*_document*")) and not list(tmp_path.parent.glob("x_document*"))
+
+
 def test_progress_reports_rates(tmp_path, capsys):
     from recipes.data.preprocess import preprocess
 

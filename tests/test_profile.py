@@ -91,6 +91,9 @@ def test_timeline_png_console_line_and_side_by_side(megatron_world, tmp_path):
     assert not png.exists()  # the worker does not draw: the controller does, after it exits
     assert write_timeline_pngs({"ranks": [{"rank": 0, "profile": prof}]}, tmp_path) == [png]
     assert prof["png"] == str(png) and png.stat().st_size > 10_000
+    if not torch.cuda.is_available():  # no allocator: no snapshot for memory_viz, and the result says why
+        assert prof["snapshot"] is None and prof["snapshot_note"].startswith("no memory snapshot on a CPU")
+        assert not list(tmp_path.glob("*.pickle"))
     phases = [p for _, _, p in prof["timeline"]["phases"]]
     assert {"forward layer 1", "backward layer 2", "optimizer step"} <= set(phases)
     assert phases.index("forward layer 2") < phases.index("backward layer 2") < phases.index("backward layer 1")
@@ -198,3 +201,21 @@ def test_allocator_attribution_sums_to_max_memory_allocated(megatron_world):
     assert prof["source"] == "allocator" and prof["check"]["unmatched_frees"] == 0
     assert abs(prof["check"]["sum_ratio"] - 1) <= 0.02
     assert abs(prof["cost"]["peak_change"]) <= 0.01
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA caching allocator's snapshot")
+def test_the_profiled_step_s_snapshot_opens_in_pytorch_s_memory_viewer(megatron_world, tmp_path):
+    """``memory_snapshot.pickle`` is what ``torch.cuda.memory._dump_snapshot`` writes: the viewer's
+    own converter (torch.cuda._memory_viz, behind pytorch.org/memory_viz) reads it."""
+    import pickle
+
+    from torch.cuda import _memory_viz
+
+    prof, _, _ = _profile("attention=unfused", "recompute=control", run_dir=tmp_path)
+    path = tmp_path / "memory_snapshot.pickle"
+    assert prof["snapshot"] == str(path)
+    with open(path, "rb") as f:
+        snapshot = pickle.load(f)
+    assert {"segments", "device_traces"} <= set(snapshot) and snapshot["device_traces"][torch.cuda.current_device()]
+    assert "<html" in _memory_viz.trace_plot(snapshot).lower()

@@ -30,8 +30,32 @@ SWEEP_DIR = "multirun/standard_attn/" + slug("measure.start_step=2,recompute=non
 
 
 def point(recompute: str) -> str:
-    """A point's directory, named as Hydra's sweep subdir names it."""
-    return slug(f"measure.start_step=2,recompute={recompute},size=tiny,train.train_iters=3")
+    """A point's directory, named as Hydra's sweep subdir names it: the swept key first (cut at 64
+    characters, with its hash)."""
+    return slug(f"recompute={recompute},measure.start_step=2,size=tiny,train.train_iters=3")
+
+
+def test_names_lead_with_what_the_sweep_sweeps(tmp_path):
+    """A long point name cut at 64 characters keeps the swept value; the sweep's name (its W&B group)
+    says what it sweeps and what it fixes, not one point's values."""
+    sweep_name = slug("data.eval_interval=6,model=moe,recompute=none,selective/moe_act,full")
+    assert sweep_name == "recompute=none,selective.moe_act,full__data.eval_interval=6__model=moe"
+    master = tmp_path / "multirun.yaml"
+    master.write_text("hydra:\n  overrides:\n    task: [model=moe, 'recompute=none,selective/moe_act,full', "
+                      "data.eval_interval=6, measure.start_step=3, train.train_iters=12]\n  sweeper:\n    params: null\n")
+    long = "data.eval_interval=6,measure.start_step=3,model=moe,recompute=selective/moe_act,train.train_iters=12"
+    name = slug(long, str(tmp_path))
+    assert name.startswith("recompute=selective.moe_act__data.eval_interval=6") and len(name) <= 64
+    assert slug(long.replace("selective/moe_act", "full"), str(tmp_path)) != name
+    # a sweep file's swept keys (hydra.sweeper.params) lead too
+    master.write_text("hydra:\n  overrides:\n    task: [size=h200]\n  sweeper:\n    params: {recompute: 'none,full'}\n")
+    assert slug("recompute=full,size=h200", str(tmp_path)) == "recompute=full__size=h200"
+    assert slug("model=moe,recompute=full", str(tmp_path)) == "recompute=full__model=moe"
+    # a point a sweep ran before the swept keys led keeps its directory: the same command resumes it
+    (tmp_path / "model=moe__recompute=none").mkdir()
+    assert slug("model=moe,recompute=none", str(tmp_path)) == "model=moe__recompute=none"
+    # names without a sweep are as before
+    assert slug("recompute=selective/core_attn,size=h200") == "recompute=selective.core_attn__size=h200"
 
 
 def start(args: list[str], cwd: Path) -> subprocess.Popen:
@@ -115,12 +139,12 @@ def test_same_command_same_directory(tmp_path):
     done = subprocess.run([*args, "rerun=true"], cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
-    sweep = tmp_path / "multirun/moe/measure.repeat=0__recompute=none__selective.moe_act"
+    sweep = tmp_path / "multirun/moe/recompute=none,selective.moe_act__measure.repeat=0"  # swept values first
     points = sorted(p.parent for p in sweep.glob("*/config.yaml"))
-    assert [p.name for p in points] == ["measure.repeat=0__recompute=none", "measure.repeat=0__recompute=selective.moe_act"]
+    assert [p.name for p in points] == ["recompute=none__measure.repeat=0", "recompute=selective.moe_act__measure.repeat=0"]
     for point in points:  # results as if measured; the second one with another seed
         config = yaml.safe_load((point / "config.yaml").read_text())
-        config["train"]["seed"] += point.name.endswith("moe_act")
+        config["train"]["seed"] += "moe_act" in point.name
         write_json_atomic(point / "result.json", {"name": point.name, "status": "ok", "config": config, "ranks": []})
     done = subprocess.run([*args, "logger=wandb"], cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True,
                           timeout=120)

@@ -133,6 +133,28 @@ def test_an_oom_point_finishes_its_run_with_its_status(tmp_path, monkeypatch):
     assert wb.history == {1: {"train/loss": 6.0}}
 
 
+def test_an_offline_run_keeps_its_config_and_summary_readable(tmp_path, monkeypatch):
+    """wandb 0.31 offline writes only its transaction log: the config and the summary are also plain
+    files where an online run has them (``files/config.yaml``, ``files/wandb-summary.json``)."""
+    import yaml
+
+    _failing_worker(tmp_path, monkeypatch, torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    (files,) = [d / "files" for d in tmp_path.glob("wandb/offline-run-*")]
+    config = yaml.safe_load((files / logger.OFFLINE_CONFIG).read_text())
+    assert config["model"]["family"] == "standard_attn" and config["run_dir"] == str(tmp_path)
+    summary = json.loads((files / logger.OFFLINE_SUMMARY).read_text())
+    assert summary["status"] == "oom" and summary["error"].startswith("CUDA out of memory")
+
+
+def test_a_cpu_run_s_summary_has_its_profiled_peak():
+    """A CPU run has no allocator peaks: its memory figure in W&B is the profiled peak (profile=peak)."""
+    rank = {"rank": 0, "status": "ok", "device": "cpu", "profile": {"peak_bytes": 3 * 2**20},
+            "ledger": {"total_bytes": 2**20}}
+    metrics = logger.run_metrics({"status": "ok", "worst_rank": 0, "ranks": [rank]})
+    assert metrics["mem/profiled_peak_gib"] == metrics["rank0/mem/profiled_peak_gib"] == 3 / 1024
+    assert "mem/peak_allocated_gib" not in metrics
+
+
 KILLED = """
 import json, os, sys, time
 from pathlib import Path

@@ -180,6 +180,45 @@ def advise(candidates: list[dict], budget_gib: float) -> dict:
     }
 
 
+def family_groups(candidates: list[dict]) -> list[tuple[str, list[dict]]]:
+    """The candidates split by what the sweep fixed besides recompute, offload and attention (the
+    model, its size, the layout...), each with a label saying which: a choice is per family, so a
+    model x recompute sweep gets one answer per model. A sweep of one family is one unlabelled group.
+    Predicted rows go with the first group of their model and attention."""
+    measured = [c for c in candidates if c["source"] == "measured"]
+    keys = list(dict.fromkeys(c["family_key"] for c in measured))
+    if len(keys) <= 1:
+        return [("", candidates)]
+    members = {k: [c for c in measured if c["family_key"] == k] for k in keys}
+    labels = _group_labels(keys, members)
+    groups, placed = [], set()
+    for key in keys:
+        pairs = {(c["model"], c["attention"]) for c in members[key]}
+        predicted = [c for c in candidates if c["source"] == "predicted" and id(c) not in placed
+                     and (c["model"], c["attention"]) in pairs]
+        placed |= {id(c) for c in predicted}
+        groups.append((labels[key], members[key] + predicted))
+    return groups
+
+
+def _group_labels(keys: list[str], members: dict[str, list[dict]]) -> dict[str, str]:
+    """Each group's name: its model choice where that tells the groups apart, else the settings that
+    differ between them (at most three)."""
+    models = {k: sorted({str(c["model"]) for c in members[k]}) for k in keys}
+    if len({tuple(m) for m in models.values()}) == len(keys):
+        return {k: "model=" + ",".join(models[k]) for k in keys}
+
+    def leaves(tree, prefix: str = "") -> dict:
+        if not isinstance(tree, dict):
+            return {prefix: tree}
+        return {k: v for key, sub in tree.items() for k, v in leaves(sub, f"{prefix}{key}.").items()}
+
+    flat = {k: {leaf.rstrip("."): v for leaf, v in leaves(json.loads(k)).items()} for k in keys}
+    differ = [leaf for leaf in flat[keys[0]] if len({json.dumps(flat[k].get(leaf)) for k in keys}) > 1]
+    return {k: " ".join([f"model={','.join(models[k])}"] + [f"{leaf}={flat[k].get(leaf)}" for leaf in differ[:3]])
+            for k in keys}
+
+
 def _public(c: dict | None) -> dict | None:
     """The keys of a candidate that the JSON output carries."""
     keys = ("point", "model", "attention", "recompute", "offload", "status", "source", "memory_gib", "peak_allocated_gib",
@@ -238,6 +277,9 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     candidates = measured_candidates(args.sweep_dir) + predicted_candidates(args.sweep_dir, args.budget_gib)
+    groups = family_groups(candidates)
+    if len(groups) > 1:
+        return _advise_groups(args.sweep_dir, groups, args.budget_gib, args.json)
     advice = advise(candidates, args.budget_gib)
     advice["sweep_dir"] = str(args.sweep_dir)
     advice["plan"] = sweep_plan(args.sweep_dir, args.budget_gib)
@@ -245,6 +287,30 @@ def main(argv: list[str] | None = None) -> int:
     advice["predicted_vs_measured"] = predicted_next_to_measured(args.sweep_dir)
     advice["text"] = explain(advice, str(args.sweep_dir))
     print(json.dumps(advice, indent=2, default=str) if args.json else advice["text"])
+    return 0
+
+
+def _advise_groups(sweep_dir: Path, groups: list[tuple[str, list[dict]]], budget_gib: float, as_json: bool) -> int:
+    """One answer per family of a sweep (``family_groups``). The planner's predictions price one base
+    point, so they are left to ``--predict`` with each family's overrides."""
+    pairs = predicted_next_to_measured(sweep_dir)
+    drives = what_drives_the_peak(sweep_dir)
+    out = []
+    for label, members in groups:
+        advice = advise(members, budget_gib)
+        names = {c["point"] for c in members}
+        advice.update(group=label, sweep_dir=str(sweep_dir),
+                      drives=drives if drives and drives["point"] in names else None,
+                      predicted_vs_measured=[p for p in pairs if any(p["point"].startswith(n) for n in names)])
+        advice["text"] = explain(advice, f"{sweep_dir} [{label}]")
+        out.append(advice)
+    head = (f"This sweep holds {len(groups)} families ({'; '.join(label for label, _ in groups)}): each is advised "
+            "on its own points. For the planner's prediction of one: python -m recipes advise --budget-gib "
+            f"{budget_gib:g} --predict <its overrides>.")
+    if as_json:
+        print(json.dumps({"sweep_dir": str(sweep_dir), "budget_gib": budget_gib, "groups": out}, indent=2, default=str))
+    else:
+        print("\n\n".join([head] + [a["text"] for a in out]))
     return 0
 
 

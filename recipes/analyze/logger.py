@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from recipes.files import PROGRESS_FILE, read_json, write_json_atomic
+from recipes.files import GIB, PROGRESS_FILE, read_json, write_json_atomic
 from recipes.results import result_rows, worst_row
 
 
@@ -48,6 +48,8 @@ def run_metrics(result: dict) -> dict[str, Any]:
         "mem/peak_reserved_gib": row.peak_reserved_gib,
         "mem/fragmentation_gib": row.fragmentation_gib,
         "mem/activation_gib": row.activation_gib,
+        # what is alive at the profiled step's peak (profile=peak): a CPU run's only memory figure
+        "mem/profiled_peak_gib": row.profile_peak_bytes / GIB if row.profile_peak_bytes is not None else None,
         "perf/step_time_s": row.step_time_s,
         "perf/tokens_per_s": row.tokens_per_s,
         "perf/mfu": row.mfu,
@@ -70,6 +72,8 @@ def run_metrics(result: dict) -> dict[str, Any]:
     for r in result_rows(result) if ranks else []:  # every rank: rank<N>/... (coordinates under rank<N>/coords/)
         metrics[f"rank{r.rank}/mem/peak_allocated_gib"] = r.peak_allocated_gib
         metrics[f"rank{r.rank}/mem/peak_reserved_gib"] = r.peak_reserved_gib
+        if r.profile_peak_bytes is not None:
+            metrics[f"rank{r.rank}/mem/profiled_peak_gib"] = r.profile_peak_bytes / GIB
         if len(ranks) > 1:
             metrics[f"rank{r.rank}/ledger/total_bytes"] = r.ledger_bytes
             metrics[f"rank{r.rank}/ledger/in_flight_bytes"] = r.pipeline.get("in_flight_ledger_bytes")
@@ -204,6 +208,26 @@ def _warn(what: str, name: str, run_dir: str | Path, err: Exception) -> None:
           file=sys.stderr, flush=True)
 
 
+#: What an offline run keeps readable beside its transaction log (``run-<id>.wandb``, which only
+#: ``wandb sync`` reads; wandb 0.31 writes no config or summary file offline): W&B's own file names, in
+#: the run's ``files/`` directory, where an online run has them.
+OFFLINE_CONFIG, OFFLINE_SUMMARY = "config.yaml", "wandb-summary.json"
+
+
+def write_offline_files(run, config: dict | None = None, summary: dict | None = None) -> None:
+    """An offline run's config (at its start) and summary (at its end) as plain files in ``run.dir``."""
+    if not getattr(run, "offline", False):
+        return
+    import yaml  # PyYAML, OmegaConf's own dependency
+
+    files = Path(run.dir)
+    if config is not None:
+        (files / OFFLINE_CONFIG).write_text(yaml.safe_dump(json.loads(json.dumps(config, default=str)),
+                                                           sort_keys=False))
+    if summary is not None:
+        write_json_atomic(files / OFFLINE_SUMMARY, summary)
+
+
 class NullRun:
     """The do-nothing twin of ``WandbRun``: ``logger=none``, every rank but 0, a W&B run that did not open."""
 
@@ -251,6 +275,8 @@ class WandbRun:
                 self.run.summary["error"] = str(result["error"]).splitlines()[0]
             if result.get("status") == "preempted":
                 self.run.mark_preempting()
+            write_offline_files(self.run, summary={k: v for k, v in dict(self.run.summary).items()
+                                                   if not k.startswith("_")})
             self.run.finish(exit_code=exit_code)
             _update_identity(self.run_dir, finished=True)
         except Exception as err:
@@ -284,6 +310,7 @@ def open_run(cfg: dict, run_dir: str | Path, rank: int, resuming: bool = False) 
         config = {**cfg, "choices": identity.get("choices") or {}, "overrides": identity.get("overrides") or [],
                   "run_dir": str(run_dir)}
         run = _init(log, identity, run_dir, identity.get("id") if resuming else None, config)
+        write_offline_files(run, config=config)
         _update_identity(run_dir, **{k: identity[k] for k in ("name", "group", "job_type")}, id=run.id,
                          opened=True, opened_at=time.time(), finished=False)
         return WandbRun(run, run_dir, identity["name"])

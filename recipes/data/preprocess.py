@@ -74,11 +74,26 @@ def iter_documents(inputs: Sequence[str | Path], json_key: str, skipped: dict,
                            and not any(part.startswith(".") or part == "__pycache__"
                                        for part in p.relative_to(path).parts))
             for f in files:
-                yield from _read(f, json_key, skipped, named=False)
+                yield from _read_or_skip(f, json_key, skipped, named=False)
         elif path.is_file():
-            yield from _read(path, json_key, skipped, named=True)
+            yield from _read_or_skip(path, json_key, skipped, named=True)
+        elif path.exists():  # /dev/zero, a FIFO, a socket: endless or blocking reads, not a document
+            raise PreprocessError(f"input {path} is not a regular file (a device, pipe or socket): give text "
+                                  "files, directories of them or *.jsonl files (save a stream to a file first)")
         else:
             raise PreprocessError(f"input {path}: no such file or directory")
+
+
+def _read_or_skip(path: Path, json_key: str, skipped: dict, named: bool) -> Iterator[tuple[str, str]]:
+    """``_read``; a file the OS will not read (permissions, an I/O error) is refused when named, else
+    skipped and counted."""
+    try:
+        yield from _read(path, json_key, skipped, named)
+    except OSError as err:
+        if named:
+            raise PreprocessError(f"input {path} cannot be read ({err.strerror or err}): check its permissions, "
+                                  "or remove it from the inputs") from None
+        skipped["unreadable files"] = skipped.get("unreadable files", 0) + 1
 
 
 def _read(path: Path, json_key: str, skipped: dict, named: bool) -> Iterator[tuple[str, str]]:
@@ -88,19 +103,7 @@ def _read(path: Path, json_key: str, skipped: dict, named: bool) -> Iterator[tup
         skipped["empty files"] = skipped.get("empty files", 0) + 1
         return
     if path.suffix == ".jsonl":
-        with open(path, encoding="utf-8") as f:
-            for line_no, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    text = json.loads(line)[json_key]
-                except (json.JSONDecodeError, KeyError, TypeError) as err:
-                    raise PreprocessError(f"{path}:{line_no}: not a JSON object with a {json_key!r} "
-                                          f"string ({type(err).__name__}); set --json-key") from None
-                if text:
-                    yield f"{path}:{line_no}", text
-                else:
-                    skipped["empty records"] = skipped.get("empty records", 0) + 1
+        yield from _read_jsonl(path, json_key, skipped)
         return
     try:
         text = path.read_text(encoding="utf-8")
@@ -108,10 +111,55 @@ def _read(path: Path, json_key: str, skipped: dict, named: bool) -> Iterator[tup
             raise UnicodeDecodeError("utf-8", b"", 0, 1, "NUL byte: binary")
     except UnicodeDecodeError:
         if named:
-            raise PreprocessError(f"input {path} is not UTF-8 text (binary?)") from None
+            raise PreprocessError(f"input {path} is not UTF-8 text (binary?): remove it from the inputs, or "
+                                  "convert it to UTF-8 text (iconv -t UTF-8)") from None
         skipped["binary or non-UTF-8 files"] = skipped.get("binary or non-UTF-8 files", 0) + 1
         return
     yield str(path), text
+
+
+def _read_jsonl(path: Path, json_key: str, skipped: dict) -> Iterator[tuple[str, str]]:
+    """One document per line of a JSONL file: the ``json_key`` string of each JSON object."""
+    with open(path, encoding="utf-8") as f:
+        line_no = 0
+        try:
+            for line_no, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as err:
+                    raise PreprocessError(f"{path}:{line_no}: not JSON ({err.msg}, column {err.colno}): one "
+                                          "JSON object per line, or rename the file if it is not JSONL") from None
+                text = record.get(json_key) if isinstance(record, dict) else None
+                if not isinstance(record, dict) or json_key not in record:
+                    raise PreprocessError(f"{path}:{line_no}: not a JSON object with a {json_key!r} string; "
+                                          f"set --json-key to the field that holds the text")
+                if not isinstance(text, str | None):
+                    raise PreprocessError(f"{path}:{line_no}: field {json_key!r} holds {json.dumps(text)[:40]}, "
+                                          "not a string: store the text as a string, or set --json-key to the "
+                                          "field that holds it")
+                if text:
+                    yield f"{path}:{line_no}", text
+                else:
+                    skipped["empty records"] = skipped.get("empty records", 0) + 1
+        except UnicodeDecodeError:
+            raise PreprocessError(f"{path}:{line_no + 1}: not UTF-8 text (binary?): JSONL is UTF-8, one JSON "
+                                  "object per line; remove the file from the inputs or convert it") from None
+
+
+#: ``--json-key`` names the output files too (``{prefix}_{json_key}_document``): a plain field name only.
+JSON_KEY_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-.")
+
+
+def check_json_key(json_key: str) -> None:
+    """Refuse a ``--json-key`` that would write outside the output prefix (``../x``, ``a/b``) or name
+    a file badly: it becomes part of every output file's name."""
+    if not json_key or not set(json_key) <= JSON_KEY_CHARS or json_key.startswith("."):
+        raise PreprocessError(f"--json-key {json_key!r}: a field name of letters, digits, '_', '-' and '.' "
+                              "(not first) only: it names the output files {output_prefix}_{json_key}_document.*, "
+                              "which must stay beside --output-prefix; rename the field in the JSONL file "
+                              "if it has other characters")
 
 
 class Progress:
@@ -149,12 +197,22 @@ def preprocess(inputs: Sequence[str | Path], output_prefix: str, tokenizer: str 
     # lazy: megatron takes seconds to import; tools that never build a model skip it
     from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 
+    check_json_key(json_key)
     tok = preprocess_tokenizer(tokenizer, eod_token)
     if append_eod and tok.eod is None:
         raise PreprocessError(f"--append-eod: {tokenizer} has none of {', '.join(EOD_CANDIDATES)}; "
                               "name its end-of-document token with --eod-token")
     prefix = f"{output_prefix}_{json_key}_document"
-    Path(prefix).parent.mkdir(parents=True, exist_ok=True)
+    try:
+        Path(prefix).parent.mkdir(parents=True, exist_ok=True)
+        Path(f"{prefix}.bin.tmp").touch()
+    except OSError as err:
+        why = err.strerror or str(err)
+        blocker = next((p for p in Path(prefix).parents if p.exists()), None)
+        if blocker is not None and not blocker.is_dir():
+            why = f"{blocker} is a file, not a directory"
+        raise PreprocessError(f"--output-prefix {output_prefix}: cannot write {prefix}.bin ({why}): "
+                              "choose a prefix in a writable directory") from None
     dtype = DType.optimal_dtype(tok.vocab_size)
     bin_tmp, idx_tmp = f"{prefix}.bin.tmp", f"{prefix}.idx.tmp"
     builder = IndexedDatasetBuilder(bin_tmp, dtype=dtype)

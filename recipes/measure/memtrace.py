@@ -21,11 +21,13 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import pickle
 import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -396,9 +398,11 @@ def allocator_trace(start: dict, end: dict, token: str, static_start: dict[int, 
     return trace, unmatched
 
 
-def record_gpu(trainer) -> tuple[Trace, dict]:
+def record_gpu(trainer, snapshot_path: Path | None = None) -> tuple[Trace, dict]:
     """One ``trainer.step()`` traced by the caching allocator (history on for this step only), with
-    the numbers the replay is checked against (``max_memory_allocated``, bytes alive at the start)."""
+    the numbers the replay is checked against (``max_memory_allocated``, bytes alive at the start).
+    ``snapshot_path``: also write the step's snapshot there as ``torch.cuda.memory._dump_snapshot``
+    does (a pickle of ``_snapshot()``), the file PyTorch's viewer (pytorch.org/memory_viz) opens."""
     device = torch.cuda.current_device()
     tracker = PhaseTracker(trainer.chunks, stamp=True)
     torch.cuda.synchronize()
@@ -417,6 +421,9 @@ def record_gpu(trainer) -> tuple[Trace, dict]:
     finally:
         torch.cuda.memory._record_memory_history(None)
     peak_allocated = torch.cuda.max_memory_allocated()
+    if snapshot_path is not None:
+        with open(snapshot_path, "wb") as f:
+            pickle.dump(end, f)
     trace, unmatched = allocator_trace(start, end, tracker.token, static_start,
                                        _by_address(static_tensors(trainer)), device)
     info = {"profiled_step_s": elapsed, "max_memory_allocated_bytes": peak_allocated,

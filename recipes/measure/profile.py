@@ -121,12 +121,26 @@ def _reference_step(trainer, on_gpu: bool) -> dict:
     return {"step_s": time.perf_counter() - t0, "ledger": dict(trainer.ledger.bytes_by_kind)}
 
 
+#: Why a CPU run writes no memory snapshot.
+NO_CPU_SNAPSHOT = ("no memory snapshot on a CPU: PyTorch's viewer (memory_viz) reads the CUDA caching allocator's "
+                   "history, and a CPU has no such allocator; the profile's timeline is the saved tensors'")
+
+
+def snapshot_path(run_dir: Path | str) -> Path:
+    """Where the profiled step's allocator snapshot goes: ``memory_snapshot.pickle`` (rank 0), else
+    ``memory_snapshot_rank<N>.pickle``; drag it into https://pytorch.org/memory_viz."""
+    rank = torch.distributed.get_rank() if torch.distributed.is_available() and torch.distributed.is_initialized() else 0
+    return Path(run_dir) / ("memory_snapshot.pickle" if rank == 0 else f"memory_snapshot_rank{rank}.pickle")
+
+
 def profile_step(trainer, cfg: dict, run_dir: Path | None = None, step_time_s: float | None = None) -> dict:
     """Profile one extra training step (``measure.profile=peak``); returns the rank's ``profile``.
 
     Writes ``memory_timeline.png`` (rank 0; ``memory_timeline_rank<N>.png`` for others) into
-    ``run_dir`` when given. ``step_time_s`` (the median of the timed steps) is the cost reference;
-    without it, the reference step's time is used. A failure is recorded, never raised: the run's
+    ``run_dir`` when given, and on a GPU the step's allocator snapshot (``snapshot_path``: for
+    pytorch.org/memory_viz; ``profile["snapshot"]``; a CPU writes none, ``profile["snapshot_note"]``).
+    ``step_time_s`` (the median of the timed steps) is the cost reference; without it, the reference
+    step's time is used. A failure is recorded, never raised: the run's
     measurements stand without the profile.
     """
     mode = cfg["measure"]["profile"]
@@ -137,10 +151,14 @@ def profile_step(trainer, cfg: dict, run_dir: Path | None = None, step_time_s: f
     on_gpu = compat.cuda_available()
     try:
         ref = _reference_step(trainer, on_gpu)
-        trace, info = record_gpu(trainer) if on_gpu else record_cpu(trainer)
+        snapshot = snapshot_path(run_dir) if on_gpu and run_dir is not None else None
+        trace, info = record_gpu(trainer, snapshot) if on_gpu else record_cpu(trainer)
         out = {"status": "ok", "source": "allocator" if on_gpu else "saved_tensors", **replay(trace)}
     except Exception as err:  # the run's own measurements are already in the result
         return {"status": "failed", "error": f"{type(err).__name__}: {err}"}
+    out["snapshot"] = str(snapshot) if on_gpu and snapshot is not None else None
+    if not on_gpu:
+        out["snapshot_note"] = NO_CPU_SNAPSHOT
     baseline = step_time_s or ref["step_s"]
     cost = {"profiled_step_s": info.pop("profiled_step_s"), "step_time_s": baseline,
             "reference_step_s": ref["step_s"]}

@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from recipes.errors import ConfigError
-from recipes.files import GIB
+from recipes.files import GIB, UnreadableFile
 from recipes.predict.compare import compare_result, format_comparison, mean_share
 from recipes.predict.estimate import predict, predict_options
 from recipes.predict.fit import ALLOCATOR_SLACK, FITS, OVER, TIGHT, verdict, with_slack
 from recipes.recipe import GPU_BUDGET_GIB, at_full_depth, compose_recipe
 from recipes.recompute import KINDS
+from recipes.results import load_result
 
 
 def _fmt(nbytes: float, unit: float = 2**20) -> str:
@@ -125,6 +127,31 @@ def format_options(done: list[tuple[str, dict]], refused: list[tuple[str, str]],
     return "\n".join(lines)
 
 
+def compare_command(directory: str) -> int:
+    """``--compare DIR``: every result.json under DIR predicted beside its measurement. A file that is
+    not a run's result, or whose config cannot be priced, is named and skipped; the rest are compared."""
+    root = Path(directory)
+    if not root.is_dir():
+        print(f"error: --compare {directory}: not a directory (give a run or sweep directory, e.g. "
+              "multirun/<sweep>/<overrides>)", file=sys.stderr)
+        return 2
+    rows = []
+    for p in sorted(root.rglob("result.json")):
+        try:
+            rows += compare_result(load_result(p), p.parent.name)
+        except UnreadableFile as err:  # BadResult: named, and the other results still compared
+            print(f"warning: skipped {err}", file=sys.stderr)
+        except (ConfigError, KeyError, TypeError, ValueError, AttributeError, ZeroDivisionError) as err:
+            print(f"warning: skipped {p}: its config cannot be priced ({type(err).__name__}: {err}); "
+                  "move it away, or re-run its point with today's code", file=sys.stderr)
+    if not rows:
+        print(f"error: no completed result.json under {directory}: run a sweep there first "
+              "(python train.py -m ...)", file=sys.stderr)
+        return 2
+    print(format_comparison(rows))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m recipes estimate", description="Predict per-rank memory before a run. "
@@ -140,22 +167,7 @@ def main(argv: list[str] | None = None) -> int:
                         "result.json under DIR (a run or a sweep); overrides are ignored")
     args = parser.parse_args(argv)
     if args.compare:
-        from pathlib import Path
-
-        from recipes.files import UnreadableFile, read_json
-
-        if not Path(args.compare).is_dir():  # a usage error (exit 2), not a comparison that found nothing
-            print(f"error: --compare: {args.compare} is not a directory\n  fix: give a run or sweep directory "
-                  "(outputs/... or multirun/...) that holds result.json files", file=sys.stderr)
-            return 2
-        rows = []
-        for p in sorted(Path(args.compare).rglob("result.json")):
-            try:
-                rows += compare_result(read_json(p), p.parent.name)
-            except UnreadableFile as err:  # named, and the other results still compared
-                print(f"warning: skipped {err}", file=sys.stderr)
-        print(format_comparison(rows) if rows else f"no completed result.json under {args.compare}")
-        return 0 if rows else 1
+        return compare_command(args.compare)
     title = " ".join(args.overrides) or "(defaults)"
     try:  # recipe=<name>: its published layout and depth (recipes.recipe), whatever GPUs are here
         cfg, notes = compose_recipe(at_full_depth(args.overrides), on_gpu=True)
