@@ -107,8 +107,8 @@ def frontier(cfg: dict, budget_gib: float, profile: Profile | None = None, why: 
 def rank_points(points: list[dict], family: str | None) -> list[dict]:
     """Fitting points, fastest first (ties as the planner orders them, then the larger micro-batch); an
     offload point whose lead over the best recompute-only point is within its uncertainty goes behind it."""
-    fitting = sorted((r for r in points if r["fits"]),
-                     key=lambda r: (round(r["step_s"] / 1e-4), *_order(r, family)[1:], -r["micro_batch_size"]))
+    fitting = distinct(sorted((r for r in points if r["fits"]),
+                              key=lambda r: (round(r["step_s"] / 1e-4), *_order(r, family)[1:], -r["micro_batch_size"])))
     if fitting and fitting[0]["offload"] != "none":
         alone = next((r for r in fitting if r["offload"] == "none"), None)
         lead = alone["step_s"] - fitting[0]["step_s"] if alone else None
@@ -117,7 +117,7 @@ def rank_points(points: list[dict], family: str | None) -> list[dict]:
             fitting.insert(0, {**alone, "preferred_over": {"overrides": point_overrides(fitting[0]),
                                                            "lead_s": lead,
                                                            "uncertainty_s": fitting[0]["uncertainty_s"]}})
-    return distinct(fitting)
+    return fitting
 
 
 def distinct(ranked: list[dict]) -> list[dict]:
