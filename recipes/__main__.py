@@ -22,7 +22,7 @@ COMMANDS = {
     "report": "recipes.analyze.report",
     "preprocess": "recipes.data.preprocess",
     "plan": "recipes.analyze.frontier",
-    "calibrate": "recipes.calibrate",
+    "calibrate": "recipes.measure.calibrate",
 }
 
 

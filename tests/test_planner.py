@@ -224,7 +224,7 @@ def test_calibrate_refuses_on_a_cpu_in_one_line(capsys):
 
     if torch.cuda.is_available():
         pytest.skip("a GPU is here")
-    from recipes import calibrate
+    from recipes.measure import calibrate
 
     assert calibrate.main(["--out", "/nonexistent/x.yaml"]) == 2
     err = capsys.readouterr().err

@@ -37,7 +37,7 @@ from recipes.predict.fit import allocator_overrides
 
 #: The bare step's share of the bf16 peak at full GEMM rate (dense steps at the h200 size: 50.0% on an
 #: H200, 48.3% on an H100; MLA 45%, MoE 36%): it sets the step's scale, not the order of the options.
-STEP_MFU = 0.45
+STEP_MFU = 0.5
 #: What each micro-batch costs beyond its FLOPs (launches, the loss, the pipeline's per-micro-batch
 #: work), seconds: a larger micro-batch pays it fewer times.
 MICROBATCH_S = 0.002
@@ -200,7 +200,7 @@ def explain_frontier(f: dict, command: str | None = None) -> str:
              f"  cluster: {f['cluster']['gpus_per_node']} GPUs a node x {f['cluster']['nodes']} node(s), "
              f"{f['cluster']['host_memory_gib']:g} GiB host memory a node ({f['cluster']['host_memory_from']})",
              f"  {len(f['points'])} points over micro-batch sizes {', '.join(map(str, f['micro_batch_sizes']))}; "
-             f"{len(f['ranked'])} fit. Frontier of peak against step time (fastest first; the 3 nearest that "
+             f"{sum(r['fits'] for r in f['points'])} fit. Frontier of peak against step time (fastest first; the 3 nearest that "
              "do not fit, then every one that does):",
              f"  {'':6} {'point':<70} {'GiB':>7} {'':>5} {'ms/step':>9}"]
     over = [r for r in f["frontier"] if not r["fits"]]
@@ -233,13 +233,17 @@ def plot(f: dict, path: Path) -> None:
             "k--", lw=1, label="frontier")
     ax.axhline(f["budget_gib"], color="tab:red", lw=1, label=f"budget {f['budget_gib']:g} GiB")
     for i, r in enumerate(f["top"]):
-        ax.annotate(f"{i + 1}: mb{r['micro_batch_size']} {overrides_of(r)}", (r["step_s"] * 1e3, r["predicted_peak_gib"]),
-                    fontsize=7)
+        ax.annotate(str(i + 1), (r["step_s"] * 1e3, r["predicted_peak_gib"]), fontsize=9, weight="bold",
+                    xytext=(4, 4), textcoords="offset points")
+    ax.set_ylim(0, 2 * f["budget_gib"])  # the region that matters; points far over it are off the chart
+    fig.text(0.01, 0.01, "\n".join(f"{i + 1}: mb {r['micro_batch_size']} {overrides_of(r)}"
+                                   for i, r in enumerate(f["top"])), fontsize=7, va="bottom")
+    fig.subplots_adjust(bottom=0.25)
     ax.set_xlabel("predicted step time (ms)")
     ax.set_ylabel("predicted peak allocated per rank (GiB)")
     ax.set_title(f"{f['profile']}: recompute x offload x micro-batch", fontsize=9)
     ax.legend(fontsize=7)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.12, 1, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
