@@ -229,3 +229,13 @@ def test_calibrate_refuses_on_a_cpu_in_one_line(capsys):
     assert calibrate.main(["--out", "/nonexistent/x.yaml"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "profiles are for GPUs" in err and "Traceback" not in err
+
+
+def test_an_offload_runner_up_goes_behind_a_recompute_point_within_its_uncertainty():
+    """The H100's MLA question: the offload plan ranked ahead of a recompute plan it led by less than its
+    copies' uncertainty ran 9% slower than it; such a plan now ranks behind it, wherever it stands."""
+    pts = [_row(1, "selective/mlp", "none", 58, 6.33), _row(2, "selective/mlp", "qkv_linear-core_attn-attn_proj", 55,
+                                                            6.78, copy=5.78), _row(1, "full", "none", 64, 6.98)]
+    ranked = fr.rank_points(pts, "mla")
+    assert [r["offload"] for r in ranked] == ["none", "none", "qkv_linear-core_attn-attn_proj"]
+    assert "preferred_over" in ranked[1] and "within its offload price's uncertainty" in fr._note(ranked)

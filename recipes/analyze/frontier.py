@@ -106,18 +106,27 @@ def frontier(cfg: dict, budget_gib: float, profile: Profile | None = None, why: 
 
 def rank_points(points: list[dict], family: str | None) -> list[dict]:
     """Fitting points, fastest first (ties as the planner orders them, then the larger micro-batch); an
-    offload point whose lead over the best recompute-only point is within its uncertainty goes behind it."""
+    offload point goes behind every recompute-only point it leads by no more than its uncertainty."""
     fitting = distinct(sorted((r for r in points if r["fits"]),
                               key=lambda r: (round(r["step_s"] / 1e-4), *_order(r, family)[1:], -r["micro_batch_size"])))
-    if fitting and fitting[0]["offload"] != "none":
-        alone = next((r for r in fitting if r["offload"] == "none"), None)
-        lead = alone["step_s"] - fitting[0]["step_s"] if alone else None
-        if alone is not None and lead <= fitting[0]["uncertainty_s"]:
-            fitting.remove(alone)
-            fitting.insert(0, {**alone, "preferred_over": {"overrides": point_overrides(fitting[0]),
-                                                           "lead_s": lead,
-                                                           "uncertainty_s": fitting[0]["uncertainty_s"]}})
-    return fitting
+    out: list[dict] = []
+    for r in fitting:
+        if r in out:
+            continue
+        if r["offload"] != "none":
+            close = [a for a in fitting if a["offload"] == "none" and a not in out
+                     and 0 <= a["step_s"] - r["step_s"] <= r["uncertainty_s"]]
+            for a in close:
+                out.append({**a, "preferred_over": {"overrides": point_overrides(r), "lead_s": a["step_s"] - r["step_s"],
+                                                    "uncertainty_s": r["uncertainty_s"]}})
+        out.append(r)
+    seen, ranked = set(), []
+    for r in out:  # a recompute-only point moved ahead is not repeated where it stood
+        key = (r["micro_batch_size"], overrides_of(r))
+        if key not in seen:
+            seen.add(key)
+            ranked.append(r)
+    return ranked
 
 
 def distinct(ranked: list[dict]) -> list[dict]:
@@ -131,13 +140,13 @@ def distinct(ranked: list[dict]) -> list[dict]:
 
 
 def _note(ranked: list[dict]) -> str | None:
-    first = ranked[0] if ranked else None
-    if not first or "preferred_over" not in first:
+    moved = [r for r in ranked[:TOP] if "preferred_over" in r]
+    if not moved:
         return None
-    o = first["preferred_over"]
-    return (f"{o['overrides']} is predicted {o['lead_s'] * 1e3:.0f} ms faster, within its offload price's "
-            f"uncertainty ({o['uncertainty_s'] * 1e3:.0f} ms: {OFFLOAD_UNCERTAINTY:.0%} of its copy time): the "
-            "recompute-only point ranks first")
+    o = moved[0]["preferred_over"]
+    return (f"{o['overrides']} is predicted {o['lead_s'] * 1e3:.0f} ms faster than {point_overrides(moved[0])}, "
+            f"within its offload price's uncertainty ({o['uncertainty_s'] * 1e3:.0f} ms: {OFFLOAD_UNCERTAINTY:.0%} of its "
+            "copy time): the recompute-only point ranks ahead")
 
 
 def pareto(points: list[dict]) -> list[dict]:
