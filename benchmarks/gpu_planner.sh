@@ -12,9 +12,11 @@
 # Budgets fit an 80 GB H100 (77 GiB for the allocator). Each point is a fresh process: about 20 s to start, then
 # its steps (h200_long: 7-8 s a step on an H100; h200: about 0.3 s). With STEPS=5 a long question is about 3
 # minutes of GPU time, a short one about 1.5; calibrate about 1.
-# Questions: dense_long (standard_attn h200_long 60: recompute alone), mla_long (mla h200_long 70: the one whose
-# offload pick ran out of memory), moe_long (moe h200_long 75), gdn_long (gdn h200_long 60), dense_short
-# (standard_attn h200 30: a larger micro-batch), moe_short (moe h200 40). Settings (environment): PY, QUESTIONS,
+# Questions (what the spec profile predicts on an H100 wins): dense_long (standard_attn h200_long 60: recompute
+# alone, selective/mlp at micro-batch 1), dense_long_offload (the same at 58: selective/mlp with attn_norm offload),
+# mla_long (mla h200_long 70: the question whose offload pick ran out of memory), moe_long (moe h200_long 75:
+# full/block), gdn_long (gdn h200_long 60: full), dense_short (standard_attn h200 30: micro-batch 4, no recompute),
+# moe_short (moe h200 40: micro-batch 4). Settings (environment): PY, QUESTIONS,
 # STEPS (5), CALIBRATE (1), PROFILE (the profile plans use; default the calibrated one), EXTRA (overrides for
 # every plan and point), OUT (results/planner).
 set -uo pipefail
@@ -22,7 +24,7 @@ cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 WANDB_MODE=offline
 if [ -z "${PY:-}" ]; then if [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi; fi
 OUT=${OUT:-results/planner}
-QUESTIONS=${QUESTIONS:-dense_long mla_long moe_long gdn_long dense_short moe_short}
+QUESTIONS=${QUESTIONS:-dense_long dense_long_offload mla_long moe_long gdn_long dense_short moe_short}
 STEPS=${STEPS:-5}
 PROFILE=${PROFILE:-$OUT/gpu.yaml}
 ARGS="profile=none measure.module_times=false train.train_iters=$STEPS measure.start_step=3 ${EXTRA:-}"
@@ -33,6 +35,7 @@ quiet() { grep -v "Warning\|warn(\|warnings.warn\|cpp_extension\|Activation Offl
 question() {
   case $1 in
     dense_long) echo "model=standard_attn size=h200_long 60";;
+    dense_long_offload) echo "model=standard_attn size=h200_long 58";;
     mla_long) echo "model=mla size=h200_long 70";;
     moe_long) echo "model=moe size=h200_long 75";;
     gdn_long) echo "model=gdn size=h200_long 60";;

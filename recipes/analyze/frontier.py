@@ -27,7 +27,7 @@ import json
 import sys
 from pathlib import Path
 
-from recipes.analyze.plan import _extends, _order, overrides_of, plan
+from recipes.analyze.plan import _extends, _order, buys_nothing, overrides_of, plan
 from recipes.config import upgrade
 from recipes.errors import ConfigError
 from recipes.hardware import Profile, check_budget, cluster_of, resolve_profile
@@ -130,11 +130,15 @@ def rank_points(points: list[dict], family: str | None) -> list[dict]:
 
 
 def distinct(ranked: list[dict]) -> list[dict]:
-    """``ranked`` without points that do all an earlier point of the same micro-batch does and more
-    (more labels or modules, ``plan._extends``): slower for memory the budget does not need."""
+    """``ranked`` without points that only add cost: those doing all an earlier point of the same
+    micro-batch does and more (more labels or modules, ``plan._extends``), the same peak and time as an
+    earlier one (``full/block`` over every layer is ``full``), and any beside a point of the same
+    micro-batch that neither recomputes nor offloads."""
     out: list[dict] = []
     for r in ranked:
-        if not any(r["micro_batch_size"] == o["micro_batch_size"] and _extends(r, o) for o in out):
+        same = [o for o in out if o["micro_batch_size"] == r["micro_batch_size"]]
+        if not any(_extends(r, o) or buys_nothing(o) or (abs(o["step_s"] - r["step_s"]) < 1e-4
+                   and abs(o["predicted_peak_gib"] - r["predicted_peak_gib"]) < 1e-3) for o in same):
             out.append(r)
     return out
 

@@ -91,4 +91,6 @@ def explain_prediction(advice: dict) -> str:
         lines.append("Nothing is predicted to fit" + (f"; closest: {near['recompute']} at "
                      f"{near['predicted_peak_gib']:.2f} GiB" if near else "") + ": more parallelism "
                      "(tensor + sequence, pipeline, expert), a smaller micro-batch or sequence.")
+    lines.append(f"With the micro-batch size too (global batch fixed): python -m recipes plan --budget-gib "
+                 f"{advice['budget_gib']:g} {' '.join(advice['overrides'])}")
     return "\n".join(lines)
