@@ -44,6 +44,8 @@ MICROBATCH_S = 0.002
 #: The share of an offload point's copy time its price may be off by (the H100's 22%, rounded up).
 OFFLOAD_UNCERTAINTY = 0.25
 TOP = 3
+#: Fitting frontier points the table shows (the plot shows every one).
+FRONTIER_ROWS = 10
 
 
 def micro_batch_sizes(cfg: dict) -> list[int]:
@@ -214,10 +216,12 @@ def explain_frontier(f: dict, command: str | None = None) -> str:
              f"{f['cluster']['host_memory_gib']:g} GiB host memory a node ({f['cluster']['host_memory_from']})",
              f"  {len(f['points'])} points over micro-batch sizes {', '.join(map(str, f['micro_batch_sizes']))}; "
              f"{sum(r['fits'] for r in f['points'])} fit. Frontier of peak against step time (fastest first; the 3 nearest that "
-             "do not fit, then every one that does):",
+             f"do not fit, then the {FRONTIER_ROWS} fastest that do):",
              f"  {'':6} {'point':<70} {'GiB':>7} {'':>5} {'ms/step':>9}"]
-    over = [r for r in f["frontier"] if not r["fits"]]
-    lines += [row_text(r) for r in over[-3:] + [r for r in f["frontier"] if r["fits"]]]
+    over, fitting = [r for r in f["frontier"] if not r["fits"]], [r for r in f["frontier"] if r["fits"]]
+    lines += [row_text(r) for r in over[-3:] + fitting[:FRONTIER_ROWS]]
+    if len(fitting) > FRONTIER_ROWS:
+        lines.append(f"  ... {len(fitting) - FRONTIER_ROWS} more, each slower and smaller (plan.png)")
     if not f["top"]:
         return "\n".join(lines + ["Nothing fits: more parallelism, a shorter sequence, or a larger GPU."])
     lines.append("Fastest fitting first:")
