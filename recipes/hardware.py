@@ -204,9 +204,3 @@ def check_budget(budget_gib: float, profile: Profile, option: str = "--budget-gi
                           f"keep {profile.cuda_reserved_gib:g})",
                           f"give at most {profile.budget_gib:g}, or name the GPU you plan for: cluster.gpu="
                           f"{'|'.join(spec_profiles())} or a calibrated profile's path")
-
-
-def profile_matches_device(profile: Profile, device: str) -> bool:
-    """Whether a run's recorded device name is the GPU a profile describes."""
-    return device == profile.gpu or any(m.lower() in device.lower() for m in profile.match) or (
-        match_profile(device) == profile.name)

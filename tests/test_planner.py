@@ -239,3 +239,20 @@ def test_an_offload_runner_up_goes_behind_a_recompute_point_within_its_uncertain
     ranked = fr.rank_points(pts, "mla")
     assert [r["offload"] for r in ranked] == ["none", "none", "qkv_linear-core_attn-attn_proj"]
     assert "preferred_over" in ranked[1] and "within its offload price's uncertainty" in fr._note(ranked)
+
+
+def test_a_calibrated_profile_is_named_by_its_path_and_its_gpu_confirms_its_sweeps(tmp_path):
+    from recipes.analyze.confirm import same_gpu
+
+    spec = hardware.load_profile("h100_sxm")
+    measured = {f: getattr(spec, f) for f in hardware.REQUIRED}
+    measured.update(name="measured_h100_sxm", source="measured on NVIDIA H100 80GB HBM3 2026-12-06",
+                    host_link_gb_s=41.5, matmul_tflops={4096: 520.0, 16384: 700.0, 32768: 720.0}, match=["H100"])
+    path = tmp_path / "gpu.yaml"
+    path.write_text(json.dumps(measured))
+    cfg = compose_config(["model=standard_attn", "size=h200", f"cluster.gpu={path}"])
+    p, why = hardware.resolve_profile(cfg)
+    assert p.measured and "measured on" in p.describe() and "41.5 GB/s" in p.describe() and why == "named by cluster.gpu"
+    assert p.efficiency(16384) == pytest.approx(700 / 720)
+    assert plan(cfg, 19.0)["host_link_gb_s"] == 41.5  # the planner prices copies at the measured link
+    assert same_gpu("NVIDIA H100 80GB HBM3", p.gpu) and not same_gpu("NVIDIA H200", p.gpu)

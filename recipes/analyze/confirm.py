@@ -11,7 +11,7 @@ from pathlib import Path
 
 from recipes.analyze.sweep import find_results, merge_repeats
 from recipes.errors import ConfigError
-from recipes.hardware import load_profile, profile_matches_device
+from recipes.hardware import match_profile
 from recipes.offload import option_of as offload_option_of
 from recipes.recompute import option_of
 from recipes.results import worst_row
@@ -31,6 +31,11 @@ def result_key(cfg: dict) -> tuple:
             cfg["train"]["micro_batch_size"])
 
 
+def same_gpu(device: str, profile_gpu: str) -> bool:
+    """Whether a run's device is the GPU a plan's profile describes: the same name, or the same spec profile."""
+    return device == profile_gpu or (match_profile(device) is not None and match_profile(device) == match_profile(profile_gpu))
+
+
 def compare(sweep_dir: Path) -> dict | None:
     """The plan's points beside the sweep's measurements, or None where ``sweep_dir`` has no plan.json."""
     path = sweep_dir / "plan.json"
@@ -40,11 +45,7 @@ def compare(sweep_dir: Path) -> dict | None:
     results = merge_repeats(find_results(sweep_dir))
     devices = {d for r in results for d in [r.get("device")] + [k.get("device") for k in r.get("ranks") or []]
                if d and d != "cpu"}
-    try:
-        profile = load_profile(plan["profile"])
-    except ConfigError:
-        profile = None
-    wrong = sorted(d for d in devices if profile is not None and not profile_matches_device(profile, d))
+    wrong = sorted(d for d in devices if not same_gpu(d, plan["profile_gpu"]))
     if wrong:
         raise ConfigError("cluster.gpu", f"the plan in {path} was made for {plan['profile_gpu']} (profile "
                           f"{plan['profile']}) but its sweep ran on {', '.join(wrong)}",
