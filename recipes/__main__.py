@@ -3,6 +3,8 @@
     python -m recipes estimate model=moe size=h200 --all      # predict memory per rank, no run
     python -m recipes advise multirun/moe/... --budget-gib 80 # the guide's choice for a budget
     python -m recipes report multirun/moe/...                 # table, CSV and plot of a sweep
+    python -m recipes plan --budget-gib 70 model=mla size=h200_long  # recompute x offload x micro-batch
+    python -m recipes calibrate --out h100.yaml               # measure this GPU into a hardware profile
     python -m recipes preprocess --stdlib --output-prefix data/stdlib --append-eod
 
 Training itself is ``python train.py ...`` (Hydra).
@@ -19,6 +21,8 @@ COMMANDS = {
     "advise": "recipes.analyze.advise",
     "report": "recipes.analyze.report",
     "preprocess": "recipes.data.preprocess",
+    "plan": "recipes.analyze.frontier",
+    "calibrate": "recipes.measure.calibrate",
 }
 
 

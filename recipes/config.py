@@ -301,6 +301,17 @@ class EstimateConfig:
 
 
 @dataclass
+class ClusterConfig:
+    """The cluster a plan is for (``advise --predict``, ``estimate``), not the machine running the planner
+    (``recipes.hardware``). Changes no run; null: the launcher's layout and the GPU's profile."""
+
+    gpu: Optional[str] = None  # a hardware profile: conf/hardware/<name> or a calibrated profile's path
+    host_memory_gib: Optional[float] = None  # host memory per node for offload's copies
+    gpus_per_node: Optional[int] = None  # null: launcher.nproc_per_node
+    nodes: Optional[int] = None  # null: launcher.nnodes
+
+
+@dataclass
 class CheckpointConfig:
     """Checkpoints through megatron-core dist_checkpointing (recipes/run/checkpoint.py,
     docs/training.md). Off by default (``checkpoint=none``); ``checkpoint=default`` for long runs."""
@@ -345,6 +356,7 @@ class RecipeConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     measure: MeasureConfig = field(default_factory=MeasureConfig)
     estimate: EstimateConfig = field(default_factory=EstimateConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     recipe: Optional[NamedRecipeConfig] = None  # recipe=<name>: a public architecture (conf/recipe/)
     size: Any = None  # unused: size files (@package _global_) set model.* and train.* directly

@@ -36,6 +36,7 @@ from recipes.analyze.candidates import (
     sweep_plan,
     what_drives_the_peak,
 )
+from recipes.analyze.confirm import compare, explain_confirm
 from recipes.analyze.explain import explain
 from recipes.analyze.predicted import advise_before_running, explain_prediction, recipe_budget
 from recipes.analyze.report import control_gap_pct
@@ -285,7 +286,12 @@ def main(argv: list[str] | None = None) -> int:
     advice["plan"] = sweep_plan(args.sweep_dir, args.budget_gib)
     advice["drives"] = what_drives_the_peak(args.sweep_dir)
     advice["predicted_vs_measured"] = predicted_next_to_measured(args.sweep_dir)
-    advice["text"] = explain(advice, str(args.sweep_dir))
+    try:  # a sweep `python -m recipes plan` wrote: its predicted order beside the measured one
+        advice["confirm"] = compare(args.sweep_dir)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    advice["text"] = "\n".join([explain(advice, str(args.sweep_dir)), *explain_confirm(advice["confirm"])])
     print(json.dumps(advice, indent=2, default=str) if args.json else advice["text"])
     return 0
 

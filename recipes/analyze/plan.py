@@ -18,9 +18,10 @@ every recompute option on that timeline (host time included: ``recipes.predict.r
 
 from __future__ import annotations
 
-from recipes.config import upgrade
+from recipes.config import EstimateConfig, MeasureConfig, upgrade
 from recipes.errors import ConfigError
 from recipes.files import GIB
+from recipes.hardware import Profile, check_cluster, cluster_of, resolve_profile
 from recipes.offload import offload_config, option_modules, rule_problem
 from recipes.offload import options_for as offload_options
 from recipes.predict.copies import exposed_transfer_s, offload_overhead, offload_positions, timeline_offload_costs
@@ -32,7 +33,7 @@ from recipes.predict.cost import (
     recompute_by_process_s,
 )
 from recipes.predict.estimate import held_host_bytes, num_microbatches, predict
-from recipes.predict.fit import FITS, TIGHT, fits, slack_for, verdict
+from recipes.predict.fit import FITS, TIGHT, allocator_overrides, fits, slack_for, verdict
 from recipes.recompute import guide_order, is_full, option_of, options_for, recompute_config, selective_labels
 from recipes.validate.offload import host_memory_problem
 from recipes.validate.recompute import layers_per_chunk
@@ -41,6 +42,29 @@ from recipes.validate.recompute import layers_per_chunk
 SAME_TIME_S = 1e-4
 #: Labels that replay elementwise work only (no matmul): priced as memory traffic and their replays.
 ELEMENTWISE = frozenset(ELEMENTWISE_REPLAYS)
+
+
+#: The share of the HBM's spec bandwidth elementwise replays run at (3000 of the H200's 4800 GB/s).
+HBM_SHARE = 3000.0 / 4800.0
+
+
+def on_hardware(cfg: dict, profile: Profile, cluster: dict | None = None) -> dict:
+    """``cfg`` with the profile's figures where the config keeps the schema's defaults (an explicit
+    ``estimate.*`` or ``measure.peak_tflops`` wins): the bf16 peak, the host link, the HBM bandwidth, a
+    measured offload manager's cost a group; and the cluster's GPUs per node and nodes."""
+    est, default, measure = dict(cfg.get("estimate") or {}), EstimateConfig(), dict(cfg["measure"])
+    if measure.get("peak_tflops") == MeasureConfig().peak_tflops:
+        measure["peak_tflops"] = float(profile.bf16_tflops)
+    if est.get("host_link_gb_s", default.host_link_gb_s) == default.host_link_gb_s:
+        est["host_link_gb_s"] = float(profile.host_link_gb_s)
+    if est.get("hbm_gb_s", default.hbm_gb_s) == default.hbm_gb_s:
+        est["hbm_gb_s"] = round(profile.hbm_gb_s * HBM_SHARE, 1)
+    if profile.offload_ms_per_group is not None and est.get("offload_ms_per_group") == default.offload_ms_per_group:
+        est["offload_ms_per_group"] = profile.offload_ms_per_group
+    out = {**cfg, "estimate": est, "measure": measure}
+    if cluster:
+        out["launcher"] = {**cfg["launcher"], "nproc_per_node": cluster["gpus_per_node"], "nnodes": cluster["nodes"]}
+    return out
 
 
 def rates(cfg: dict, tflops: float | None = None, link_gb_s: float | None = None) -> tuple[float, float]:
@@ -131,13 +155,23 @@ def price_config(cfg: dict, tflops: float, link_gb_s: float, module_times: dict 
 
 
 def plan(cfg: dict, budget_gib: float, tflops: float | None = None, link_gb_s: float | None = None,
-         module_times: dict | None = None) -> dict:
+         module_times: dict | None = None, profile: Profile | None = None) -> dict:
     """Every allowed (recompute, offload) combination for ``cfg``'s model and layout: predicted peak,
     fit, added step time; the fastest fitting combination and the runner-up. ``module_times``: a
     measured point's (``recipes.measure.moduletime``), pricing the replays it covers. An offload plan
     whose host copies need more memory per node than the host has (``offload.host_memory_gib``, else
-    this machine's available memory) is set aside in ``over_host``, as the validator would refuse it."""
+    the cluster's, ``recipes.hardware.cluster_of``; never this machine's) is set aside in ``over_host``, as
+    the validator would refuse it. ``profile``: the GPU's (``recipes.hardware``; default: resolved from
+    ``cfg``), whose figures price the plans where the config does not set its own."""
     cfg = upgrade(cfg)
+    if profile is None:
+        profile, why = resolve_profile(cfg)
+    else:
+        why = "given"
+    cluster = cluster_of(cfg, profile)
+    check_cluster(cfg, cluster)
+    cfg = on_hardware(cfg, profile, cluster)
+    cfg["offload"] = {**cfg["offload"], "host_memory_gib": cluster["host_memory_gib"]}
     tflops, link_gb_s = rates(cfg, tflops, link_gb_s)
     model, pp = cfg["model"], cfg["parallel"]["pipeline_model_parallel_size"]
     keep = {k: cfg["offload"][k] for k in ("min_offloaded_tensor_size", "activation_offload_fraction",
@@ -153,7 +187,9 @@ def plan(cfg: dict, budget_gib: float, tflops: float | None = None, link_gb_s: f
                 refused.append({"recompute": rc_option, "offload": off_option, "why": problem[1]})
                 continue
             trial = {**cfg, "recompute": recompute_config(rc_option),
-                     "offload": {**offload_config(off_option), **keep}}
+                     "offload": {**offload_config(off_option), **keep},
+                     "measure": {**cfg["measure"], "expandable_segments": bool(modules)
+                                 or cfg["measure"]["expandable_segments"]}}
             try:
                 if rc_option == "full/block":
                     trial["recompute"], p = fewest_block_layers(trial, trial["recompute"], budget_gib)
@@ -184,6 +220,7 @@ def plan(cfg: dict, budget_gib: float, tflops: float | None = None, link_gb_s: f
                          **({"activation_offload_fraction": fraction} if modules and fraction < 1.0 else {})})
     wait = host_wait_ms(module_times)
     return rank({"budget_gib": budget_gib, "family": cfg["model"]["family"], "tflops": tflops, "host_link_gb_s": link_gb_s,
+                 "profile": profile.name, "profile_text": profile.describe(), "profile_why": why, "cluster": cluster,
                  "module_times": bool(module_times), "timeline": has_timeline(module_times),
                  "allocator_slack": slack_for(cfg), "rows": rows, "refused": refused, "over_host": over_host,
                  **({"host_wait_ms": wait} if wait is not None else {})})
@@ -260,8 +297,8 @@ def confirm_commands(base: str, rows: list[dict], budget_gib: float, sweep_dir: 
     """Commands that run each row into one sweep directory with the allocator capped at the budget (a
     plan whose allocator needs more, fragmentation included, stops as oom), then advise on it."""
     cap = f"measure.memory_budget_gib={budget_gib:g}"
-    return ([f"python train.py -m {base} {overrides_of(r)} {cap} hydra.sweep.dir={sweep_dir}".replace("  ", " ")
-             for r in rows] + [f"python -m recipes advise {sweep_dir} --budget-gib {budget_gib:g}"])
+    return ([f"python train.py -m {base} {overrides_of(r)} {allocator_overrides(r.get('offload', 'none') != 'none')} "
+             f"{cap} hydra.sweep.dir={sweep_dir}".replace("  ", " ") for r in rows] + [f"python -m recipes advise {sweep_dir} --budget-gib {budget_gib:g}"])
 
 
 def explain_plan(p: dict | None, base: str, measured: frozenset = frozenset()) -> list[str]:
@@ -278,6 +315,10 @@ def explain_plan(p: dict | None, base: str, measured: frozenset = frozenset()) -
                                               " (replays at the base point's measured module times)"
                                               if p.get("module_times") else "")
              + f" and a {p['host_link_gb_s']:g} GB/s host link:"]
+    if p.get("profile_text"):
+        lines.append(f"  GPU profile {p['profile_text']} ({p['profile_why']})")
+    if p.get("cluster"):
+        lines.append("  " + cluster_text(p["cluster"]))
     if p.get("host_wait_ms") is not None:  # the margin the timeline's host work is priced against
         lines.append(f"  the base point's steps waited {p['host_wait_ms']:.1f} ms for the GPU at the grad-norm read: "
                      "host work a plan adds beyond that lengthens its step, and is priced so")
@@ -307,6 +348,13 @@ def explain_plan(p: dict | None, base: str, measured: frozenset = frozenset()) -
             if any(r.get("offload", "none") != "none" for r in todo):
                 lines.append("  (offload leaves more of the allocator's memory unusable than recompute does: its "
                              "plans were judged with the slack measured for them, up to 21% over the predicted "
-                             "peak, and each runs capped at the budget, where one that does not fit stops as oom; "
-                             "docs/offload.md)")
+                             "peak, run with expandable segments, and each runs capped at the budget, where one "
+                             "that does not fit stops as oom; docs/offload.md)")
     return lines
+
+
+def cluster_text(cluster: dict) -> str:
+    """``cluster: h100_sxm, 8 GPUs a node x 32 nodes, 1907 GiB host memory a node (cluster.host_memory_gib)``."""
+    return (f"cluster: {cluster['gpu']}, {cluster['gpus_per_node']} GPU{'s' if cluster['gpus_per_node'] > 1 else ''} "
+            f"a node x {cluster['nodes']} node{'s' if cluster['nodes'] > 1 else ''}, "
+            f"{cluster['host_memory_gib']:g} GiB host memory a node ({cluster['host_memory_from']})")

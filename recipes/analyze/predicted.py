@@ -9,11 +9,12 @@ from __future__ import annotations
 
 from recipes.analyze.plan import explain_plan, fewest_block_layers, overrides_of, plan
 from recipes.files import GIB
+from recipes.hardware import check_budget, resolve_profile
 from recipes.measure.flops import layer_forward_flops, replayed_layer_flops
 from recipes.predict.estimate import predict_options
 from recipes.predict.estimate_command import routing_line
 from recipes.predict.fit import FITS, TIGHT, slack_for, verdict
-from recipes.recipe import GPU_BUDGET_GIB, at_full_depth, compose_recipe
+from recipes.recipe import at_full_depth, compose_recipe
 from recipes.recompute import NO_RECOMPUTE, guide_order, recompute_config
 
 
@@ -23,6 +24,8 @@ def advise_before_running(overrides: list[str], budget_gib: float) -> dict:
     no recompute first: the guide's "narrowest boundary that fits", to be confirmed by a sweep."""
 
     cfg, _ = compose_recipe(at_full_depth(overrides), on_gpu=True)  # recipe=<name>: its published layout
+    profile, why = resolve_profile(cfg)
+    check_budget(budget_gib, profile)
     done, refused = predict_options(cfg, "cuda")
     layer = layer_forward_flops(cfg)
     per_layer = sum(layer.get(k, 0.0) for k in ("attn_proj", "core_attn", "mlp", "moe"))
@@ -45,21 +48,25 @@ def advise_before_running(overrides: list[str], budget_gib: float) -> dict:
     return {"source": "predicted", "budget_gib": budget_gib, "overrides": overrides, "family": family, "options": rows,
             "allocator_slack": slack_for(cfg), "routed_share": share,
             "choice": choice, "refused": [{"recompute": o, "why": w} for o, w in refused],
-            "plan": plan(cfg, budget_gib)}
+            "profile": profile.name, "profile_text": profile.describe(), "profile_why": why,
+            "cuda_reserved_gib": profile.cuda_reserved_gib, "gpu": profile.gpu,
+            "plan": plan(cfg, budget_gib, profile=profile)}
 
 
 def recipe_budget(overrides: list[str]) -> float | None:
-    """The allocator budget of a named recipe's GPU (``recipes.recipe.GPU_BUDGET_GIB``), else None."""
-    if not any(o.startswith("recipe=") for o in overrides):
+    """The allocator budget of a named recipe's GPU (or ``cluster.gpu``'s): its hardware profile's
+    (``recipes.hardware``), else None."""
+    if not any(o.startswith(("recipe=", "cluster.gpu=")) for o in overrides):
         return None
     cfg, _ = compose_recipe(at_full_depth(overrides), on_gpu=True)
-    return GPU_BUDGET_GIB[cfg["recipe"]["gpu"]]
+    return resolve_profile(cfg)[0].budget_gib
 
 
 def explain_prediction(advice: dict) -> str:
     lines = [f"PREDICTED (recipes.predict.estimate, nothing measured) for {' '.join(advice['overrides']) or 'the defaults'}, "
              f"budget {advice['budget_gib']:.2f} GiB per GPU for PyTorch's allocator (a GPU's capacity less what CUDA "
-             f"and its libraries hold: 2.4 GiB on the H200). Peak allocated; fits = with {advice['allocator_slack']:.1%} "
+             f"and its libraries hold: {advice['cuda_reserved_gib']:g} GiB on the {advice['gpu']}; profile "
+             f"{advice['profile']}, {advice['profile_why']}). Peak allocated; fits = with {advice['allocator_slack']:.1%} "
              "allocator slack on top, tight = only without it:"]
     routing = routing_line(advice)
     lines += [routing] if routing else []
@@ -84,4 +91,6 @@ def explain_prediction(advice: dict) -> str:
         lines.append("Nothing is predicted to fit" + (f"; closest: {near['recompute']} at "
                      f"{near['predicted_peak_gib']:.2f} GiB" if near else "") + ": more parallelism "
                      "(tensor + sequence, pipeline, expert), a smaller micro-batch or sequence.")
+    lines.append(f"With the micro-batch size too (global batch fixed): python -m recipes plan --budget-gib "
+                 f"{advice['budget_gib']:g} {' '.join(advice['overrides'])}")
     return "\n".join(lines)

@@ -14,10 +14,11 @@ from pathlib import Path
 
 from recipes.errors import ConfigError
 from recipes.files import GIB, UnreadableFile
+from recipes.hardware import check_budget, resolve_profile
 from recipes.predict.compare import compare_result, format_comparison, mean_share
 from recipes.predict.estimate import predict, predict_options
 from recipes.predict.fit import ALLOCATOR_SLACK, FITS, OVER, TIGHT, verdict, with_slack
-from recipes.recipe import GPU_BUDGET_GIB, at_full_depth, compose_recipe
+from recipes.recipe import at_full_depth, compose_recipe
 from recipes.recompute import KINDS
 from recipes.results import load_result
 
@@ -173,8 +174,12 @@ def main(argv: list[str] | None = None) -> int:
         cfg, notes = compose_recipe(at_full_depth(args.overrides), on_gpu=True)
         for note in notes:
             print(f"[recipe] {note}")
-        if args.budget_gib is None and cfg.get("recipe"):
-            args.budget_gib = GPU_BUDGET_GIB[cfg["recipe"]["gpu"]]
+        if args.budget_gib is None and (cfg.get("recipe") or (cfg.get("cluster") or {}).get("gpu")):
+            args.budget_gib = resolve_profile(cfg)[0].budget_gib
+        if args.budget_gib is not None:  # the GPU the budget is judged for (recipes.hardware)
+            profile, why = resolve_profile(cfg)
+            check_budget(args.budget_gib, profile)
+            print(f"[gpu] {profile.describe()} ({why})")
         if args.all:
             done, refused = predict_options(cfg, args.device)
             print(format_options(done, refused, title, args.budget_gib))

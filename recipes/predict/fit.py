@@ -27,8 +27,16 @@ offload's 18.90: offloading core attention freed allocated bytes but not reserve
 ``slack_for`` gives offloading configs ``OFFLOAD_SLACK`` (the dense values for families without MoE
 layers, which were not measured).
 
+Under offload the allocator is also set up so the rule holds: a plan that offloads runs with
+``measure.expandable_segments=true`` (``allocator_overrides``; the planner's confirm commands carry
+it). Without it, fragmentation beat every slack measured: on one H100 an MLA plan at 54.74 GiB
+allocated held 69.91 reserved (16.1 GiB of it free in pieces) and stopped under a 70 GiB cap, while
+with expandable segments it ran under the cap; the H200 dense ``core_attn`` point that ran out of
+memory under its 18.92 GiB cap ran under it with them (17.32 allocated: 9.2% room). ``OFFLOAD_SLACK``,
+measured without expandable segments, stays the rule's slack for offload: it covers both.
+
 The budget is what PyTorch's allocator may hold: the GPU's capacity less what CUDA and its libraries
-keep outside it (2.4 GiB on the H200, so 137 GiB there).
+keep outside it (``recipes.hardware``: each GPU profile's ``cuda_reserved_gib``).
 """
 
 from __future__ import annotations
@@ -59,6 +67,13 @@ def slack_for(cfg: dict | None) -> float:
     modules = modules_of(cfg)
     which = "moe" if modules and kind == "moe" else "core_attn" if "core_attn" in modules else None
     return max(slack, OFFLOAD_SLACK[which]) if which else slack
+
+
+def allocator_overrides(offloads: bool) -> str:
+    """The allocator setup a plan's command carries for ``verdict`` to hold: expandable segments under
+    activation offload (its copies free device blocks one layer at a time; without them the free memory
+    fragments past any measured slack), nothing otherwise."""
+    return "measure.expandable_segments=true" if offloads else ""
 
 
 def with_slack(predicted_peak_gib: float, slack: float = ALLOCATOR_SLACK) -> float:
