@@ -31,7 +31,7 @@ import math
 
 from recipes.predict.dims import Dims, Term, norm_terms
 from recipes.predict.gdn_terms import gdn_terms, is_gdn_layer
-from recipes.recompute import MLP_KIND, moe_pattern
+from recipes.recompute import LABELS, MLP_KIND, moe_pattern
 
 
 def core_attention_terms(d: Dims, q: int, k: int, v_whole: int) -> tuple[list[Term], bool]:
@@ -254,8 +254,16 @@ def is_moe_layer(d: Dims, layer: int) -> bool:
 def layer_terms(d: Dims, gdn: bool = False, moe: bool | None = None) -> list[Term]:
     """Everything one transformer layer keeps for backward (selective or no recompute); ``gdn``:
     a GatedDeltaNet layer (``is_gdn_layer``), else an attention layer; ``moe``: an MoE MLP
-    (``is_moe_layer``), else dense (None: the family's kind)."""
-    return (gdn_terms(d) if gdn else attention_terms(d)) + mlp_terms(d, moe)
+    (``is_moe_layer``), else dense (None: the family's kind). A label with its own ``Label.activations``
+    then discards its terms from the layer's."""
+    terms = (gdn_terms(d) if gdn else attention_terms(d)) + mlp_terms(d, moe)
+    moe = MLP_KIND[d.family] == "moe" if moe is None else moe
+    kinds = ("gdn" if gdn else "mla" if d.attention_kind == "mla" else "standard", "moe" if moe else "dense")
+    for label in sorted(d.labels):
+        record = LABELS.get(label)
+        if record is not None and record.activations is not None:
+            terms = record.activations(d, kinds, terms)
+    return terms
 
 
 def global_layer_terms(d: Dims, layer: int) -> list[Term]:
