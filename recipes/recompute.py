@@ -150,6 +150,47 @@ def _experts(run: dict) -> str | None:
     return (run.get("model") or {}).get("experts")
 
 
+# --- the activations some labels discard (``Label.activations``): transforms of one layer's terms ---
+# A term is (ledger kind, what, bytes) as ``recipes.predict.activations`` builds it; these read the sizes
+# they keep off the terms they replace, so the builders stay label-free for them.
+def _index(terms: list, what: str) -> int | None:
+    return next((i for i, t in enumerate(terms) if t[1].startswith(what)), None)
+
+
+def _mlp_activations(d: Any, kinds: tuple[str, str], terms: list) -> list:
+    """A dense MLP keeps its input (the norm output) for the checkpoint, outside the MLP (kind other)
+    under megatron's whole-MLP checkpoint; FC1 through FC2's input are discarded."""
+    i = _index(terms, "fc1 input (norm output)") if kinds[1] == "dense" else None
+    if i is None:
+        return terms
+    kept = ("other" if d.mlp_replays_fc2 else "mlp", "mlp checkpoint input (norm output)", terms[i][2])
+    return terms[:i] + [kept] + [t for t in terms[i + 1:] if t[0] != "mlp"]
+
+
+def _moe_activations(d: Any, kinds: tuple[str, str], terms: list) -> list:
+    """An MoE layer keeps its input (the router's, the norm output); router, dispatch and experts' go."""
+    i = _index(terms, "router input (norm output)") if kinds[1] == "moe" else None
+    if i is None:
+        return terms
+    return terms[:i] + [("moe", "moe checkpoint input (norm output)", terms[i][2])] + [
+        t for t in terms[i + 1:] if t[0] != "moe"]
+
+
+def _moe_act_activations(d: Any, kinds: tuple[str, str], terms: list) -> list:
+    """The experts keep FC1's output (the activation's input, with the router probs) and discard the
+    activation's output and everything it saves through FC2's input."""
+    i = _index(terms, "expert fc1 output") if kinds[1] == "moe" else None
+    j = _index(terms, "expert fc2 input")
+    if i is None or j is None:
+        return terms
+    return terms[:i] + [("moe", "expert fc1 output (moe_act checkpoint input)", terms[i][2])] + terms[j + 1:]
+
+
+def _shared_experts_activations(d: Any, kinds: tuple[str, str], terms: list) -> list:
+    """The shared experts' tensors go (their input is the router's, which stays)."""
+    return [t for t in terms if not (t[0] == "moe" and t[1].startswith("shared "))]
+
+
 #: MLA's attention modules outside its ``mla_up_proj`` checkpoint: the rest of ``self_attention``'s
 #: forward is the up projections, RoPE and the q/k/v assembly the label replays.
 MLA_OUTSIDE_UP_PROJ = ("self_attention.core_attention", "self_attention.linear_proj",
@@ -173,12 +214,14 @@ LABELS: dict[str, Label] = {label.name: label for label in (
           "with dense layers (e.g. [0]*1+[1]*3) gives mlp something to wrap",
           sites=(("transformer_layer.py", "_forward_mlp"), ("mlp.py", "forward")),  # mlp.py: recipes/build/mlp.py
           without_output=True, checkpoint_if="mlp_replays_fc2", flops="mlp", flops_share=mlp_replay_share,
+          activations=_mlp_activations,
           timed=("mlp",), untimed=lambda cfg: () if mlp_replays_fc2(cfg) else ("mlp.linear_fc2",), at=(("mlp", ""),),
           advice_kind="mlp", advice="recompute the dense MLP (costs more compute than a narrow label)"),
     Label("moe_act", "moe", "the MoE expert activation between FC1 and FC2", ("activation_recompute",),
           "no experts module here implements moe_act: use model=moe with model.experts=grouped",
           "use an MoE family (model=moe, mla_moe, gdn_moe), or recompute=selective/mlp for a dense MLP",
-          sites=(("experts.py", None),), without_output=True, at=(("mlp.experts", "moe_act"),),
+          sites=(("experts.py", None),), without_output=True, activations=_moe_act_activations,
+          at=(("mlp.experts", "moe_act"),),
           elementwise=(1, None), region_function=("recipes.build.experts", "GroupedExperts", "activation"),
           advice_kind="moe", advice_when=lambda run: _experts(run) != "sequential",
           advice="the expert intermediate activation is the narrow boundary"),
@@ -186,13 +229,14 @@ LABELS: dict[str, Label] = {label.name: label for label in (
           "no MoE layer here: use selective/mlp for dense MLPs",
           "use an MoE family (model=moe, mla_moe, gdn_moe), or recompute=selective/mlp for a dense MLP",
           sites=(("transformer_layer.py", "_forward_mlp_partial_cudagraphs"), ("moe_layer.py", "forward")),
-          flops="moe", timed=("mlp",), at=(("mlp", ""),),
+          flops="moe", activations=_moe_activations, timed=("mlp",), at=(("mlp", ""),),
           advice_kind="moe", advice_when=lambda run: _experts(run) == "sequential",
           advice="moe_act is a no-op with sequential experts, so recompute the MoE layer"),
     Label("shared_experts", "shared", "the shared experts", ("shared_experts_recompute",),
           "no shared experts here: set model.moe_shared_expert_intermediate_size",
           "use an MoE family with model.moe_shared_expert_intermediate_size=<size>",
           sites=(("moe_layer.py", "shared_experts_compute"),), owner_attr="shared_experts",
+          activations=_shared_experts_activations,
           flops="shared_experts", timed=("mlp.shared_experts",), at=(("mlp.shared_experts", ""),)),
     Label("mla_up_proj", "mla", "MLA's Q/KV up-projections", ("recompute_up_proj",),
           "no MLA attention here: use model=mla, or selective/core_attn",

@@ -129,3 +129,36 @@ def test_the_cost_model_reads_the_record(toy, monkeypatch):
     monkeypatch.setitem(LABELS, TOY, Label(**{**toy.__dict__, "elementwise": (3, 7), "flops": ""}))
     regions, kernels = elementwise_replays(compose("model=standard_attn", f"recompute=selective/{TOY}"))
     assert (regions, kernels) == (3, 7)
+
+
+def test_the_records_hold_what_the_cost_model_tables_hold():
+    """Until ``recipes.predict.cost`` reads the records, its tables and the records say the same (then
+    this test goes with the tables)."""
+    from recipes.predict import cost
+
+    records = {name: label for name, label in LABELS.items()}
+    if hasattr(cost, "ELEMENTWISE_REPLAYS"):
+        assert cost.ELEMENTWISE_REPLAYS == {n: r.elementwise for n, r in records.items() if r.elementwise}
+    if hasattr(cost, "ELEMENTWISE_FUNCTION"):
+        assert cost.ELEMENTWISE_FUNCTION == {at: fn for r in records.values() for at, fn in r.at if fn}
+    if hasattr(cost, "MLA_OUTSIDE_UP_PROJ"):
+        assert cost.MLA_OUTSIDE_UP_PROJ == records["mla_up_proj"].untimed
+    for overrides in (("model=moe", "model.moe_shared_expert_intermediate_size=128"), ("model=mla",),
+                      ("model=standard_attn", "recompute.mlp_replays_fc2=true"), ("model=standard_attn",)):
+        cfg = compose(*overrides, "recompute=control")
+        m = cfg["model"]
+        for name, label in records.items():
+            if not label.applies(m):
+                continue
+            trial = {**cfg, "recompute": {**cfg["recompute"], "recompute_modules": [name]}}
+            covers = label.covers(m)
+            placed = cost._placements(trial)
+            if placed is not None:  # (replayed, not replayed, at, covers, region kind) per piece
+                assert [p[:3] for p in placed] == [(label.timed, label.untimed_modules(trial), at) for at, _ in label.at]
+                assert [[p[3](g, g) for g in range(len(covers))] for p in placed] == [covers] * len(label.at)
+            if label.flops:  # a matmul label's modules, timed: one ms per module per layer
+                names = ["", *label.timed, *label.untimed_modules(trial)]
+                times = {"layers": list(range(1, m["num_layers"] + 1)),
+                         "forward_ms": {n: [1.0] * m["num_layers"] for n in names}}
+                want = max(0, len(label.timed) - len(label.untimed_modules(trial))) * sum(covers) / 1e3
+                assert cost.measured_replay_s(trial, times)[name] == pytest.approx(want)
