@@ -3,13 +3,15 @@
 Every other module imports these names; none re-derives them. A recompute *option* is what the
 ``recompute`` config group names (``none``, ``control``, ``selective/<label>[-<label>...]``, ``full``,
 ``full/block``): one YAML file under ``conf/recompute/``. A *label* is one of megatron-core's
-``recompute_modules``. Adding a label is one YAML file there plus one ``Label`` entry here (plus its
-checkpoint site in ``recipes.measure.ledger`` if megatron opens it from new code).
+``recompute_modules``. Adding a label is one YAML file there plus one ``Label`` entry here: the entry
+carries what measure/ and predict/ need (its checkpoint sites, the FLOPs it replays, the activations it
+discards, the modules the cost model times, its advice), and they loop over ``LABELS``.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 from typing import Any
@@ -40,7 +42,9 @@ NO_RECOMPUTE = ("none", "control")
 
 @dataclass(frozen=True)
 class Label:
-    """One selective recompute label (a megatron-core ``recompute_modules`` entry)."""
+    """One selective recompute label (a megatron-core ``recompute_modules`` entry) and every fact about it
+    that measure/ and predict/ use: they loop over ``LABELS`` and keep no table of their own, so a new
+    label is one YAML file under ``conf/recompute/selective/`` plus one entry here."""
 
     name: str
     needs: str  # the layer part it wraps: any | attention (standard or MLA) | mla | gdn | dense | moe | shared
@@ -48,6 +52,40 @@ class Label:
     flags: tuple[str, ...]  # module attributes megatron (or our experts) set where it applies
     wraps_nothing: str  # the advice when it wraps no module of a built model
     instead: str = ""  # what to use on a family without its modules
+    #: Where the ledger sees it: the (file name, function; None: any) of the code that opens its checkpoint
+    #: (``recipes.measure.ledger``).
+    sites: tuple[tuple[str, str | None], ...] = ()
+    #: A module that must sit beside a flag for the flag to count (``recipes.measure.labels``).
+    owner_attr: str = ""
+    #: Replayed through megatron's ``CheckpointWithoutOutput`` (else ``tensor_parallel.checkpoint``, as full
+    #: recompute is), unless the ``recompute`` option named by ``checkpoint_if`` is set.
+    without_output: bool = False
+    checkpoint_if: str = ""
+    #: The FLOPs it replays: a region of ``recipes.measure.flops.layer_forward_flops`` ("": elementwise work
+    #: only), times ``flops_share(cfg)`` (default all of it).
+    flops: str = ""
+    flops_share: Callable[[Any], float] | None = None
+    #: The activation terms it discards (``recipes.predict.activations.layer_terms``): given the layer's
+    #: ``Dims``, its (mixer, MLP) kinds and its terms without this label, its terms with it. None: the term
+    #: builders handle the label themselves (the older labels, whose checkpoints share storages with
+    #: their neighbours' terms).
+    activations: Callable[[Any, tuple[str, str], list], list] | None = None
+    #: The cost model (``recipes.predict.cost``): the modules whose forward its replay runs (``timed``) less
+    #: the ones inside those it does not run (``untimed``; a callable of the run config where that
+    #: depends on it), and where backward runs it: (module at whose backward start it replays, the
+    #: function an elementwise replay runs there; "" for a matmul label). ``elementwise``: (checkpoint
+    #: regions, kernels; None: the MLP activation's) per layer it covers, for a label without a matmul.
+    timed: tuple[str, ...] = ()
+    untimed: tuple[str, ...] | Callable[[Any], tuple[str, ...]] = ()
+    at: tuple[tuple[str, str], ...] = ()
+    elementwise: tuple[int, int | None] | None = None
+    #: (module, class, method) its replay runs where that is not a timed module (``recipes.measure.regions``).
+    region_function: tuple[str, str, str] | None = None
+    #: Its advice for a peak (``recipes.measure.profile.first_label_to_try``): the ledger kind whose
+    #: activations it answers, when (given ``{"model", "attention"}`` of the run), and why.
+    advice_kind: str = ""
+    advice_when: Callable[[dict], bool] | None = None
+    advice: str | Callable[[dict], str] = ""
 
     @property
     def families(self) -> tuple[str, ...]:
@@ -62,44 +100,172 @@ class Label:
                 "gdn": "gdn" in mixers, "dense": "dense" in mlps, "moe": "moe" in mlps,
                 "shared": "moe" in mlps and bool(_get(model, "moe_shared_expert_intermediate_size"))}[self.needs]
 
+    def covers(self, model: Any) -> list[bool]:
+        """Per global layer, whether the label wraps a module there (its ``needs`` against the pattern)."""
+        shared = bool(_get(model, "moe_shared_expert_intermediate_size"))
+        return [{"any": True, "attention": mixer in ("standard", "mla"), "mla": mixer == "mla", "gdn": mixer == "gdn",
+                 "dense": mlp == "dense", "moe": mlp == "moe", "shared": mlp == "moe" and shared}[self.needs]
+                for mixer, mlp in layer_kinds(model)]
 
+    def replayed_flops(self, layer: dict[str, float], cfg: Any) -> float:
+        """Forward FLOPs it replays in one layer whose regions' FLOPs are ``layer``."""
+        if not self.flops:
+            return 0.0
+        return layer.get(self.flops, 0.0) * (self.flops_share(cfg) if self.flops_share else 1.0)
+
+    def untimed_modules(self, cfg: Any) -> tuple[str, ...]:
+        """``untimed`` for a run config."""
+        return self.untimed(cfg) if callable(self.untimed) else self.untimed
+
+    def advice_for(self, run: dict) -> str | None:
+        """Why to try it for a peak its ``advice_kind`` dominates; None where it is not the advice."""
+        if not self.advice_kind or (self.advice_when and not self.advice_when(run)):
+            return None
+        return self.advice(run) if callable(self.advice) else self.advice
+
+
+def mlp_replays_fc2(cfg: Any) -> bool:
+    """Whether the ``mlp`` label is megatron's whole-MLP checkpoint (``recompute.mlp_replays_fc2``, and
+    Transformer Engine's spec, which ``recipes.build.mlp`` does not replace)."""
+    return bool(cfg["recompute"].get("mlp_replays_fc2", False)) or cfg["attention"]["backend"] == "te"
+
+
+def mlp_replay_share(cfg: Any) -> float:
+    """The share of the dense MLP's FLOPs its ``mlp`` label replays: all of them with megatron's
+    whole-MLP checkpoint (``mlp_replays_fc2``), FC1's alone otherwise (``recipes.build.mlp``: FC1 is
+    glu x FC2's size)."""
+    if mlp_replays_fc2(cfg):
+        return 1.0
+    glu = 2 if cfg["model"]["gated_linear_unit"] else 1
+    return glu / (glu + 1)
+
+
+def _core_attn_advice(run: dict) -> str:
+    backend = (run.get("attention") or {}).get("backend")
+    return "recompute core attention" + ("" if backend == "unfused" else f"; with {backend} attention the "
+                                         "backend already rematerializes scores, so compare it against the control")
+
+
+def _experts(run: dict) -> str | None:
+    return (run.get("model") or {}).get("experts")
+
+
+# --- the activations some labels discard (``Label.activations``): transforms of one layer's terms ---
+# A term is (ledger kind, what, bytes) as ``recipes.predict.activations`` builds it; these read the sizes
+# they keep off the terms they replace, so the builders stay label-free for them.
+def _index(terms: list, what: str) -> int | None:
+    return next((i for i, t in enumerate(terms) if t[1].startswith(what)), None)
+
+
+def _mlp_activations(d: Any, kinds: tuple[str, str], terms: list) -> list:
+    """A dense MLP keeps its input (the norm output) for the checkpoint, outside the MLP (kind other)
+    under megatron's whole-MLP checkpoint; FC1 through FC2's input are discarded."""
+    i = _index(terms, "fc1 input (norm output)") if kinds[1] == "dense" else None
+    if i is None:
+        return terms
+    kept = ("other" if d.mlp_replays_fc2 else "mlp", "mlp checkpoint input (norm output)", terms[i][2])
+    return terms[:i] + [kept] + [t for t in terms[i + 1:] if t[0] != "mlp"]
+
+
+def _moe_activations(d: Any, kinds: tuple[str, str], terms: list) -> list:
+    """An MoE layer keeps its input (the router's, the norm output); router, dispatch and experts' go."""
+    i = _index(terms, "router input (norm output)") if kinds[1] == "moe" else None
+    if i is None:
+        return terms
+    return terms[:i] + [("moe", "moe checkpoint input (norm output)", terms[i][2])] + [
+        t for t in terms[i + 1:] if t[0] != "moe"]
+
+
+def _moe_act_activations(d: Any, kinds: tuple[str, str], terms: list) -> list:
+    """The experts keep FC1's output (the activation's input, with the router probs) and discard the
+    activation's output and everything it saves through FC2's input."""
+    i = _index(terms, "expert fc1 output") if kinds[1] == "moe" else None
+    j = _index(terms, "expert fc2 input")
+    if i is None or j is None:
+        return terms
+    return terms[:i] + [("moe", "expert fc1 output (moe_act checkpoint input)", terms[i][2])] + terms[j + 1:]
+
+
+def _shared_experts_activations(d: Any, kinds: tuple[str, str], terms: list) -> list:
+    """The shared experts' tensors go (their input is the router's, which stays)."""
+    return [t for t in terms if not (t[0] == "moe" and t[1].startswith("shared "))]
+
+
+#: MLA's attention modules outside its ``mla_up_proj`` checkpoint: the rest of ``self_attention``'s
+#: forward is the up projections, RoPE and the q/k/v assembly the label replays.
+MLA_OUTSIDE_UP_PROJ = ("self_attention.core_attention", "self_attention.linear_proj",
+                       "self_attention.linear_q_proj", "self_attention.linear_q_down_proj",
+                       "self_attention.linear_kv_down_proj", "self_attention.q_layernorm",
+                       "self_attention.kv_layernorm")
+
+# Elementwise replays on CUDA with the local spec (megatron-core 0.19.2 and recipes/build): layernorm is
+# two CheckpointWithoutOutput regions of one kernel each (torch's fused RMSNorm; the CPU's composite runs
+# six); moe_act one region, the experts' activation x probs (the activation's kernels); gdn_norm_out one
+# region, the gated output norm (norm, silu of the gate, product, cast; approximate).
 LABELS: dict[str, Label] = {label.name: label for label in (
     Label("core_attn", "attention", "core attention (scores, softmax, context)", ("checkpoint_core_attention",),
-          "this model has no attention modules that megatron checkpoints"),
+          "this model has no attention modules that megatron checkpoints",
+          sites=(("attention.py", "_checkpointed_attention_forward"),), flops="core_attn",
+          timed=("self_attention.core_attention",), at=(("self_attention.core_attention", ""),),
+          advice_kind="core_attn", advice=_core_attn_advice),
     Label("mlp", "dense", "the dense MLP", ("recompute_mlp",),
           "every MLP here is an MoE layer: use selective/moe_act or selective/moe",
           "on MoE layers use recompute=selective/moe_act (or selective/moe); model.moe_layer_freq "
-          "with dense layers (e.g. [0]*1+[1]*3) gives mlp something to wrap"),
+          "with dense layers (e.g. [0]*1+[1]*3) gives mlp something to wrap",
+          sites=(("transformer_layer.py", "_forward_mlp"), ("mlp.py", "forward")),  # mlp.py: recipes/build/mlp.py
+          without_output=True, checkpoint_if="mlp_replays_fc2", flops="mlp", flops_share=mlp_replay_share,
+          activations=_mlp_activations,
+          timed=("mlp",), untimed=lambda cfg: () if mlp_replays_fc2(cfg) else ("mlp.linear_fc2",), at=(("mlp", ""),),
+          advice_kind="mlp", advice="recompute the dense MLP (costs more compute than a narrow label)"),
     Label("moe_act", "moe", "the MoE expert activation between FC1 and FC2", ("activation_recompute",),
           "no experts module here implements moe_act: use model=moe with model.experts=grouped",
-          "use an MoE family (model=moe, mla_moe, gdn_moe), or recompute=selective/mlp for a dense MLP"),
+          "use an MoE family (model=moe, mla_moe, gdn_moe), or recompute=selective/mlp for a dense MLP",
+          sites=(("experts.py", None),), without_output=True, activations=_moe_act_activations,
+          at=(("mlp.experts", "moe_act"),),
+          elementwise=(1, None), region_function=("recipes.build.experts", "GroupedExperts", "activation"),
+          advice_kind="moe", advice_when=lambda run: _experts(run) != "sequential",
+          advice="the expert intermediate activation is the narrow boundary"),
     Label("moe", "moe", "the whole MoE layer (router, dispatch, experts)", ("moe_layer_recompute",),
           "no MoE layer here: use selective/mlp for dense MLPs",
-          "use an MoE family (model=moe, mla_moe, gdn_moe), or recompute=selective/mlp for a dense MLP"),
+          "use an MoE family (model=moe, mla_moe, gdn_moe), or recompute=selective/mlp for a dense MLP",
+          sites=(("transformer_layer.py", "_forward_mlp_partial_cudagraphs"), ("moe_layer.py", "forward")),
+          flops="moe", activations=_moe_activations, timed=("mlp",), at=(("mlp", ""),),
+          advice_kind="moe", advice_when=lambda run: _experts(run) == "sequential",
+          advice="moe_act is a no-op with sequential experts, so recompute the MoE layer"),
     Label("shared_experts", "shared", "the shared experts", ("shared_experts_recompute",),
           "no shared experts here: set model.moe_shared_expert_intermediate_size",
-          "use an MoE family with model.moe_shared_expert_intermediate_size=<size>"),
+          "use an MoE family with model.moe_shared_expert_intermediate_size=<size>",
+          sites=(("moe_layer.py", "shared_experts_compute"),), owner_attr="shared_experts",
+          activations=_shared_experts_activations,
+          flops="shared_experts", timed=("mlp.shared_experts",), at=(("mlp.shared_experts", ""),)),
     Label("mla_up_proj", "mla", "MLA's Q/KV up-projections", ("recompute_up_proj",),
           "no MLA attention here: use model=mla, or selective/core_attn",
-          "use model=mla or model=mla_moe, or recompute=selective/core_attn for standard attention"),
+          "use model=mla or model=mla_moe, or recompute=selective/core_attn for standard attention",
+          sites=(("multi_latent_attention.py", None),), without_output=True, flops="mla_up_proj",
+          timed=("self_attention",), untimed=MLA_OUTSIDE_UP_PROJ, at=(("self_attention.core_attention", ""),),
+          advice_kind="attn_proj", advice_when=lambda run: ATTENTION_KIND.get(run["model"].get("family")) == "mla",
+          advice="MLA's expanded Q/K/V up-projections dominate"),
     Label("layernorm", "any", "the input and pre-MLP norms",
           ("recompute_input_layernorm", "recompute_pre_mlp_layernorm"),
-          "the norms are fused into the next linear (or absent): use another label"),
+          "the norms are fused into the next linear (or absent): use another label",
+          # megatron registers the norms' recompute on the attention's and the MLP's outputs
+          sites=(("transformer_layer.py", "_forward_attention"), ("transformer_layer.py", "_forward_pre_mlp_layernorm")),
+          without_output=True, at=(("self_attention", "input_layernorm"), ("mlp", "pre_mlp_layernorm")),
+          elementwise=(2, 2), advice_kind="norm", advice="norm outputs are material; discard and recompute them"),
     Label("gdn_norm_out", "gdn", "the GatedDeltaNet gated output norm", ("recompute_norm_out",),
           "no GatedDeltaNet layers here: use model=gdn with model.linear_attention_freq>=2",
-          "use model=gdn or gdn_moe (GatedDeltaNet layers), or recompute=selective/core_attn for standard attention"),
+          "use model=gdn or gdn_moe (GatedDeltaNet layers), or recompute=selective/core_attn for standard attention",
+          sites=(("gdn.py", "forward"),), without_output=True, elementwise=(1, 4),  # megatron's ssm/gated_delta_net
+          advice_kind="gdn", advice="recompute the GatedDeltaNet gated output norm (the guide's GDN label; the "
+          "delta-rule tensors stay: full covers them)"),
 )}
 
-#: Labels replayed through megatron's ``CheckpointWithoutOutput`` (transformer_layer.py's norms,
-#: multi_latent_attention.py's up-projections, gdn.py's output norm; recipes.build.experts' moe_act and
-#: recipes.build.mlp's mlp unless ``recompute.mlp_replays_fc2``); the rest through
-#: ``tensor_parallel.checkpoint``, as full recompute is.
-WITHOUT_OUTPUT_LABELS = ("layernorm", "mla_up_proj", "moe_act", "gdn_norm_out", "mlp")
-
-
 def replays_without_output(label: str, recompute: Any) -> bool:
-    """Whether a label (of a run's ``recompute`` config) replays through ``CheckpointWithoutOutput``."""
-    return label in WITHOUT_OUTPUT_LABELS and (label != "mlp" or not recompute.get("mlp_replays_fc2"))
+    """Whether a label (of a run's ``recompute`` config) replays through ``CheckpointWithoutOutput``
+    (transformer_layer.py's norms, multi_latent_attention.py's up-projections, gdn.py's output norm,
+    recipes.build.experts' moe_act, recipes.build.mlp's mlp) rather than ``tensor_parallel.checkpoint``."""
+    record = LABELS.get(label)
+    return bool(record and record.without_output and not (record.checkpoint_if and recompute.get(record.checkpoint_if)))
 
 
 #: The guide's first selective option per family (its decision guide, step 3).

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from recipes.recompute import ATTENTION_KIND, gdn_pattern, moe_pattern
+from recipes.recompute import ATTENTION_KIND, LABELS, gdn_pattern, moe_pattern
+from recipes.recompute import mlp_replays_fc2 as mlp_replays_fc2  # re-exported: recipes.predict.cost reads it here
 
 
 def layer_forward_flops(cfg: Any) -> dict[str, float]:
@@ -137,22 +138,5 @@ def replayed_layer_flops(cfg: Any, layer: dict[str, float], per_layer: float) ->
         return per_layer
     if rc["recompute_granularity"] != "selective":
         return 0.0
-    # moe_act, layernorm and gdn_norm_out replay elementwise work only.
-    replay = {**layer, "mlp": layer.get("mlp", 0.0) * mlp_replay_share(cfg)}
-    return sum(replay.get(label, 0.0) for label in rc["recompute_modules"])
-
-
-def mlp_replays_fc2(cfg: Any) -> bool:
-    """Whether the ``mlp`` label is megatron's whole-MLP checkpoint (``recompute.mlp_replays_fc2``, and
-    Transformer Engine's spec, which ``recipes.build.mlp`` does not replace)."""
-    return bool(cfg["recompute"].get("mlp_replays_fc2", False)) or cfg["attention"]["backend"] == "te"
-
-
-def mlp_replay_share(cfg: Any) -> float:
-    """The share of the dense MLP's FLOPs its ``mlp`` label replays: all of them with megatron's
-    whole-MLP checkpoint (``mlp_replays_fc2``), FC1's alone otherwise (``recipes.build.mlp``: FC1 is
-    glu x FC2's size)."""
-    if mlp_replays_fc2(cfg):
-        return 1.0
-    glu = 2 if cfg["model"]["gated_linear_unit"] else 1
-    return glu / (glu + 1)
+    # each label's region of the layer (``Label.flops``); the elementwise labels replay no matmul
+    return sum(LABELS[label].replayed_flops(layer, cfg) for label in rc["recompute_modules"] if label in LABELS)

@@ -29,11 +29,11 @@ def _flag_owners(chunks: list[torch.nn.Module], label: str) -> list[tuple[str, t
         for name, module in chunk.named_modules():
             if type(module).__name__ == "TransformerBlock":
                 continue  # its checkpoint_core_attention only forwards a hint to TE attention
-            for attr in LABELS[label].flags:
-                value = module.__dict__.get(attr)
-                if isinstance(value, bool):
-                    if label == "shared_experts" and getattr(module, "shared_experts", None) is None:
-                        continue
+            record = LABELS[label]
+            if record.owner_attr and getattr(module, record.owner_attr, None) is None:
+                continue  # e.g. an MoE layer without shared experts keeps shared_experts_recompute
+            for attr in record.flags:
+                if isinstance(module.__dict__.get(attr), bool):
                     owners.append((name, module, attr))
     return owners
 

@@ -25,34 +25,24 @@ from collections.abc import Iterator
 
 import torch
 
-from recipes.recompute import KINDS
+from recipes.recompute import KINDS, LABELS
 
-#: (file name, function) of the megatron code that opens a checkpoint -> recompute label.
-_SITES = {
-    ("attention.py", "_checkpointed_attention_forward"): "core_attn",
-    ("multi_latent_attention.py", None): "mla_up_proj",
-    ("transformer_layer.py", "_forward_attention"): "layernorm",
-    ("transformer_layer.py", "_forward_pre_mlp_layernorm"): "layernorm",
-    ("transformer_layer.py", "_forward_mlp"): "mlp",
-    ("mlp.py", "forward"): "mlp",  # recipes/build/mlp.py (megatron's MLP.forward opens none)
-    ("transformer_layer.py", "_forward_mlp_partial_cudagraphs"): "moe",
-    ("moe_layer.py", "shared_experts_compute"): "shared_experts",
-    ("moe_layer.py", "forward"): "moe",
-    ("experts.py", None): "moe_act",
-    ("recompute.py", None): "full",
-    ("gdn.py", "forward"): "gdn_norm_out",  # megatron/core/ssm/gated_delta_net/gdn.py
-}
+#: (file name, function; None: any) of the code that opens full recompute's checkpoints; each label's
+#: are its ``Label.sites``.
+_FULL_SITE = ("recompute.py", None)
 _SKIP_FILES = {"random.py", "function.py", "ledger.py", "contextlib.py"}
 
 
 def _site_label() -> str:
     """The recompute label of the checkpoint being opened, from the calling megatron frame."""
+    sites = {site: name for name, label in LABELS.items() for site in label.sites}
+    sites[_FULL_SITE] = "full"
     frame = sys._getframe(2)
     while frame is not None:
         fname = os.path.basename(frame.f_code.co_filename)
         if fname not in _SKIP_FILES:
             func = frame.f_code.co_name
-            label = _SITES.get((fname, func)) or _SITES.get((fname, None))
+            label = sites.get((fname, func)) or sites.get((fname, None))
             if label:
                 return label
         frame = frame.f_back

@@ -28,7 +28,7 @@ import torch
 from recipes.build import compat
 from recipes.errors import ConfigError
 from recipes.measure.memtrace import BEFORE, BUCKETS, STATIC, TRANSIENT, Trace, record_cpu, record_gpu
-from recipes.recompute import KINDS
+from recipes.recompute import KINDS, LABELS
 from recipes.results import load_result
 
 MODES = ("none", "peak")
@@ -361,25 +361,13 @@ def first_label_to_try(result: dict) -> tuple[str | None, str]:
                       "activations: recompute cannot remove them; use more data parallelism with the "
                       "distributed optimizer (or tensor/pipeline parallelism), not recompute")
     share = f"{top} activations hold {acts[top] / peak:.0%} {where}"
-    if top == "core_attn":
-        caveat = ("" if backend == "unfused" else f"; with {backend} attention the backend already "
-                  "rematerializes scores, so compare it against the control")
-        return "selective/core_attn", f"{share}: recompute core attention{caveat}"
+    run = {"model": {**(cfg.get("model") or {}), "family": family}, "attention": {"backend": backend}}
+    for name, label in LABELS.items():  # the first label whose advice answers this kind
+        why = label.advice_for(run) if label.advice_kind == top else None
+        if why is not None:
+            return f"selective/{name}", f"{share}: {why}"
     if top == "attn_proj":
-        if family in ("mla", "mla_moe"):
-            return "selective/mla_up_proj", f"{share}: MLA's expanded Q/K/V up-projections dominate"
         return "full", f"{share}: no selective label discards standard attention projections' inputs"
-    if top == "gdn":
-        return "selective/gdn_norm_out", (f"{share}: recompute the GatedDeltaNet gated output norm "
-                                          "(the guide's GDN label; the delta-rule tensors stay: full covers them)")
-    if top == "moe":
-        if (cfg.get("model") or {}).get("experts") == "sequential":
-            return "selective/moe", f"{share}: moe_act is a no-op with sequential experts, so recompute the MoE layer"
-        return "selective/moe_act", f"{share}: the expert intermediate activation is the narrow boundary"
-    if top == "mlp":
-        return "selective/mlp", f"{share}: recompute the dense MLP (costs more compute than a narrow label)"
-    if top == "norm":
-        return "selective/layernorm", f"{share}: norm outputs are material; discard and recompute them"
     if top in ("logits", "embedding"):
         return None, (f"{share}: a recompute label will not help much; use a vocabulary-parallel loss "
                       "(tensor parallelism) or a smaller micro-batch")

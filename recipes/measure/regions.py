@@ -37,9 +37,12 @@ from importlib import import_module
 
 import torch
 
+from recipes.recompute import LABELS
+
 #: The function each elementwise label's region replays where it is not a timed module (a norm's
-#: region replays the norm, which ``recipes.measure.moduletime.TIMED`` times): (module, class, method).
-REGION_FUNCTIONS = {"moe_act": ("recipes.build.experts", "GroupedExperts", "activation")}
+#: region replays the norm, which ``recipes.measure.moduletime.TIMED`` times): (module, class, method),
+#: each label's ``Label.region_function``.
+REGION_FUNCTIONS = {name: label.region_function for name, label in LABELS.items() if label.region_function}
 #: Timed repetitions of each variant (after 3 untimed); a variant takes well under a millisecond.
 REPEATS = 30
 

@@ -8,12 +8,14 @@ freed before the forward ends (the aux loss's unused top-k values) not counted. 
 off an instrumented ledger (every saved tensor's shape, dtype, op and module kind) for each family,
 backend and label on the CPU (fp32) and on an H200 (bf16, torch 2.11), then written symbolically.
 
-How each recompute label changes them: ``core_attn`` keeps q, k, v (+ a 4-byte mask-type tensor)
-as checkpoint inputs and drops core attention's own tensors; ``mlp`` and ``moe`` keep their input
-only; ``layernorm`` drops both norms' internals and outputs and keeps their inputs; ``mla_up_proj``
-drops the expanded q, k, v wherever they are saved and keeps the compressed latents, k_pos_emb and
-the rotary freqs; ``moe_act`` drops the expert activation output and keeps its input and the router
-probs; ``shared_experts`` drops the shared experts' tensors (their input is the router's).
+How each recompute label changes them: a label whose record has ``Label.activations``
+(``recipes.recompute``: ``mlp``, ``moe``, ``moe_act``, ``shared_experts``, and any new label) rewrites
+the layer's terms after they are built (``layer_terms``). The rest change which storages their
+neighbours' terms share, so the builders here read them: ``core_attn`` keeps q, k, v (+ a 4-byte
+mask-type tensor) as checkpoint inputs and drops core attention's own tensors; ``layernorm`` drops both
+norms' internals and outputs and keeps their inputs; ``mla_up_proj`` drops the expanded q, k, v
+wherever they are saved and keeps the compressed latents, k_pos_emb and the rotary freqs;
+``gdn_norm_out`` (``recipes.predict.gdn_terms``) keeps the norm's inputs.
 
 Device-dependent terms (``Dims.device``): RMSNorm is torch's fused kernel on CUDA (input + fp32
 rstd) and a composite on CPU (also the normalized tensor); dropout masks are bool on CUDA and
@@ -31,7 +33,7 @@ import math
 
 from recipes.predict.dims import Dims, Term, norm_terms
 from recipes.predict.gdn_terms import gdn_terms, is_gdn_layer
-from recipes.recompute import MLP_KIND, moe_pattern
+from recipes.recompute import LABELS, MLP_KIND, moe_pattern
 
 
 def core_attention_terms(d: Dims, q: int, k: int, v_whole: int) -> tuple[list[Term], bool]:
@@ -152,11 +154,8 @@ def attention_terms(d: Dims) -> list[Term]:
 def activation_terms(d: Dims, ffn: int, tokens: int, kind: str = "mlp", what: str = "",
                      expert: bool = False) -> list[Term]:
     """FC1 output through FC2 input of a (dense, shared or expert) MLP on ``tokens`` rows."""
-    fused, moe_act = d.model["bias_activation_fusion"], expert and "moe_act" in d.labels
-    e, glu = d.e, d.model["gated_linear_unit"]
+    fused, e, glu = d.model["bias_activation_fusion"], d.e, d.model["gated_linear_unit"]
     fc1 = e * tokens * ffn * (2 if glu else 1)
-    if moe_act:  # the activation's input stays (checkpoint input), its output is discarded
-        return [(kind, f"{what}fc1 output (moe_act checkpoint input)", fc1)]
     out = e * tokens * ffn
     if fused:  # bias_swiglu: keeps its input, output goes to FC2
         return [(kind, f"{what}fc1 output (fused SwiGLU input)", fc1), (kind, f"{what}fc2 input", out)]
@@ -179,8 +178,6 @@ def mlp_terms(d: Dims, moe: bool | None = None) -> list[Term]:
     norm_out = 0 if ln else e * sb_sp * d.h
     if moe:
         terms += moe_terms(d, norm_out)
-    elif "mlp" in L:
-        terms.append(("other" if d.mlp_replays_fc2 else "mlp", "mlp checkpoint input (norm output)", norm_out))
     else:
         terms.append(("mlp", "fc1 input (norm output)", norm_out))
         terms += activation_terms(d, m["ffn_hidden_size"] // d.tp, d.s * d.b)
@@ -216,9 +213,7 @@ def moe_terms(d: Dims, norm_out: int) -> list[Term]:
     permutation indices, the permuted expert input and probs, and the experts' activations. The
     router's tensors, the local routing map and local probs are per gathered token, balanced or not
     (two H200s, ``ep2``: the ranks' ledgers summed to twice the balanced prediction, byte for byte)."""
-    m, e, L = d.model, d.e, d.labels
-    if "moe" in L:
-        return [("moe", "moe checkpoint input (norm output)", norm_out)]
+    m, e = d.model, d.e
     E, k, T = m["num_moe_experts"], m["moe_router_topk"], d.s_sp * d.b
     E_local = E // d.ep
     T_all = T * d.ep  # the dispatcher gathers tokens over expert-TP (1) x EP
@@ -241,7 +236,7 @@ def moe_terms(d: Dims, norm_out: int) -> list[Term]:
     if d.device == "cuda" and m["experts"] == "grouped" and e == 2 and d.h % 8 == 0 and ffn % 8 == 0:
         terms.append(("moe", "grouped-GEMM offsets (int32)", 4 * E_local))
     shared = m["moe_shared_expert_intermediate_size"]
-    if shared and "shared_experts" not in L:
+    if shared:
         terms += activation_terms(d, shared // d.tp, d.s * d.b, "moe", "shared ")
     return terms
 
@@ -254,8 +249,16 @@ def is_moe_layer(d: Dims, layer: int) -> bool:
 def layer_terms(d: Dims, gdn: bool = False, moe: bool | None = None) -> list[Term]:
     """Everything one transformer layer keeps for backward (selective or no recompute); ``gdn``:
     a GatedDeltaNet layer (``is_gdn_layer``), else an attention layer; ``moe``: an MoE MLP
-    (``is_moe_layer``), else dense (None: the family's kind)."""
-    return (gdn_terms(d) if gdn else attention_terms(d)) + mlp_terms(d, moe)
+    (``is_moe_layer``), else dense (None: the family's kind). A label with its own ``Label.activations``
+    then discards its terms from the layer's."""
+    terms = (gdn_terms(d) if gdn else attention_terms(d)) + mlp_terms(d, moe)
+    moe = MLP_KIND[d.family] == "moe" if moe is None else moe
+    kinds = ("gdn" if gdn else "mla" if d.attention_kind == "mla" else "standard", "moe" if moe else "dense")
+    for label in sorted(d.labels):
+        record = LABELS.get(label)
+        if record is not None and record.activations is not None:
+            terms = record.activations(d, kinds, terms)
+    return terms
 
 
 def global_layer_terms(d: Dims, layer: int) -> list[Term]:

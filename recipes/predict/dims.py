@@ -10,8 +10,7 @@ from fractions import Fraction
 
 from recipes.build.resolve import resolve_precision, resolve_swiglu_fusion
 from recipes.errors import ConfigError
-from recipes.measure.flops import mlp_replays_fc2
-from recipes.recompute import ATTENTION_KIND, FAMILIES, MLP_KIND, labels_of
+from recipes.recompute import ATTENTION_KIND, FAMILIES, MLP_KIND, labels_of, mlp_replays_fc2
 from recipes.validate import validate
 
 
