@@ -103,6 +103,39 @@ def _no_train_left_behind():
             proc.wait()
 
 
+class SharedRuns:
+    """Runs that several tests read, made once a session: a multi-process ``train.py`` run costs a
+    process start a rank (imports of torch and megatron-core, seconds each), which a test that only
+    reads the run's files need not pay again. Under pytest-xdist the workers share one directory and
+    a lock, so the first worker to ask makes the run and the others wait for it."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        root.mkdir(parents=True, exist_ok=True)
+
+    def get(self, name: str, make):
+        """The directory ``name``, made by ``make(directory)`` unless an earlier call completed it."""
+        from filelock import FileLock
+
+        path = self.root / name
+        with FileLock(str(path) + ".lock", timeout=1800):
+            if not (path / ".complete").exists():
+                if path.exists():  # a run that failed: made again, so this test sees its failure
+                    import shutil
+
+                    shutil.rmtree(path)
+                path.mkdir()
+                make(path)
+                (path / ".complete").touch()
+        return path
+
+
+@pytest.fixture(scope="session")
+def shared_runs(tmp_path_factory) -> SharedRuns:
+    base = tmp_path_factory.getbasetemp()
+    return SharedRuns((base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "shared")
+
+
 def compose(*overrides: str) -> dict:
     """The resolved config for these overrides, as the worker would read it."""
     from recipes.config import compose_config

@@ -198,12 +198,19 @@ def test_a_truncated_dataset_is_refused_before_launch(tmp_path):
 
 @pytest.mark.slow
 def test_kill_9_of_the_controller_takes_its_worker_along(tmp_path):
+    """The worker and the fork server it was forked from (a sweep point's default) die with it."""
+    from test_forkserver import fork_servers_of
+
     sweep = tmp_path / "sweep"
-    proc = start(["-m", "recompute=none,full", *TINY, f"hydra.sweep.dir={sweep}"], tmp_path)
+    proc = start(["-m", "recompute=none,full", *TINY[:1], "train.train_iters=30", *TINY[2:],
+                  f"hydra.sweep.dir={sweep}"], tmp_path)
     pid = wait_for(lambda: next((worker_pid(p) for p in sweep.glob("*") if worker_pid(p)), None), proc)
+    servers = fork_servers_of(proc.pid)
+    assert len(servers) == 1
     os.kill(proc.pid, signal.SIGKILL)  # the controller alone, as the OOM killer or a lost login would
     proc.wait()
     assert gone_within(pid, 10), "the worker outlived its controller"
+    assert gone_within(servers[0], 10), "the fork server outlived its controller"
     assert not list(sweep.glob("*/result.json"))  # nothing had completed; nothing half-written counts
 
 

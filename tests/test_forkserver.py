@@ -149,19 +149,10 @@ def test_forked_points_measure_what_their_own_processes_do(tmp_path):
     assert starts[0] < 1.0 < starts[1]  # the first point started the server; the second forked from it
 
 
-@pytest.mark.slow
-def test_kill_9_of_the_controller_takes_the_server_along(tmp_path):
-    from conftest import start_train as start
-    from test_sweep import wait_for, worker_pid
-
-    sweep = tmp_path / "sweep"
-    proc = start(["-m", "recompute=none,full", *TINY, "train.train_iters=30", f"hydra.sweep.dir={sweep}"], tmp_path)
-    worker = wait_for(lambda: next((worker_pid(p) for p in sweep.glob("*") if worker_pid(p)), None), proc)
-    servers = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _is_server_of(p, proc.pid)]
-    assert len(servers) == 1
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
-    assert gone_within(servers[0], 10) and gone_within(worker, 10)
+def fork_servers_of(controller: int) -> list[int]:
+    """The fork servers ``controller`` started (test_faults kills one's controller with -9 and checks
+    that its server and worker die with it)."""
+    return [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _is_server_of(p, controller)]
 
 
 def _is_server_of(proc: Path, parent: int) -> bool:

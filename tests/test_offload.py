@@ -467,23 +467,24 @@ LAYOUTS = [
     # keeps the last group
     (("parallel=pp2", "model.num_layers=4", "train.global_batch_size=8"), "offload=core_attn-attn_proj"),
     # sequence parallel: each rank moves its shard of core attention's heads
-    (("parallel=tp2", "model.num_layers=2", "train.global_batch_size=4"), "offload=core_attn-attn_proj"),
+    (("parallel=tp2",), "offload=core_attn-attn_proj"),
     # expert parallel: each rank moves the tokens routed to its experts, which differ by rank
-    (("parallel=ep2", "model=moe", "model.num_layers=2", "train.global_batch_size=4"), "offload=expert_fc1-moe_act"),
+    (("parallel=ep2", "model=moe"), "offload=expert_fc1-moe_act"),
 ]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("common,offload", LAYOUTS, ids=[c[0].split("=")[1] for c, _ in LAYOUTS])
-def test_parallel_offload_is_exact_and_predicted_per_rank(tmp_path, common, offload):
+def test_parallel_offload_is_exact_and_predicted_per_rank(tmp_path, shared_runs, common, offload):
     """Two ranks (gloo): the losses and gradient norms of every step equal the run without offload;
     each rank's device ledger and host bytes are what the estimator says for it (under expert
-    parallel, for the tokens its experts were routed)."""
-    from test_parallel import train_subprocess
+    parallel, for the tokens its experts were routed). The runs without offload are test_parallel's
+    (tp2, ep2), made once a session."""
+    from test_parallel import shared_train, train_subprocess
 
     from recipes.predict.compare import compare_result
 
-    plain, _ = train_subprocess(tmp_path / "plain", *common)
+    plain, _ = shared_train(shared_runs, *common)
     off, _ = train_subprocess(tmp_path / "off", *common, offload, *EMULATED)
     for a, b in zip(plain["ranks"], off["ranks"]):
         assert a["loss"] == b["loss"] and a["grad_norm"] == b["grad_norm"]

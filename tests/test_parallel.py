@@ -321,14 +321,29 @@ def train_subprocess(tmp_path: Path, *overrides: str) -> tuple[dict, str]:
     return result, proc.stdout
 
 
+def shared_train(shared_runs, *overrides: str) -> tuple[dict, str]:
+    """``train_subprocess`` made once a session for its resolved config: test_offload's run without
+    offload is one of this module's layouts, and each two-process run costs two processes' imports."""
+    import hashlib
+
+    key = hashlib.sha256(json.dumps(compose(*QUICK, *overrides), sort_keys=True).encode()).hexdigest()[:16]
+
+    def make(path: Path) -> None:
+        _, out = train_subprocess(path, *overrides)
+        (path / "console.txt").write_text(out)
+
+    path = shared_runs.get(f"train-{key}", make)
+    return json.loads((path / "result.json").read_text()), (path / "console.txt").read_text()
+
+
 def one_rank(megatron_world, *overrides: str) -> dict:
     """The same run as a single rank in this process (TP=PP=EP=1)."""
     return train_in_process(compose(*QUICK, *overrides))
 
 
 @pytest.mark.slow
-def test_tp2_with_sequence_parallel_takes_the_same_steps_as_tp1(tmp_path, megatron_world):
-    result, out = train_subprocess(tmp_path, "parallel=tp2")
+def test_tp2_with_sequence_parallel_takes_the_same_steps_as_tp1(shared_runs, megatron_world):
+    result, out = shared_train(shared_runs, "parallel=tp2")
     ref = one_rank(megatron_world)
     ranks = result["ranks"]
     assert [r["coords"]["tp"] for r in ranks] == [0, 1] and result["worst_rank"] in (0, 1)
@@ -372,8 +387,8 @@ def test_pp2_vpp2_records_every_model_chunk(tmp_path, megatron_world):
 
 
 @pytest.mark.slow
-def test_ep2_ranks_route_their_own_tokens(tmp_path):
-    result, out = train_subprocess(tmp_path, "parallel=ep2", "model=moe")
+def test_ep2_ranks_route_their_own_tokens(shared_runs):
+    result, out = shared_train(shared_runs, "parallel=ep2", "model=moe")
     a, b = result["ranks"]
     assert (a["coords"]["ep"], b["coords"]["ep"]) == (0, 1) and (a["coords"]["dp"], b["coords"]["dp"]) == (0, 1)
     assert a["loss"] != b["loss"]  # each data-parallel rank reads its own micro-batches
