@@ -120,7 +120,7 @@ def compiled_rope_row(model, tokens, position_ids, timed, plain_s: float) -> str
     """The same loop with megatron's unfused rotary embedding under ``torch.compile``, side by side.
 
     Without TE, ``apply_rope_fusion`` is unavailable and RoPE runs as separate cat/mul/add kernels
-    (about 2.4 ms of copies per dense H200 step, docs/h200-results.md). This measures whether
+    (about 2.4 ms of copies per dense H200 step, docs/evidence/h200.md). This measures whether
     inductor's fusion of that function wins, and checks the loss is unchanged at the same weights;
     nothing in ``recipes/`` uses it unless it does.
     """

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The two-H200 runs behind docs/evidence/h200x2: every layout of docs/parallel.md that fits on two
+# The two-H200 runs behind docs/evidence/h200x2: every layout of docs/recipes.md that fits on two
 # GPUs, per family, with recompute none / the guide's label / full, each rank measured. Run on one
 # machine with two H200s and the project installed; name the steps to run (default: all, in order):
 #   bash benchmarks/gpu_x2.sh env dense moe long_moe moe_repeat mla long_dense analyse pack

@@ -1,7 +1,7 @@
 """A fork server: one process imports the workers' heavy modules once, then forks a fresh worker per run.
 
 A sweep point's worker spends most of its start importing torch and megatron-core (on the H200 8.5-14 s
-of megatron-core imports in an 18-25 s point, docs/h200-results.md). For single-process points the
+of megatron-core imports in an 18-25 s point, docs/evidence/h200.md). For single-process points the
 controller asks a server instead, started once per sweep, that has imported them (``preload``): it
 forks a child per point, which runs the worker's entry function (``target``, ``module:function``).
 

@@ -262,7 +262,7 @@ class EstimateConfig:
     run can tell. Changes no measurement (``recipes.results.NOT_MEASURED``)."""
 
     # Routed rows on the worst expert-parallel rank over the balanced share, a bound: measured on two
-    # H200s (docs/h200x2-results.md) after 6 steps at moe_aux_loss_coeff 0.01, the worst rank took
+    # H200s (docs/evidence/h200x2.md) after 6 steps at moe_aux_loss_coeff 0.01, the worst rank took
     # 1.50x at its peak step. Used for EP > 1 before a run; `estimate --compare` uses each rank's
     # recorded rows instead. Dropless routing caps it at every token (ep x balanced for top-k <= local experts).
     moe_imbalance: float = 1.5
@@ -270,7 +270,7 @@ class EstimateConfig:
     # run at this share of measure.peak_tflops. Not the step's MFU (49.7% dense at the h200 size on one
     # H200): it prices what replays cost. At 0.38 `--predict` put the h200_long picks' margins over
     # their runners-up at +222 ms (dense: full/block x 8 against selective/mlp, measured +229) and +446
-    # ms (MoE: moe_act against moe, measured +453 before the fused RoPE; docs/offload-log.md); at 0.49
+    # ms (MoE: moe_act against moe, measured +453 before the fused RoPE; docs/offload.md); at 0.49
     # they would be +172 and +320. Activation offload copies at this pinned host-link bandwidth, GB/s
     # each way (PCIe 5.0 x16's order; a GPU offload run records the real one: offload.link).
     mfu: float = 0.38
@@ -278,10 +278,8 @@ class EstimateConfig:
     # What activation offload's copies cost a step beyond the link (recipes.predict.copies): per group
     # moved (one layer's module: the manager's Python, events and stream waits at each group commit
     # and reload) and per GiB moved (out and back). Fitted to the five dense offload options one H200
-    # paired against themselves paused in three processes each on two machines at the h200 size
-    # (benchmarks/bench_paired.py --fit docs/offload-h200/paired_offload_2026-12-05/0235_standard_attn
-    # docs/offload-h200/paired_offload_2026-12-05/0408_standard_attn; docs/offload-log.md). Before
-    # those runs, 0.136 and 1.95, fitted to five points of separate runs (benchmarks/offload_table.py --fit).
+    # paired against themselves paused in three processes each on two machines at the h200 size (the
+    # research scripts that fitted them live in the project's history; docs/offload.md says what they found).
     offload_ms_per_group: float = 0.072
     offload_ms_per_gib: float = 2.98
     # Elementwise replays (moe_act, layernorm, gdn_norm_out) are memory traffic: GB/s of device
@@ -293,7 +291,7 @@ class EstimateConfig:
     # recipes.measure.regions: 0.4-0.6 ms a region on one H200):
     # per checkpoint region replayed (megatron's CheckpointWithoutOutput: RNG states saved and
     # restored, a nested autograd backward), fitted to the one robust row, dense selective/layernorm
-    # at the h200 size on one H200 (+10.5 ms in two processes, 64 regions a step; docs/offload-log.md);
+    # at the h200 size on one H200 (+10.5 ms in two processes, 64 regions a step; docs/offload.md);
     # and, where the step is host-bound (MoE, MLA), per kernel replayed: an eager op's host cost
     # (dispatch and launch), an order of magnitude, not fitted.
     replay_region_ms: float = 0.142

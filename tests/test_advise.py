@@ -445,7 +445,7 @@ def test_the_planner_prices_recompute_and_offload_in_one_unit(offload_fragments_
 
 
 def test_price_config_prices_a_point_as_it_ran(offload_fragments_as_allocation_does):
-    """benchmarks/offload_table.py prices a measured point the plan priced at another offload fraction
+    """the planner prices a measured point the plan priced at another offload fraction
     with ``price_config``: the same numbers as the plan's row at the row's fraction, other ones at 1.0."""
     from recipes.analyze.plan import plan, price_config
     from recipes.config import compose_config

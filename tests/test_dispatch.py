@@ -239,7 +239,7 @@ def test_stored_results_keep_their_dispatcher():
 
 
 def test_item_waits_counts_the_hosts_time_in_item_and_gives_it_back():
-    """ItemWaits (bench_hostbound.py, bench_paired.py): the seconds spent inside Tensor.item while
+    """ItemWaits: the seconds spent inside Tensor.item while
     entered, and Tensor.item as it was after."""
     import time
 

@@ -496,7 +496,7 @@ def test_parallel_offload_is_exact_and_predicted_per_rank(tmp_path, shared_runs,
 
 def test_one_hardware_queue_is_asked_for_only_under_tensor_parallelism(monkeypatch):
     """CUDA_DEVICE_MAX_CONNECTIONS=1 puts every stream behind one queue: an offload copy then holds up
-    the compute stream (measured on the H200: docs/offload-log.md). megatron needs it for TP's comm order."""
+    the compute stream (measured on the H200: docs/offload.md). megatron needs it for TP's comm order."""
     from conftest import compose
 
     from recipes.run.workers import worker_environment

@@ -163,7 +163,7 @@ OFF_CASES = [("moe", "full"), ("moe", "selective/moe"), ("moe", "selective/moe_a
 
 @pytest.mark.parametrize("family,option", OFF_CASES, ids=[f"{f}-{o}" for f, o in OFF_CASES])
 def test_recompute_disabled_runs_the_model_as_built_without_it(megatron_world, family, option):
-    """``recompute_disabled`` (what ``bench_paired.py`` times a step without): inside it a model built
+    """``recompute_disabled`` (a step without recompute): inside it a model built
     with the option runs no checkpoint region and keeps the bytes a ``none`` model keeps, with its
     gradients; after it the option recomputes again."""
     from recipes.measure.labels import recompute_disabled

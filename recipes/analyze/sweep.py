@@ -140,7 +140,7 @@ def merge_module_times(peers: list[dict | None]) -> dict | None:
     """One point's module times (``recipes.measure.moduletime``) from its processes: for each module
     and layer, the median of the processes that timed it with the same layers. One process's pass is
     one forward and backward, and an MoE layer's forward (its stream waiting for the host) took 2.9 to
-    4.9 ms in three processes of one point on an H200 (docs/offload-log.md); None when none timed them."""
+    4.9 ms in three processes of one point on an H200 (docs/offload.md); None when none timed them."""
     timed = [t for t in peers if t and "forward_ms" in t]
     if len(timed) < 2:
         return timed[0] if timed else None

@@ -1,6 +1,6 @@
 """Grouped MoE experts for megatron-core's local (no Transformer Engine) spec, with ``moe_act``.
 
-Why this exists (see ``recipes.build.upstream`` and docs/upstream.md): megatron-core 0.19.2
+Why this exists (see ``recipes.build.upstream`` and docs/troubleshooting.md): megatron-core 0.19.2
 implements ``moe_act`` recompute only in ``TEGroupedMLP``. The local spec always builds
 ``SequentialMLP``, where ``moe_act`` is accepted and silently does nothing. ``GroupedExperts`` is a
 drop-in replacement for ``SequentialMLP`` (same constructor, same forward call and return) that

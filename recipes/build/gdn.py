@@ -127,7 +127,7 @@ def check_fla_kernels() -> None:
             "model=gdn", f"fla-core's GDN backward gives wrong gradients with Triton {triton.__version__} on "
             "Hopper GPUs (fla #640), and fla refuses it at the first backward step",
             "pip install 'triton>=3.7.1' (or tilelang); on a machine without network, "
-            "bash benchmarks/pack_triton.sh here, carry .triton/ and unpack it first on PYTHONPATH (docs/gdn.md)")
+            "bash benchmarks/pack_triton.sh here, carry .triton/ and unpack it first on PYTHONPATH (docs/troubleshooting.md)")
 
 
 def _disable_jit_on_cpu() -> None:

@@ -17,7 +17,7 @@ def resolve_swiglu_fusion(model: dict, on_gpu: bool) -> bool:
     in the grouped experts ``weighted_bias_swiglu_impl``) on a GPU for a SwiGLU model, the one fusion
     megatron-core has without biases or Transformer Engine; off on a CPU, where its ``torch.compile``
     costs seconds per process and gains nothing. On the H200 it saves two of the five [tokens, ffn]
-    tensors per MLP and 2.5 ms of elementwise kernels per dense step (docs/h200-results.md)."""
+    tensors per MLP and 2.5 ms of elementwise kernels per dense step (docs/evidence/h200.md)."""
     fusion = model["bias_activation_fusion"]
     if fusion is None:
         return on_gpu and model["gated_linear_unit"] and model["activation"] == "silu"

@@ -80,7 +80,7 @@ def recompute_disabled(chunks: list[torch.nn.Module], config) -> Iterator[None]:
     every selective label's flags (``labels_disabled``) and full recompute, which megatron's
     ``TransformerBlock`` reads from the shared ``TransformerConfig`` at each forward
     (``config.recompute_granularity == 'full'``). A step inside and one outside then differ only by
-    the recompute, in one process at one host pace (``benchmarks/bench_paired.py``)."""
+    the recompute, in one process at one host pace (what a paired step-time comparison needs)."""
     full = config.recompute_granularity == "full"
     if full:
         config.recompute_granularity = None

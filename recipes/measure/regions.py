@@ -4,7 +4,7 @@ A recompute region is host work beyond the kernels it replays: megatron saves an
 states around it, runs its first forward under no_grad, replays it from a gradient hook (or from its
 own autograd node) and runs its backward in a nested ``torch.autograd.backward``. Where a step's host
 is behind its GPU (MoE, MLA at the h200 size) that is step time. On one H200
-(``benchmarks/bench_region.py``) a ``moe_act`` region added 1.2 ms to its step's own host time: about
+(a benchmark since retired) a ``moe_act`` region added 1.2 ms to its step's own host time: about
 240 us of that is one more call of the experts' activation (megatron's torch.compile'd weighted
 SwiGLU), the rest the region's machinery; a norm's region (``layernorm``) about 0.6 ms.
 

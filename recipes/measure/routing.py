@@ -3,7 +3,7 @@
 Under expert parallel a rank's routed-token tensors (the permuted expert input, the experts'
 activations) scale with the rows its local experts receive, which the router decides step by step
 (two H200s, ``ep2``: 0.95x/1.05x balanced at the ledger's micro-batch, up to 1.5x at the peak;
-docs/h200x2-results.md). ``RoutingRecorder`` counts them: a forward pre-hook on each MoE layer's
+docs/evidence/h200x2.md). ``RoutingRecorder`` counts them: a forward pre-hook on each MoE layer's
 experts reads the rows it is given (the shape of the permuted input: no device sync), grouped per
 forward of a model chunk (one micro-batch) and tagged with the optimizer step it belongs to.
 Recomputed forwards (in backward) and forward-only evaluation are not counted.

@@ -96,7 +96,7 @@ class ItemWaits:
     """The host's seconds inside ``Tensor.item`` while entered (``seconds``; the caller resets it):
     on a GPU, how long a step's host waited for the device where megatron reads the grad norm, once a
     step. What the host took to issue a step is its time to return less these waits
-    (``benchmarks/bench_hostbound.py``, ``bench_paired.py``)."""
+    (the host-bound studies behind docs/offload.md)."""
 
     def __init__(self) -> None:
         self.seconds = 0.0

@@ -12,7 +12,7 @@ rate, or as measured; backward twice that) and where each group's module sits in
 hides. To that it adds what the copies cost a step that hides them: a time per group moved (a
 layer's module: the manager's Python, event records and stream waits each group commit and reload)
 and per GiB moved (``estimate.offload_ms_per_group``, ``estimate.offload_ms_per_gib``; fitted to the
-dense offload points one H200 measured, docs/offload-log.md), which also lengthens the layers the copies
+dense offload points one H200 measured, docs/offload.md), which also lengthens the layers the copies
 hide under. Where the base point measured the manager's host work (``offload_ms``),
 ``timeline_offload_costs`` adds what the step's timeline does not hide of it (an MoE step's host does
 not lead its GPU).

@@ -73,7 +73,7 @@ def elementwise_replays(cfg: dict) -> tuple[float, float]:
 
 def host_bound(cfg: dict) -> bool:
     """A step the host's launch rate bounds: MoE (routing, permutation, many small kernels) and
-    MLA; the GPU idles there for a third of a bare MoE step (docs/h200-results.md)."""
+    MLA; the GPU idles there for a third of a bare MoE step (docs/evidence/h200.md)."""
     return any(moe_pattern(cfg["model"])) or ATTENTION_KIND[cfg["model"]["family"]] == "mla"
 
 

@@ -9,11 +9,11 @@ that fits only without the slack is "tight", never "fits". The estimator, the ad
 all judge predictions with ``verdict``.
 
 MoE under expert parallel fragments more: each step's routed-token buffers differ in size per rank.
-On two H200s (docs/h200x2) reserved over allocated reached 1.166 (``ep2`` none, rank 0)
+On two H200s (docs/evidence/h200x2.md) reserved over allocated reached 1.166 (``ep2`` none, rank 0)
 and 1.159 (``size=h200_long`` moe_act); ``slack_for(cfg)`` gives such configs ``EP_MOE_SLACK``.
 
 Activation offload fragments too: its host copies free device blocks one layer at a time while
-others are allocated around them. Over the offload sweeps' points on one H200 (docs/offload-h200)
+others are allocated around them. Over the offload sweeps' points on one H200 (docs/evidence/offload-h200.md)
 reserved over allocated reached 1.207 for dense options that offload core attention's
 tensors (``qkv_linear-core_attn-attn_proj``; 1.19 ``core_attn``), 1.0851 for the other dense options
 (``attn_norm-mlp_norm`` under ``selective/layernorm``, whose predicted peak with ``ALLOCATOR_SLACK``

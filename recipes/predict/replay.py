@@ -12,7 +12,7 @@ again (its host time, which moves every later mark) and the GPU runs it again (i
 mark). Its cost to the step is how much later the last mark is reached: the GPU time where the host
 was ahead by more than the replay adds to it, the host time where the GPU was waiting for the host,
 and between the two elsewhere. That is why one label costs an MoE step its module's stream time on
-one day and its GPU time on another (docs/offload-log.md): the host's lead differs, and this reads it.
+one day and its GPU time on another (docs/offload.md): the host's lead differs, and this reads it.
 The GPU pass's sleeps let its kernels run faster than a step's; ``stream_pace`` says by how much, from
 the module-time pass, and the GPU work is read at the step's pace (``Timeline.scaled``). A checkpoint
 also runs its region's first forward under no_grad, which costs the host less (``Timeline.nograd``,
@@ -119,7 +119,7 @@ class Timeline:
         reaches the last mark, and at least its host work beyond ``host_wait_ms``. The host issues all
         of it before the step's grad-norm read returns, and at that read the base step's host was only
         ``host_wait_ms`` ahead of the GPU. The timeline alone can read a longer lead than the steps had:
-        its host pass ends before the step's own host work after backward (docs/offload-log.md)."""
+        its host pass ends before the step's own host work after backward (docs/offload.md)."""
         later = self.finish(inserted) - self.finish()
         if self.host_wait_ms is None:
             return later
@@ -149,7 +149,7 @@ def stream_pace(timeline: Timeline, forward_ms: dict, layers: list[int]) -> floa
     median over ``PACE_MODULES``' forwards (each layer's, in the module-time pass's stream times,
     ``forward_ms``) where the GPU was busy and the host far ahead (host time under half the GPU time),
     so that the stream time is the GPU's work at the step's own pace. On one H200 it was 1.08-1.16 on
-    every base point that had such forwards (dense, MLA, MoE; docs/offload-log.md): the GPU pass's sleeps let
+    every base point that had such forwards (dense, MLA, MoE; docs/offload.md): the GPU pass's sleeps let
     the same kernels run about a tenth faster, and dense replays priced at the GPU pass's pace came out
     5-15% low. None where no forward qualifies (an MoE pass whose host is behind everywhere)."""
     ratios = []

@@ -235,7 +235,7 @@ def use_fused_adam(optimizer) -> int:
     their FusedAdam. torch's ``fused=True`` is the same update in one kernel per parameter group
     (same math, no host loop over tensor lists). Set before the first step, when the optimizer
     state is still empty (its ``step`` counters are then created on the device, as fused needs).
-    On the H200 the foreach update took about 14 of a 93 ms dense step (docs/h200-results.md).
+    On the H200 the foreach update took about 14 of a 93 ms dense step (docs/evidence/h200.md).
     """
     inners = [getattr(o, "optimizer", o) for o in getattr(optimizer, "chained_optimizers", [optimizer])]
     count = 0

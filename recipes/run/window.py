@@ -168,7 +168,7 @@ def record_window(trainer: Trainer, cfg: dict, result: dict, window: Window, lab
             # the reserved peak measures the memory there was, not what the run needed
             "alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries", 0),
         }
-    if not trainer.offloading:  # before the profiled step: after it, the host passes read slower (docs/offload-log.md)
+    if not trainer.offloading:  # before the profiled step: after it, the host passes read slower (docs/offload.md)
         record_module_times(trainer, cfg, result, marks)
         # under pipeline parallelism the host also waits for its neighbours' sends, a margin this wait
         # does not see, so none is given there
@@ -201,7 +201,7 @@ def host_timing(host: list[tuple[float, float]]) -> dict:
     (until it returned, less its waits in ``Tensor.item``), and ``host_wait_s``, its wait where
     megatron reads the grad norm, once a step. A wait near 0 means the host never got ahead of the GPU:
     the step is host-bound, and host work that a recompute or an offload adds shows in it; a dense
-    h200 step's host waited 89-123 ms, an MoE step's 27-29 (one H200, docs/offload-log.md)."""
+    h200 step's host waited 89-123 ms, an MoE step's 27-29 (one H200, docs/offload.md)."""
     if not host:
         return {}
     return {"host_work_s": statistics.median(w for w, _ in host), "host_wait_s": statistics.median(t for _, t in host)}

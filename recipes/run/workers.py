@@ -82,7 +82,7 @@ def worker_environment(cfg: dict) -> dict[str, str]:
     if cfg["parallel"]["tensor_model_parallel_size"] > 1:
         # megatron's tensor-parallel layers rely on one hardware queue to order their async all-gather
         # and reduce-scatter before the gradient GEMMs. Not set otherwise: one queue makes every stream
-        # wait behind the others' work (activation offload's copies then stall compute: docs/offload-log.md)
+        # wait behind the others' work (activation offload's copies then stall compute: docs/offload.md)
         env.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // cfg["launcher"]["nproc_per_node"])))
     if cfg["measure"]["expandable_segments"]:
