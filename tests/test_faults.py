@@ -165,7 +165,7 @@ def test_a_corrupt_result_is_named_rerun_on_resume_and_skipped_by_report_and_adv
     (full / "result.json").write_text('{"status": "ok", "ranks": [')  # truncated by a kill mid-write
     done = train(["-m", "recompute=none,full", *TINY, f"hydra.sweep.dir={sweep}", "dry_run=true"], tmp_path)
     assert done.returncode == 0 and "Traceback" not in done.stderr
-    assert f"{full / 'result.json'}: unreadable JSON" in done.stderr and "runs again" in done.stderr
+    assert f"{full / 'result.json'}: not JSON, truncated" in done.stderr and "runs again" in done.stderr
     assert "[skip]" in done.stdout and "[dry-run] standard_attn sdpa full" in done.stdout
     assert kept.stat().st_mtime_ns == stamp  # the complete point is untouched
     from recipes.analyze import advise, report
@@ -173,7 +173,7 @@ def test_a_corrupt_result_is_named_rerun_on_resume_and_skipped_by_report_and_adv
     assert report.main([str(sweep), "--no-wandb"]) == 0
     assert advise.main([str(sweep), "--budget-gib", "1"]) == 0
     err = capsys.readouterr().err
-    assert err.count(f"skipped {full / 'result.json'}: unreadable JSON") == 1  # named once, not per read
+    assert err.count(f"skipped {full / 'result.json'}: not JSON, truncated") == 1  # named once, not per read
 
 
 @pytest.mark.slow

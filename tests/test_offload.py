@@ -305,8 +305,6 @@ ESTIMATED = [
      "core_attn-attn_proj"),  # 6 groups: layers 0-2's two; layer 1's projection and layer 2's stay
     (["model=moe", "model.num_layers=4", "offload.activation_offload_fraction=0.4"], "none",
      "expert_fc1-moe_act"),  # 6 groups, int(3.6) = 3 stay: a cut inside a layer
-    (["model=standard_attn", "model.num_layers=4", "offload.activation_offload_fraction=0.0"], "none",
-     "attn_norm-mlp_norm"),  # nothing moves after the warm-up
 ]
 
 

@@ -264,12 +264,13 @@ def test_a_sweep_knows_every_points_recompute_before_its_first():
                                                     ("selective/mlp", 0, False)])
 def test_a_gpu_run_that_recomputes_without_output_builds_megatrons_extension_ahead(monkeypatch, recompute, gpus,
                                                                                      started):
+    from recipes.build import upstream
     from recipes.run import workers
 
     calls = []
     monkeypatch.setattr(workers, "SHARE_STORAGE_BUILD", {})
     monkeypatch.setattr(workers, "gpu_count", lambda: gpus)
-    monkeypatch.setattr(workers, "start_share_storage_build", lambda env: calls.append(env) or "proc")
+    monkeypatch.setattr(upstream, "start_share_storage_build", lambda env: calls.append(env) or "proc")
     plain = compose(f"recompute={recompute}")
     workers.build_share_storage_ahead(plain, {"X": "1"})
     workers.build_share_storage_ahead(plain, {"X": "1"})  # once a controller
