@@ -262,8 +262,28 @@ def plan_section(ev: Evidence, tmp: Path) -> list[str]:
     return [*out, ""] if out else []
 
 
+def determinism_section(ev: Evidence, tmp: Path) -> list[str]:
+    """``train.deterministic``'s table (benchmarks/determinism.py table) from the straight runs (sweep
+    ``straight``), the resumed ones (sweep ``resume``, one point ``resume_<family>`` each) and, when
+    recorded, the label comparison (a ``labels.json`` record)."""
+    import contextlib
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("determinism", ROOT / "benchmarks" / "determinism.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    root = ev.unpack(tmp / "determinism")
+    for point in (root / "resume").glob("resume_*"):
+        point.rename(root / point.name)
+    with contextlib.redirect_stdout(io.StringIO()):
+        bench.table_main(root)
+    return ["## determinism", "", "`python benchmarks/determinism.py table <out>`", "",
+            (root / "table.md").read_text().rstrip("\n"), ""]
+
+
 #: Tables an evidence file gets before its sweep reports, beyond the header.
-EXTRA_SECTIONS: dict[str, Callable[[Evidence, Path], list[str]]] = {"h200": mfu_section, "planner-h100": plan_section}
+EXTRA_SECTIONS: dict[str, Callable[[Evidence, Path], list[str]]] = {"h200": mfu_section, "planner-h100": plan_section,
+                                                                 "determinism-h100": determinism_section}
 
 
 def render(ev: Evidence) -> str:
