@@ -16,7 +16,7 @@ import typing
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
-from typing import Any, Dict, List, Optional, TypeVar
+from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
@@ -397,7 +397,6 @@ class RecipeConfig(Section):
 #: (``typed``). Read as attributes (``cfg.model.hidden_size``); a derived copy (an estimator or
 #: planner trial) is ``dataclasses.replace``'d, never edited; ``as_dict`` is its serialisation.
 RunConfig = RecipeConfig
-_T = TypeVar("_T")
 
 
 @cache
@@ -411,7 +410,7 @@ def _nested(cls: type) -> dict[str, type]:
     return out
 
 
-def _build(cls: type[_T], values: Any) -> _T:
+def _build[T](cls: type[T], values: Any) -> T:
     if isinstance(values, cls) or values is None:
         return values
     nested, names = _nested(cls), {f.name for f in dataclasses.fields(cls)}
@@ -424,12 +423,12 @@ def _build(cls: type[_T], values: Any) -> _T:
 def typed(cfg: Any) -> RunConfig:
     """The typed run config of a composed one: a ``RunConfig`` as it is, a ``DictConfig`` through
     ``OmegaConf.to_object`` (type-checked against the schema), a plain dict (a composed config's, a stored
-    result's after ``upgrade``) field by field: the fields it lacks take the schema's defaults."""
+    result's) through ``upgrade``, field by field: the fields it lacks take the values it ran with."""
     if isinstance(cfg, RecipeConfig):
         return cfg
     if OmegaConf.is_config(cfg):
         return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RecipeConfig), cfg))
-    return _build(RecipeConfig, cfg)
+    return _build(RecipeConfig, upgrade(cfg))
 
 
 def as_dict(cfg: Any) -> dict:

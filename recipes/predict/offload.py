@@ -21,6 +21,7 @@ What the copies and the recompute cost a step's time is ``recipes.predict.cost``
 
 from __future__ import annotations
 
+from recipes.config import typed
 from recipes.offload import modules_of
 from recipes.predict.dims import Dims, Term
 
@@ -182,9 +183,10 @@ def chunk_offload(cfg: dict, d: Dims, layers: list[list[Term]], global_layers: l
                   gdn_pattern: list[int]) -> tuple[list[list[Term]], list[list[HostTerm]], list[list[str]]]:
     """``offload_layers`` for a run config's ``offload`` group (the layers unchanged without it), and
     each layer's groups (``group_points``)."""
+    cfg = typed(cfg)
     modules = modules_of(cfg)
     if not modules:
         return layers, [[] for _ in layers], [[] for _ in layers]
     gdn = [bool(gdn_pattern[g]) for g in global_layers]
-    return (*offload_layers(d, layers, gdn, modules, cfg["offload"]["min_offloaded_tensor_size"],
-                            cfg["offload"]["activation_offload_fraction"]), group_points(d, layers, gdn, modules))
+    return (*offload_layers(d, layers, gdn, modules, cfg.offload.min_offloaded_tensor_size,
+                            cfg.offload.activation_offload_fraction), group_points(d, layers, gdn, modules))
