@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from recipes.build import compat
+from recipes.config import typed
 from recipes.errors import ConfigError
 from recipes.measure.memtrace import BEFORE, BUCKETS, STATIC, TRANSIENT, Trace, record_cpu, record_gpu
 from recipes.recompute import KINDS, LABELS
@@ -143,7 +144,8 @@ def profile_step(trainer, cfg: dict, run_dir: Path | None = None, step_time_s: f
     step's time is used. A failure is recorded, never raised: the run's
     measurements stand without the profile.
     """
-    mode = cfg["measure"]["profile"]
+    cfg = typed(cfg)
+    mode = cfg.measure.profile
     if mode not in MODES:
         raise ConfigError("measure.profile", f"unknown profile {mode!r}", "use profile=peak or profile=none")
     if mode == "none":
@@ -206,13 +208,14 @@ def write_timeline_pngs(result: dict, run_dir: Path | str) -> list[Path]:
 
 def _run_title(cfg: dict) -> str:
     """The run's name, else its model, attention and recompute policy."""
+    cfg = typed(cfg)
     if cfg.get("name"):
-        return str(cfg["name"])
-    rc = cfg["recompute"]
-    policy = rc["recompute_granularity"] or "none"
+        return str(cfg.name)
+    rc = cfg.recompute
+    policy = rc.recompute_granularity or "none"
     if policy == "selective":
-        policy = f"selective [{', '.join(rc['recompute_modules'])}]"
-    return f"{cfg['model']['family']}, {cfg['attention']['backend']} attention, recompute {policy}"
+        policy = f"selective [{', '.join(rc.recompute_modules)}]"
+    return f"{cfg.model.family}, {cfg.attention.backend} attention, recompute {policy}"
 
 
 _COLORS = {"parameters": "#4d4d4d", "gradients": "#8c8c8c", "optimizer_state": "#bdbdbd",
@@ -349,8 +352,8 @@ def first_label_to_try(result: dict) -> tuple[str | None, str]:
     if prof is None:
         return None, "no peak attribution in this result: run with profile=peak"
     cfg = result.get("config") or {}
-    family = (cfg.get("model") or {}).get("family") or (result.get("choices") or {}).get("model")
-    backend = (cfg.get("attention") or {}).get("backend") or (result.get("choices") or {}).get("attention")
+    family = (cfg.model).get("family") or (result.get("choices") or {}).get("model")
+    backend = (cfg.attention).get("backend") or (result.get("choices") or {}).get("attention")
     b, peak = prof["bytes_by_kind"], prof["peak_bytes"] or 1
     static = sum(b.get(k, 0) for k in STATIC)
     acts = {k: b.get(k, 0) for k in KINDS}
@@ -361,7 +364,7 @@ def first_label_to_try(result: dict) -> tuple[str | None, str]:
                       "activations: recompute cannot remove them; use more data parallelism with the "
                       "distributed optimizer (or tensor/pipeline parallelism), not recompute")
     share = f"{top} activations hold {acts[top] / peak:.0%} {where}"
-    run = {"model": {**(cfg.get("model") or {}), "family": family}, "attention": {"backend": backend}}
+    run = {"model": {**(cfg.model), "family": family}, "attention": {"backend": backend}}
     for name, label in LABELS.items():  # the first label whose advice answers this kind
         why = label.advice_for(run) if label.advice_kind == top else None
         if why is not None:
