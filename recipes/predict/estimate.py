@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 from fractions import Fraction
 
 from recipes.build.parallel import pipeline_schedule
-from recipes.config import RecomputeConfig, compose_config, typed
+from recipes.config import compose_config, typed
 from recipes.errors import ConfigError
 from recipes.files import GIB
 from recipes.offload import modules_of
@@ -322,7 +322,7 @@ def predict_options(cfg: dict, device: str = "cuda") -> tuple[list[tuple[str, di
     # says why that option does not apply, and a bad model would make every option "not applicable"
     validate_for(cfg, device)
     for option in options_for(cfg.model):
-        trial = replace(cfg, recompute=RecomputeConfig(**recompute_config(option)))
+        trial = replace(cfg, recompute=replace(cfg.recompute, **recompute_config(option)))
         try:
             done.append((option, predict(trial, device)))
         except ConfigError as err:
