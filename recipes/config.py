@@ -29,9 +29,19 @@ COMPILE_SCOPES = ("none", "attention", "layer")
 
 
 class Section:
-    """A schema dataclass read by key too (``section["hidden_size"]``, ``section.get(...)``), as the
-    helpers that take either a typed section or a stored result's plain one do. No writes: a changed
-    copy is ``dataclasses.replace``'d."""
+    """A schema dataclass, frozen once built (``@dataclass(frozen=True)`` would make Hydra's composition
+    read-only too), and read by key as well (``section["hidden_size"]``, ``section.get(...)``), as the
+    helpers that take either a typed section or a stored result's plain one do. A changed copy is
+    ``dataclasses.replace``'d."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_frozen", True)
+
+    def __setattr__(self, key: str, value: Any) -> None:
+        if getattr(self, "_frozen", False):  # Hydra composes into unfrozen structured configs: frozen here instead
+            raise dataclasses.FrozenInstanceError(f"cannot assign {key}: the run config is frozen (a changed copy "
+                                                  "is dataclasses.replace'd)")
+        object.__setattr__(self, key, value)
 
     def __getitem__(self, key: str) -> Any:
         try:
