@@ -449,12 +449,6 @@ def as_dict(cfg: Any) -> dict:
     return OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else copy.deepcopy(dict(cfg))
 
 
-def fields_for(cls: type, section: Any, exclude: typing.Collection[str] = ()) -> dict:
-    """A section's fields that ``cls`` (a megatron-core config class) takes by the same name."""
-    names = {f.name for f in dataclasses.fields(cls)}
-    return {k: v for k, v in dataclasses.asdict(section).items() if k in names and k not in exclude}
-
-
 #: Longest directory name ``slug`` makes: far below the file-name limit of 255 bytes, short enough to read.
 MAX_DIRNAME = 64
 #: Longest sweep directory name (it holds the swept value lists; its path below multirun/ is the W&B

@@ -352,8 +352,8 @@ def first_label_to_try(result: dict) -> tuple[str | None, str]:
     if prof is None:
         return None, "no peak attribution in this result: run with profile=peak"
     cfg = result.get("config") or {}
-    family = (cfg.model).get("family") or (result.get("choices") or {}).get("model")
-    backend = (cfg.attention).get("backend") or (result.get("choices") or {}).get("attention")
+    family = (cfg.get("model") or {}).get("family") or (result.get("choices") or {}).get("model")
+    backend = (cfg.get("attention") or {}).get("backend") or (result.get("choices") or {}).get("attention")
     b, peak = prof["bytes_by_kind"], prof["peak_bytes"] or 1
     static = sum(b.get(k, 0) for k in STATIC)
     acts = {k: b.get(k, 0) for k in KINDS}
@@ -364,7 +364,7 @@ def first_label_to_try(result: dict) -> tuple[str | None, str]:
                       "activations: recompute cannot remove them; use more data parallelism with the "
                       "distributed optimizer (or tensor/pipeline parallelism), not recompute")
     share = f"{top} activations hold {acts[top] / peak:.0%} {where}"
-    run = {"model": {**(cfg.model), "family": family}, "attention": {"backend": backend}}
+    run = {"model": {**(cfg.get("model") or {}), "family": family}, "attention": {"backend": backend}}
     for name, label in LABELS.items():  # the first label whose advice answers this kind
         why = label.advice_for(run) if label.advice_kind == top else None
         if why is not None:

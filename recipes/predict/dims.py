@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 from recipes.build.resolve import resolve_precision, resolve_swiglu_fusion
-from recipes.config import typed
+from recipes.config import ModelConfig, typed
 from recipes.errors import ConfigError
 from recipes.recompute import ATTENTION_KIND, FAMILIES, MLP_KIND, labels_of, mlp_replays_fc2
 from recipes.validate import validate
@@ -36,7 +36,7 @@ class Dims:
     dq: int  # query/key head dim (MLA: qk_head_dim + qk_pos_emb_head_dim)
     dv: int
     rope: int  # rotary dims per head (0 without RoPE)
-    model: dict
+    model: ModelConfig  # the run's, bias_activation_fusion resolved for the device
     labels: frozenset  # selective labels in force
     full: bool
     #: Routed rows this rank's experts receive, over the balanced share (``moe_terms``). Only EP > 1
@@ -173,7 +173,7 @@ def norm_terms(d: Dims, name: str, rows: int, width: int, kind: str = "norm") ->
     """A norm keeps its input and fp32 statistics; the CPU's composite rms_norm also the normalized
     tensor. Its output is a new storage, counted where it is consumed."""
     x = d.e * rows * width
-    if d.model["normalization"] == "LayerNorm":
+    if d.model.normalization == "LayerNorm":
         return [(kind, f"{name} input", x), (kind, f"{name} mean, rstd (fp32)", 8 * rows)]
     terms = [(kind, f"{name} input", x), (kind, f"{name} rstd (fp32)", 4 * rows)]
     if d.device == "cpu":

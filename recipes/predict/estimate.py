@@ -143,7 +143,7 @@ def transient_bytes(d: Dims, has_head: bool, last_layer_recomputed: bool = True,
     loss = 0
     if has_head:
         sb = d.s * d.b
-        loss = (d.e * sb * d.model["vocab_size"] // d.tp if d.e < 4 else 0) + d.e * sb * d.h
+        loss = (d.e * sb * d.model.vocab_size // d.tp if d.e < 4 else 0) + d.e * sb * d.h
     return max(loss, remat + 2 * biggest - head_freed)
 
 

@@ -68,17 +68,17 @@ def host_copy_bytes(term: Term, d: Dims) -> int:
     _, what, nbytes = term
     if what == "v" and nbytes:  # a view of the fused QKV output (standard attention)
         return d.e * d.s * d.b * d.ng * d.dv if d.attention_kind != "mla" else nbytes
-    if what == "expert fc1 output" and d.model["gated_linear_unit"]:  # the gate half (chunk's view)
+    if what == "expert fc1 output" and d.model.gated_linear_unit:  # the gate half (chunk's view)
         return nbytes // 2
     if d.attention_kind == "mla":
         if what == "qkv input (norm output)":  # saved by both of MLA's down-projections (q and kv)
             return 2 * nbytes
         if what in ("kv_up input (kv_compressed)", "kv_layernorm input (kv_compressed)"):  # kv_combined's view
-            return d.e * d.s_sp * d.b * d.model["kv_lora_rank"]
-    rms_cpu = d.device == "cpu" and d.model["normalization"] == "RMSNorm"
+            return d.e * d.s_sp * d.b * d.model.kv_lora_rank
+    rms_cpu = d.device == "cpu" and d.model.normalization == "RMSNorm"
     if rms_cpu and what.endswith(("norm input", "norm rstd (fp32)")):  # composite: pow and mul save x; rsqrt, mul rstd
         return 2 * nbytes
-    if what in ("softmax output", "probabilities") and not d.model["attention_dropout"]:
+    if what in ("softmax output", "probabilities") and not d.model.attention_dropout:
         return 2 * nbytes  # softmax saves its output and, without dropout between, the matmul with v again
     return nbytes
 
