@@ -23,7 +23,7 @@ from __future__ import annotations
 import statistics
 from collections import defaultdict
 
-from recipes.config import EstimateConfig
+from recipes.config import EstimateConfig, typed
 from recipes.measure.flops import layer_forward_flops, output_projection_flops
 from recipes.predict.cost import layer_spans, paced_timelines
 
@@ -98,13 +98,14 @@ def flop_positions(cfg: dict) -> dict[str, tuple[float, float]]:
     matmul FLOPs (``layer_forward_flops``): the norms take none; QKV, core attention, the projection,
     then the MLP; in an MoE layer FC1 then the activation and FC2 (megatron commits ``expert_fc1``
     after FC1 and ``moe_act`` after FC2)."""
+    cfg = typed(cfg)
     layer = layer_forward_flops(cfg)
     proj = output_projection_flops(cfg) if layer.get("core_attn") else 0.0
     qkv, core = max(layer.get("attn_proj", 0.0) - proj, 0.0), layer.get("core_attn", 0.0)
     mlp = layer.get("mlp", 0.0) + layer.get("moe", 0.0)
     total = (qkv + core + proj + mlp) or 1.0
     a, b, c = qkv / total, (qkv + core) / total, (qkv + core + proj) / total
-    glu = 2 if cfg["model"]["gated_linear_unit"] else 1
+    glu = 2 if cfg.model.gated_linear_unit else 1
     fc1 = c + (1 - c) * glu / (glu + 1)
     return {"attn_norm": (0.0, 0.0), "qkv_linear": (0.0, a), "core_attn": (a, b), "attn_proj": (b, c),
             "mlp_norm": (c, c), "expert_fc1": (c, fc1), "moe_act": (fc1, 1.0)}
@@ -115,6 +116,7 @@ def offload_positions(cfg: dict, module_times: dict | None = None) -> dict[str, 
     has one (the median over layers and micro-batches of where the GPU reached the module's forward
     start and end, as shares of its layer's forward, ``layer_spans``; the experts split between FC1
     and the activation by FLOPs)."""
+    cfg = typed(cfg)
     flops = flop_positions(cfg)
     out = dict(flops)
     measured = {}

@@ -18,7 +18,7 @@ from __future__ import annotations
 import statistics
 
 from recipes.build.resolve import resolve_swiglu_fusion
-from recipes.config import EstimateConfig
+from recipes.config import EstimateConfig, typed
 from recipes.measure.flops import layer_forward_flops, mlp_replays_fc2, replayed_layer_flops
 from recipes.predict.replay import Timeline, stream_pace
 from recipes.recompute import ATTENTION_KIND, gdn_pattern, labels_of, moe_pattern, replays_without_output
@@ -29,6 +29,7 @@ def layer_forward_s(cfg: dict, tflops: float, module_times: dict | None = None) 
     (on its step timeline, the median of its layers' forwards as the GPU reached them,
     ``layer_spans``; else the mean of the module-time pass's stream times), else at ``tflops``
     achieved TFLOP/s per GPU (its matmul FLOPs, ``recipes.measure.flops``; TP splits them)."""
+    cfg = typed(cfg)
     spans = layer_spans(module_times, ("",))[""]
     if spans:
         return statistics.median(end - start for start, end, _, _ in spans) / 1e3
@@ -37,7 +38,7 @@ def layer_forward_s(cfg: dict, tflops: float, module_times: dict | None = None) 
         return sum(measured) / len(measured) / 1e3
     layer = layer_forward_flops(cfg)
     flops = sum(layer.get(k, 0.0) for k in ("attn_proj", "core_attn", "mlp", "moe"))
-    return flops / cfg["parallel"]["tensor_model_parallel_size"] / (tflops * 1e12)
+    return flops / cfg.parallel.tensor_model_parallel_size / (tflops * 1e12)
 
 
 #: What each elementwise label (no matmul) replays per layer it covers and micro-batch, on CUDA with the
@@ -59,7 +60,8 @@ def activation_kernels(model: dict) -> int:
 def elementwise_replays(cfg: dict) -> tuple[float, float]:
     """(checkpoint regions, kernels) the run's elementwise labels replay per layer and micro-batch
     (``ELEMENTWISE_REPLAYS``; model=gdn and partial MoE: the average layer)."""
-    labels, m = set(labels_of(cfg)), cfg["model"]
+    cfg = typed(cfg)
+    labels, m = set(labels_of(cfg)), cfg.model
     share = {"layernorm": 1.0, "moe_act": sum(moe_pattern(m)) / m["num_layers"],
              "gdn_norm_out": sum(gdn_pattern(m)) / m["num_layers"]}
     act = activation_kernels(m)
@@ -74,7 +76,8 @@ def elementwise_replays(cfg: dict) -> tuple[float, float]:
 def host_bound(cfg: dict) -> bool:
     """A step the host's launch rate bounds: MoE (routing, permutation, many small kernels) and
     MLA; the GPU idles there for a third of a bare MoE step (docs/evidence/h200.md)."""
-    return any(moe_pattern(cfg["model"])) or ATTENTION_KIND[cfg["model"]["family"]] == "mla"
+    cfg = typed(cfg)
+    return any(moe_pattern(cfg.model)) or ATTENTION_KIND[cfg.model.family] == "mla"
 
 
 #: MLA's attention modules outside its ``mla_up_proj`` checkpoint: the rest of ``self_attention``'s
@@ -90,8 +93,9 @@ def measured_replay_s(cfg: dict, module_times: dict) -> dict[str, float]:
     recompute method and count say) takes on the rank that timed its modules
     (``recipes.measure.moduletime``): the forward times of the modules the label's checkpoint runs, in
     the layers it covers. A label whose modules were not timed is left out (priced by its FLOPs)."""
+    cfg = typed(cfg)
     fwd, numbers = module_times.get("forward_ms") or {}, module_times.get("layers") or []
-    m = cfg["model"]
+    m = cfg.model
     moe, gdn = moe_pattern(m), gdn_pattern(m)
 
     def total(plus: tuple, minus: tuple, covers) -> float | None:
@@ -115,7 +119,7 @@ def _full_covers(cfg: dict, numbers: list[int]):
     """Which of a rank's layers (megatron's layer numbers, in order) full recompute replays: all of them
     (uniform), or the first ``recompute_num_layers`` of each model chunk (block; a chunk is a run of
     consecutive layer numbers)."""
-    rc = cfg["recompute"]
+    rc = cfg.recompute
     if rc["recompute_method"] != "block":
         return lambda g, i: True
     position, k = [], rc["recompute_num_layers"] or 0
@@ -133,7 +137,7 @@ def _full_covers(cfg: dict, numbers: list[int]):
 def _placements(cfg: dict) -> list[tuple[tuple, tuple, str, object, str]] | None:
     """The run's recompute as (replayed, not replayed, at, covers(global layer, index), region kind)
     pieces; None where a label has no place on the timeline (``gdn_norm_out``, GDN layers)."""
-    rc, m = cfg["recompute"], cfg["model"]
+    rc, m = cfg.recompute, cfg.model
     moe, gdn = moe_pattern(m), gdn_pattern(m)
     if any(gdn):
         return None
@@ -218,14 +222,15 @@ def timeline_recompute_costs(cfg: dict, module_times: dict, elementwise_s: float
     (``replay.stream_pace``; a process without one takes its point's others'). One price a process
     whose timeline the point kept, sorted; None where the point has no timeline or a label has no
     place on it."""
+    cfg = typed(cfg)
     pieces, numbers = _placements(cfg), module_times.get("layers") or []
     timelines = paced_timelines(module_times, numbers)
     if not timelines or pieces is None or not numbers:
         return None
-    est, default = cfg.get("estimate") or {}, EstimateConfig()
+    est, default = cfg.estimate, EstimateConfig()
     region_ms = est.get("replay_region_ms", default.replay_region_ms)
     launch_ms = est.get("launch_us", default.launch_us) / 1e3
-    act = activation_kernels(cfg["model"])
+    act = activation_kernels(cfg.model)
     costs = []
     for tl in timelines:
         inserted: dict[int, list[float]] = {}
@@ -296,6 +301,7 @@ def _forward_savings(tl: Timeline, number: int, replayed: tuple, inside: tuple, 
 def recompute_s(cfg: dict, tflops: float, layers: int, microbatches: int, elementwise_bytes: int = 0,
                 hbm_gb_s: float = 3000.0, module_times: dict | None = None) -> float:
     """Seconds per step the run's recompute replays (``recompute_by_process_s``)."""
+    cfg = typed(cfg)
     return recompute_by_process_s(cfg, tflops, layers, microbatches, elementwise_bytes, hbm_gb_s, module_times)[0]
 
 
@@ -313,7 +319,8 @@ def recompute_by_process_s(cfg: dict, tflops: float, layers: int, microbatches: 
     behind): the median of its processes' prices, returned with them all (an MoE process's host pace
     moves a replay's cost by that much: 71-108 ms for ``full`` in three processes of one H200 point);
     otherwise with None."""
-    rc = cfg["recompute"]
+    cfg = typed(cfg)
+    rc = cfg.recompute
     memory = 2 * elementwise_bytes / (hbm_gb_s * 1e9)
     if module_times and module_times.get("marks"):
         costs = timeline_recompute_costs(cfg, module_times, memory)
@@ -330,8 +337,8 @@ def recompute_by_process_s(cfg: dict, tflops: float, layers: int, microbatches: 
     layer = layer_forward_flops(cfg)
     per_layer = sum(layer.get(k, 0.0) for k in ("attn_proj", "core_attn", "mlp", "moe"))
     replay = replayed_layer_flops({**cfg, "recompute": rest}, layer, per_layer)
-    replay /= cfg["parallel"]["tensor_model_parallel_size"]
-    est, default = cfg.get("estimate") or {}, EstimateConfig()
+    replay /= cfg.parallel.tensor_model_parallel_size
+    est, default = cfg.estimate, EstimateConfig()
     regions, kernels = elementwise_replays(cfg)
     per_kernel = est.get("launch_us", default.launch_us) / 1e6 if host_bound(cfg) else 0.0
     overhead = regions * est.get("replay_region_ms", default.replay_region_ms) / 1e3 + kernels * per_kernel

@@ -21,6 +21,7 @@ What the copies and the recompute cost a step's time is ``recipes.predict.cost``
 
 from __future__ import annotations
 
+from recipes.config import typed
 from recipes.offload import modules_of
 from recipes.predict.dims import Dims, Term
 
@@ -67,17 +68,17 @@ def host_copy_bytes(term: Term, d: Dims) -> int:
     _, what, nbytes = term
     if what == "v" and nbytes:  # a view of the fused QKV output (standard attention)
         return d.e * d.s * d.b * d.ng * d.dv if d.attention_kind != "mla" else nbytes
-    if what == "expert fc1 output" and d.model["gated_linear_unit"]:  # the gate half (chunk's view)
+    if what == "expert fc1 output" and d.model.gated_linear_unit:  # the gate half (chunk's view)
         return nbytes // 2
     if d.attention_kind == "mla":
         if what == "qkv input (norm output)":  # saved by both of MLA's down-projections (q and kv)
             return 2 * nbytes
         if what in ("kv_up input (kv_compressed)", "kv_layernorm input (kv_compressed)"):  # kv_combined's view
-            return d.e * d.s_sp * d.b * d.model["kv_lora_rank"]
-    rms_cpu = d.device == "cpu" and d.model["normalization"] == "RMSNorm"
+            return d.e * d.s_sp * d.b * d.model.kv_lora_rank
+    rms_cpu = d.device == "cpu" and d.model.normalization == "RMSNorm"
     if rms_cpu and what.endswith(("norm input", "norm rstd (fp32)")):  # composite: pow and mul save x; rsqrt, mul rstd
         return 2 * nbytes
-    if what in ("softmax output", "probabilities") and not d.model["attention_dropout"]:
+    if what in ("softmax output", "probabilities") and not d.model.attention_dropout:
         return 2 * nbytes  # softmax saves its output and, without dropout between, the matmul with v again
     return nbytes
 
@@ -182,9 +183,10 @@ def chunk_offload(cfg: dict, d: Dims, layers: list[list[Term]], global_layers: l
                   gdn_pattern: list[int]) -> tuple[list[list[Term]], list[list[HostTerm]], list[list[str]]]:
     """``offload_layers`` for a run config's ``offload`` group (the layers unchanged without it), and
     each layer's groups (``group_points``)."""
+    cfg = typed(cfg)
     modules = modules_of(cfg)
     if not modules:
         return layers, [[] for _ in layers], [[] for _ in layers]
     gdn = [bool(gdn_pattern[g]) for g in global_layers]
-    return (*offload_layers(d, layers, gdn, modules, cfg["offload"]["min_offloaded_tensor_size"],
-                            cfg["offload"]["activation_offload_fraction"]), group_points(d, layers, gdn, modules))
+    return (*offload_layers(d, layers, gdn, modules, cfg.offload.min_offloaded_tensor_size,
+                            cfg.offload.activation_offload_fraction), group_points(d, layers, gdn, modules))

@@ -18,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from launch.affinity import usable_cores
 from launch.slurm import node_rank, wait_for_rank_files
 from recipes.analyze.logger import close_unfinished, usable_logger, write_identity
+from recipes.config import RunConfig, typed
 from recipes.errors import ConfigError
 from recipes.files import UnreadableFile, write_json_atomic, write_json_or_fallback
 from recipes.offload import option_of as offload_option_of
@@ -159,29 +160,30 @@ def check_point(plain: dict, num_gpus: int | None = None, job_memory_gib: float 
     copies only against the job's memory (``job_memory_gib``) or ``offload.host_memory_gib`` where given."""
     num_gpus = gpu_count() if num_gpus is None else num_gpus
     validate(plain, num_gpus=num_gpus)  # the rules first: the estimator predicts only what passes them
-    if not submitting or job_memory_gib is not None or (plain.get("offload") or {}).get("host_memory_gib") is not None:
-        planned = planned_host_bytes(plain, "cuda" if submitting else "auto")
-        problem = host_memory_problem(plain, planned, job_memory_gib)
+    cfg = typed(plain)  # its keys checked: the typed config the estimator and the data checks take
+    if not submitting or job_memory_gib is not None or cfg.offload.host_memory_gib is not None:
+        planned = planned_host_bytes(cfg, "cuda" if submitting else "auto")
+        problem = host_memory_problem(cfg, planned, job_memory_gib)
         if problem:
             raise ConfigError(*problem)
     if not submitting and (single or not num_gpus):
-        problem = peak_memory_problem(plain, *_peak_and_capacity(plain, num_gpus))
+        problem = peak_memory_problem(cfg, *_peak_and_capacity(cfg, num_gpus))
         if problem:
             raise ConfigError(*problem)
     from recipes.data.indexed import validate_data  # lazy: numpy, once the rules passed
 
-    validate_data(plain)  # files, .idx header and .bin size, tokenizer sidecar (cheap)
+    validate_data(cfg)  # files, .idx header and .bin size, tokenizer sidecar (cheap)
 
 
-def _peak_and_capacity(plain: dict, num_gpus: int) -> tuple[int | None, int | None, str, int]:
+def _peak_and_capacity(cfg: RunConfig, num_gpus: int) -> tuple[int | None, int | None, str, int]:
     """The estimator's peak for one rank, what holds it (this GPU's memory, or on a CPU this host's
     available memory for all its ranks), its name, and the ranks sharing it."""
     try:
-        peak = predict(plain, "cuda" if num_gpus else "cpu")["peak_bytes"]
+        peak = predict(cfg, "cuda" if num_gpus else "cpu")["peak_bytes"]
     except Exception:  # a layout the estimator does not model: the run itself decides
         return None, None, "", 1
     if not num_gpus:
-        return peak, host_memory_available(), "this machine's available memory", plain["launcher"]["nproc_per_node"]
+        return peak, host_memory_available(), "this machine's available memory", cfg.launcher.nproc_per_node
     import torch  # a GPU machine: torch is loaded already (gpu_count)
 
     return peak, torch.cuda.get_device_properties(0).total_memory, f"this GPU's memory ({torch.cuda.get_device_name(0)})", 1

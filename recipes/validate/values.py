@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 
-from recipes.config import RecipeConfig
+from recipes.config import RecipeConfig, typed
 from recipes.errors import ConfigError, check
 
 
@@ -96,18 +96,16 @@ RANGES = (
 def check_values(cfg) -> None:
     """Each value on its own: positive sizes and counts, numbers inside their range (before any rule
     divides by them: ``num_attention_heads=0`` must be refused, not raise ZeroDivisionError)."""
+    cfg = typed(cfg)
     for section, keys in POSITIVE.items():
         for key in keys:
-            value = cfg[section].get(key)
+            value = getattr(getattr(cfg, section), key)
             check(value is None or value >= 1, f"{section}.{key}", f"{value} is not a size or count (it must be "
                    "at least 1)", f"set {section}.{key} to a positive number"
                    + (", or null" if value is not None and _optional(section, key) else ""))
     for section, key, low, high, low_ok, high_ok, example in RANGES:
         name = f"{section}.{key}" if section else key
-        where = cfg.get(section) if section else cfg
-        if not where or key not in where:  # a stored config of an older schema: the tool upgrades it
-            continue
-        value = where[key]
+        value = getattr(getattr(cfg, section) if section else cfg, key)
         if value is None and section and _optional(section, key):
             continue
         number = isinstance(value, (int, float)) and not isinstance(value, bool)
@@ -119,8 +117,8 @@ def check_values(cfg) -> None:
         finite = not number or value - value == 0  # NaN and infinity are not
         check(inside, name, f"{value} is not {'a finite number ' if not finite else ''}{bounds}",
               f"set {name}={example}; it must be {bounds}")
-    check_split(cfg["data"]["split"])
-    pos = cfg["model"]["position_embedding_type"]
+    check_split(cfg.data.split)
+    pos = cfg.model.position_embedding_type
     check(pos in ("rope", "learned_absolute", "none"), "model.position_embedding_type",
            f"unknown position embedding {pos!r}", "use rope, learned_absolute or none")
 
