@@ -1,12 +1,13 @@
 """One entry per label: a throwaway label, defined once (its ``Label`` record and its YAML file, in the
 fixture below), flows through validation, the checkpoint ledger, the label flags, the FLOPs, the
-activation estimate and the advice. Each check fails if that layer keeps a private per-label table the
+activation estimate, the cost model and the advice. Each check fails if that layer keeps a private per-label table the
 record does not reach."""
 
 from __future__ import annotations
 
 import importlib.util
 import shutil
+from dataclasses import replace
 
 import pytest
 import torch
@@ -121,44 +122,26 @@ def test_the_estimate_and_the_advice_follow_its_activations(toy):
     assert got == f"selective/{TOY}" and toy.advice in why
 
 
-@pytest.mark.xfail(strict=True, reason="recipes.predict.cost keeps its own ELEMENTWISE_REPLAYS table; once it "
-                   "reads Label.elementwise this passes: drop the mark")
-def test_the_cost_model_reads_the_record(toy, monkeypatch):
-    from recipes.predict.cost import elementwise_replays
-
-    monkeypatch.setitem(LABELS, TOY, Label(**{**toy.__dict__, "elementwise": (3, 7), "flops": ""}))
-    regions, kernels = elementwise_replays(compose("model=standard_attn", f"recompute=selective/{TOY}"))
-    assert (regions, kernels) == (3, 7)
-
-
-def test_the_records_hold_what_the_cost_model_tables_hold():
-    """Until ``recipes.predict.cost`` reads the records, its tables and the records say the same (then
-    this test goes with the tables)."""
+def test_the_cost_model_prices_its_replay_from_the_record(toy, monkeypatch):
+    """Its replay is priced by its FLOPs, or by the forward times of its ``timed`` modules where a point
+    timed them, and placed at its ``at`` module; an elementwise label by its ``elementwise`` regions and
+    kernels, its function at its ``at``."""
+    from recipes.measure.flops import layer_forward_flops
     from recipes.predict import cost
 
-    records = {name: label for name, label in LABELS.items()}
-    if hasattr(cost, "ELEMENTWISE_REPLAYS"):
-        assert cost.ELEMENTWISE_REPLAYS == {n: r.elementwise for n, r in records.items() if r.elementwise}
-    if hasattr(cost, "ELEMENTWISE_FUNCTION"):
-        assert cost.ELEMENTWISE_FUNCTION == {at: fn for r in records.values() for at, fn in r.at if fn}
-    if hasattr(cost, "MLA_OUTSIDE_UP_PROJ"):
-        assert cost.MLA_OUTSIDE_UP_PROJ == records["mla_up_proj"].untimed
-    for overrides in (("model=moe", "model.moe_shared_expert_intermediate_size=128"), ("model=mla",),
-                      ("model=standard_attn", "recompute.mlp_replays_fc2=true"), ("model=standard_attn",)):
-        cfg = compose(*overrides, "recompute=control")
-        m = cfg["model"]
-        for name, label in records.items():
-            if not label.applies(m):
-                continue
-            trial = {**cfg, "recompute": {**cfg["recompute"], "recompute_modules": [name]}}
-            covers = label.covers(m)
-            placed = cost._placements(trial)
-            if placed is not None:  # (replayed, not replayed, at, covers, region kind) per piece
-                assert [p[:3] for p in placed] == [(label.timed, label.untimed_modules(trial), at) for at, _ in label.at]
-                assert [[p[3](g, g) for g in range(len(covers))] for p in placed] == [covers] * len(label.at)
-            if label.flops:  # a matmul label's modules, timed: one ms per module per layer
-                names = ["", *label.timed, *label.untimed_modules(trial)]
-                times = {"layers": list(range(1, m["num_layers"] + 1)),
-                         "forward_ms": {n: [1.0] * m["num_layers"] for n in names}}
-                want = max(0, len(label.timed) - len(label.untimed_modules(trial))) * sum(covers) / 1e3
-                assert cost.measured_replay_s(trial, times)[name] == pytest.approx(want)
+    cfg = compose("model=standard_attn", f"recompute=selective/{TOY}")
+    n, tp = cfg["model"]["num_layers"], cfg["parallel"]["tensor_model_parallel_size"]
+    by_flops = n * 0.25 * layer_forward_flops(cfg)["mlp"] / tp / 100e12
+    assert cost.recompute_s(cfg, 100.0, n, 1) == pytest.approx(by_flops)
+    times = {"layers": list(range(1, n + 1)), "forward_ms": {"": [5.0] * n, "mlp.linear_fc2": [2.0] * n}}
+    assert cost.measured_replay_s(cfg, times)[TOY] == pytest.approx(n * 2e-3)
+    assert cost.recompute_s(cfg, 100.0, n, 1, module_times=times) == pytest.approx(n * 2e-3)
+    (piece,) = cost._placements(cfg)  # (replayed, not replayed, at, function, kernels, covers, region kind)
+    assert piece[:5] == (toy.timed, (), "mlp.linear_fc2", "", None) and piece[6] == "checkpoint"
+    assert all(piece[5](g, g) for g in range(n))
+
+    elementwise = replace(toy, flops="", timed=(), at=(("mlp", "toy_function"),), elementwise=(3, 6))
+    monkeypatch.setitem(LABELS, TOY, elementwise)
+    assert cost.elementwise_replays(cfg) == (3, 6)
+    assert cost._placements(cfg)[0][:5] == ((), (), "mlp", "toy_function", 2.0)
+    assert cost.recompute_s(cfg, 100.0, n, 1) == pytest.approx(n * 3 * cfg["estimate"]["replay_region_ms"] / 1e3)
