@@ -1,7 +1,9 @@
-"""One entry per label: a throwaway label, defined once (its ``Label`` record and its YAML file, in the
+"""One entry per concept: a throwaway label, defined once (its ``Label`` record and its YAML file, in the
 fixture below), flows through validation, the checkpoint ledger, the label flags, the FLOPs, the
-activation estimate, the cost model and the advice. Each check fails if that layer keeps a private per-label table the
-record does not reach."""
+activation estimate, the cost model and the advice; a throwaway offload module (its ``OffloadModule``
+record and YAML) through validation, the estimate and the copies; a throwaway family (its ``Family``
+record and YAML) through validation, the options and the estimate. Each check fails if that layer keeps
+a private table the record does not reach."""
 
 from __future__ import annotations
 
@@ -14,9 +16,11 @@ import torch
 from conftest import REPO, compose
 
 from recipes import config as config_module
+from recipes import offload as offload_module
 from recipes import recompute
 from recipes.errors import ConfigError
-from recipes.recompute import LABELS, Label
+from recipes.offload import MODULES, OffloadModule
+from recipes.recompute import LABELS, Family, Label
 
 TOY = "toy_fc2"
 
@@ -145,3 +149,126 @@ def test_the_cost_model_prices_its_replay_from_the_record(toy, monkeypatch):
     assert cost.elementwise_replays(cfg) == (3, 6)
     assert cost._placements(cfg)[0][:5] == ((), (), "mlp", "toy_function", 2.0)
     assert cost.recompute_s(cfg, 100.0, n, 1) == pytest.approx(n * 3 * cfg["estimate"]["replay_region_ms"] / 1e3)
+
+
+# --- one entry per offload module: a throwaway module, its record and its YAML ------------------------
+TOY_MODULE = "toy_fc2_input"
+TOY_OFFLOAD = OffloadModule(
+    TOY_MODULE, "any", "the dense MLP's FC2 input", "mlp",
+    saves=lambda t, d: t[0] == "mlp" and t[1] == "fc2 input", mark="mlp.linear_fc2", span=("fc1", "end"))
+EMULATED = ("offload.emulate_on_cpu=true", "offload.min_offloaded_tensor_size=0")
+
+
+@pytest.fixture
+def toy_offload(tmp_path, monkeypatch):
+    """The throwaway offload module in one place: its record in ``MODULES`` and its YAML in a copy of conf/."""
+    conf = tmp_path / "conf"
+    shutil.copytree(REPO / "conf", conf)
+    (conf / "offload" / f"{TOY_MODULE}.yaml").write_text(
+        f"fine_grained_activation_offloading: true\noffload_modules: [{TOY_MODULE}]\n")
+    monkeypatch.setattr(offload_module, "CONF_DIR", conf)
+    monkeypatch.setattr(config_module, "CONF_DIR", conf)
+    offload_module.conf_options.cache_clear()
+    monkeypatch.setitem(MODULES, TOY_MODULE, TOY_OFFLOAD)
+    yield TOY_OFFLOAD
+    offload_module.conf_options.cache_clear()
+
+
+def test_an_offload_module_flows_through_validation_the_estimate_and_the_copies(toy_offload):
+    """Validation takes it where it applies; the estimator moves the terms its ``saves`` names to the
+    host as its own group; the copies place it by its ``span`` (FLOPs) or its ``mark`` (a timeline)."""
+    from recipes.predict.copies import flop_positions, offload_positions, timeline_offload_costs
+    from recipes.predict.estimate import predict
+    from recipes.validate import validate
+
+    assert TOY_MODULE in offload_module.options_for("standard_attn")
+    cfg = compose("model=standard_attn", f"offload={TOY_MODULE}", *EMULATED)
+    validate(cfg, num_gpus=0, te_available=False)
+    assert offload_module.rule_problem([TOY_MODULE], frozenset(), cfg["model"]) is None
+    moved, base = predict(cfg, "cpu"), predict(compose("model=standard_attn", *EMULATED), "cpu")
+    fc2 = sum(t[2] for t in base["layer_terms"] if t[0] == "mlp" and t[1] == "fc2 input")
+    groups = moved["offload_groups_per_layer"]
+    assert fc2 and [[p for p, _ in layer] for layer in groups] == [[TOY_MODULE]] * len(groups)
+    assert [n for layer in groups for _, n in layer] == [fc2] * (len(groups) - 1) + [0]  # the last layer's kept
+    assert moved["host_terms_per_layer"][0] == {TOY_MODULE: 1}
+
+    flops = flop_positions(cfg)
+    assert flops[TOY_MODULE] == (flops["expert_fc1"][1], 1.0)  # from FC1's end (the fc1 boundary) to the layer's
+    names = ["1::pre", "1:mlp.linear_fc2:pre", "1:mlp.linear_fc2:end", "1::end"]
+    timed = {"layers": [1], "forward_ms": {}, "marks": {"names": names, "host_ms": [0.0] * 4,
+                                                        "gpu_ms": [0.0, 7.0, 2.0, 1.0]}}
+    assert offload_positions(cfg, timed)[TOY_MODULE] == pytest.approx((0.7, 0.9))
+    names = ["1::pre", "1:mlp.linear_fc2:pre", "1:mlp.linear_fc2:end", "1:mlp.linear_fc2:bwd", "1::end"]
+    marks = {"names": names, "host_ms": [0.0, 1.0, 2.0, 3.0, 4.0], "gpu_ms": [0.0] * 5,
+             "offload_ms": {"group": 1.0, "tensor": 0.0}}
+    assert timeline_offload_costs([{TOY_MODULE: 1}], {"layers": [1], "forward_ms": {}, "marks": marks}) is not None
+
+
+def test_an_offload_module_is_refused_where_its_layer_part_is_missing(toy_offload, monkeypatch):
+    from recipes.validate import validate
+
+    monkeypatch.setitem(MODULES, TOY_MODULE, replace(toy_offload, needs="moe"))
+    assert TOY_MODULE not in offload_module.options_for("standard_attn")
+    with pytest.raises(ConfigError) as err:
+        validate(compose("model=standard_attn", f"offload={TOY_MODULE}", *EMULATED), num_gpus=0, te_available=False)
+    assert toy_offload.what in str(err.value)
+
+
+# --- one entry per family: a throwaway family, its record and its YAML ---------------------------------
+TOY_FAMILY = Family("toy_family", "standard", "moe", "selective/moe_act", "expert_fc1-moe_act")
+
+
+@pytest.fixture
+def toy_family(tmp_path, monkeypatch):
+    """The throwaway family in one place: its record in ``FAMILIES`` (and the kinds read from it) and its
+    YAML, model=moe's with its name, in a copy of conf/."""
+    conf = tmp_path / "conf"
+    shutil.copytree(REPO / "conf", conf)
+    moe = (conf / "model" / "moe.yaml").read_text()
+    (conf / "model" / "toy_family.yaml").write_text(moe.replace("family: moe", "family: toy_family"))
+    monkeypatch.setattr(config_module, "CONF_DIR", conf)
+    monkeypatch.setitem(recompute.FAMILIES, TOY_FAMILY.name, TOY_FAMILY)
+    for view, value in ((recompute.ATTENTION_KIND, TOY_FAMILY.attention), (recompute.MLP_KIND, TOY_FAMILY.mlp),
+                        (recompute.GUIDE_FIRST_LABEL, TOY_FAMILY.first_label),
+                        (offload_module.GUIDE_FIRST_OFFLOAD, TOY_FAMILY.first_offload)):
+        monkeypatch.setitem(view, TOY_FAMILY.name, value)
+    yield TOY_FAMILY
+
+
+def test_a_family_flows_through_validation_the_options_and_the_estimate(toy_family):
+    """A family is its kinds: validated, offered options and predicted as model=moe, its twin."""
+    from recipes.measure.flops import step_flops
+    from recipes.predict.estimate import predict
+    from recipes.validate import validate
+
+    toy, moe = compose("model=toy_family", "recompute=selective/moe_act"), compose("model=moe", "recompute=selective/moe_act")
+    assert toy["model"]["family"] == "toy_family"
+    validate(toy, num_gpus=0, te_available=False)
+    assert recompute.options_for("toy_family") == recompute.options_for("moe")
+    assert offload_module.options_for("toy_family") == offload_module.options_for("moe")
+    assert "toy_family" in LABELS["moe_act"].families and "toy_family" not in LABELS["mlp"].families
+    assert recompute.layer_kinds(toy["model"]) == recompute.layer_kinds(moe["model"])
+    assert predict(toy, "cpu")["peak_bytes"] == predict(moe, "cpu")["peak_bytes"]
+    assert step_flops(toy, 1) == step_flops(moe, 1)
+    assert recompute.guide_order("selective/moe_act", "toy_family") < recompute.guide_order("selective/layernorm", "toy_family")
+
+
+def test_every_family_record_names_options_that_exist():
+    """The guide's first options per family are options of the family (``Family.first_label``,
+    ``first_offload``)."""
+    for name, family in recompute.FAMILIES.items():
+        assert family.first_label in recompute.options_for(name)
+        assert family.first_offload in offload_module.options_for(name)
+
+
+def test_every_module_a_record_names_is_timed():
+    """The cost model and the copies read the forward marks of the modules the records name: each is one
+    ``recipes.measure.moduletime.TIMED`` times (a new one goes there too)."""
+    from recipes.measure.moduletime import TIMED
+    from recipes.measure.regions import REGION_FUNCTIONS
+
+    named = {m for label in LABELS.values() for m in (*label.timed, *label.untimed_modules(
+        compose("model=standard_attn", "recompute=control")), *(at for at, _ in label.at))}
+    named |= {fn for label in LABELS.values() for _, fn in label.at if fn and fn not in REGION_FUNCTIONS}
+    named |= {m.mark for m in MODULES.values() if m.mark}
+    assert named - set(TIMED) == set()
