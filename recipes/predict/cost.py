@@ -71,7 +71,8 @@ def measured_replay_s(cfg: dict, module_times: dict) -> dict[str, float]:
     """Seconds one micro-batch's replay of each matmul label (and ``full``, its layers as ``cfg``'s
     recompute method and count say) takes on the rank that timed its modules
     (``recipes.measure.moduletime``): the forward times of the modules the label's checkpoint runs, in
-    the layers it covers. A label whose modules were not timed is left out (priced by its FLOPs)."""
+    the layers it covers. A label whose modules were not timed, or that covers no layer, is left out
+    (priced by its FLOPs)."""
     fwd, numbers = module_times.get("forward_ms") or {}, module_times.get("layers") or []
     m = cfg["model"]
 
@@ -83,9 +84,9 @@ def measured_replay_s(cfg: dict, module_times: dict) -> dict[str, float]:
         return max(ms, 0.0) / 1e3
 
     out = {"full": total(("",), (), _full_covers(cfg, numbers))}
-    for name, label in LABELS.items():  # the matmul labels: Label.timed less Label.untimed
-        if label.timed:
-            covers = label.covers(m)
+    for name, label in LABELS.items():  # the matmul labels in the layers they cover: Label.timed less Label.untimed
+        covers = label.covers(m)
+        if label.timed and any(covers):
             out[name] = total(label.timed, label.untimed_modules(cfg), lambda g, _, covers=covers: covers[g])
     return {label: s for label, s in out.items() if s is not None}
 
