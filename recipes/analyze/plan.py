@@ -28,23 +28,17 @@ from recipes.hardware import Profile, check_cluster, cluster_of, resolve_profile
 from recipes.offload import offload_config, option_modules, rule_problem
 from recipes.offload import options_for as offload_options
 from recipes.predict.copies import exposed_transfer_s, offload_overhead, offload_positions, timeline_offload_costs
-from recipes.predict.cost import (
-    ELEMENTWISE_REPLAYS,
-    has_timeline,
-    host_wait_ms,
-    layer_forward_s,
-    recompute_by_process_s,
-)
+from recipes.predict.cost import has_timeline, host_wait_ms, layer_forward_s, recompute_by_process_s
 from recipes.predict.estimate import held_host_bytes, num_microbatches, predict
 from recipes.predict.fit import FITS, TIGHT, allocator_overrides, fits, slack_for, verdict
-from recipes.recompute import guide_order, is_full, option_of, options_for, recompute_config, selective_labels
+from recipes.recompute import LABELS, guide_order, is_full, option_of, options_for, recompute_config, selective_labels
 from recipes.validate.offload import host_memory_problem
 from recipes.validate.recompute import layers_per_chunk
 
 #: Added step times closer than this (seconds) are a tie: the simpler plan wins.
 SAME_TIME_S = 1e-4
 #: Labels that replay elementwise work only (no matmul): priced as memory traffic and their replays.
-ELEMENTWISE = frozenset(ELEMENTWISE_REPLAYS)
+ELEMENTWISE = frozenset(name for name, label in LABELS.items() if label.elementwise)
 
 
 #: The share of the HBM's spec bandwidth elementwise replays run at (3000 of the H200's 4800 GB/s).
