@@ -200,6 +200,10 @@ def check_cluster(cfg: dict, cluster: dict) -> None:
 def check_budget(budget_gib: float, profile: Profile, option: str = "--budget-gib") -> None:
     """Refuse a budget above the profile's GPU's capacity (its memory; above ``budget_gib`` but within it,
     the allocator competes with CUDA's own memory, which a plan's cap shows)."""
+    if not 0 < budget_gib < float("inf"):  # NaN fails this too
+        raise ConfigError(option, f"{budget_gib:g} GiB is not a positive number of GiB",
+                          f"give what PyTorch's allocator may hold per GPU, at most {profile.budget_gib:g} on the "
+                          f"{profile.gpu} (e.g. {option} {profile.budget_gib:g})")
     if budget_gib > profile.memory_gib + 1e-9:
         raise ConfigError(option, f"{budget_gib:g} GiB is above the {profile.gpu}'s capacity ({profile.memory_gib:g} "
                           f"GiB, of which PyTorch's allocator can hold {profile.budget_gib:g}: CUDA and its libraries "

@@ -477,9 +477,10 @@ def chunk_layers(model: Any, parallel: Any) -> list[range]:
     middle = n - (first or 0) - (last or 0)
     free = sum(s is None for s in sizes)
     if middle < 0 or free == 0 and middle or free and middle % free:
-        raise ConfigError("model.num_layers", f"{n} layers minus {first or 0} first and {last or 0} last "
-                          f"leave {middle} for {free} other stage(s)",
-                          "pick num_layers_in_first/last_pipeline_stage leaving a multiple of the other stages")
+        given = f"parallel.num_layers_in_{'last' if last is not None else 'first'}_pipeline_stage"  # the one set
+        raise ConfigError(given, f"model.num_layers={n} minus {first or 0} first and {last or 0} last "
+                          f"leave {middle} for {free} other stage(s)", "pick parallel.num_layers_in_first/last_pipeline"
+                          "_stage leaving a multiple of the other stages, or change model.num_layers")
     sizes = [s if s is not None else middle // free for s in sizes]
     starts = [sum(sizes[:i]) for i in range(pp)]
     return [range(a, a + k) for a, k in zip(starts, sizes)]

@@ -35,6 +35,7 @@ from recipes.hardware import Profile, check_budget, cluster_of, resolve_profile
 from recipes.measure.flops import step_flops
 from recipes.predict.estimate import num_microbatches
 from recipes.predict.fit import allocator_overrides
+from recipes.validate.run import output_problem
 
 #: The bare step's share of the bf16 peak at full GEMM rate (dense steps at the h200 size: 50.0% on an
 #: H200, 48.3% on an H100; MLA 45%, MoE 36%): it sets the step's scale, not the order of the options.
@@ -279,11 +280,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg, _ = compose_recipe(at_full_depth(args.overrides), on_gpu=True)
         profile, why = resolve_profile(cfg)
-        f = frontier(cfg, args.budget_gib or profile.budget_gib, profile, why)
+        f = frontier(cfg, profile.budget_gib if args.budget_gib is None else args.budget_gib, profile, why)
+        sweep_dir = args.dir or Path("multirun/plan")
+        if problem := output_problem(sweep_dir):
+            raise ConfigError("--dir", problem[1], "give --dir a writable directory (default multirun/plan)")
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    sweep_dir = args.dir or Path("multirun/plan")
     command = write_confirm(f, args.overrides, sweep_dir) if f["top"] else None
     sweep_dir.mkdir(parents=True, exist_ok=True)
     if f["points"]:

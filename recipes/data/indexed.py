@@ -35,6 +35,7 @@ from recipes.data.gpt import ByteTokenizer, gpt_dataset_config
 from recipes.data.tokenizer import BYTE_EOD, BYTE_VOCAB, KINDS, check_spec, load_tokenizer
 from recipes.errors import ConfigError
 from recipes.files import REPO_ROOT, UnreadableFile, read_json, write_json_atomic
+from recipes.validate.run import output_problem
 
 META_SUFFIX = ".meta.json"
 #: What the sidecar records for the byte tokenizer (``recipes.data.tokenizer``; known without loading it).
@@ -324,6 +325,10 @@ def validate_data(cfg: Any) -> None:
     cfg = typed(cfg)
     if cfg.data.name == "indexed":
         inspect_data(cfg)
+        cache_dir = cfg.data.cache_dir  # megatron writes its index there: a file in the way stops the run
+        if cache_dir and (problem := output_problem(resolve_prefix(cache_dir))):
+            raise ConfigError("data.cache_dir", problem[1], "set data.cache_dir to a writable directory (null: "
+                              "the per-user cache)")
     elif cfg.data.name == "mock" and cfg.model.vocab_size < ByteTokenizer.vocab_size:
         raise ConfigError("model.vocab_size", f"{cfg.model.vocab_size} is smaller than data=mock's "
                           f"{ByteTokenizer.vocab_size} token ids (bytes and the end-of-document id "

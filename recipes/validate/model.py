@@ -64,6 +64,10 @@ def check_model(cfg) -> None:
                "model.moe_token_dispatcher_type", f"{m.moe_token_dispatcher_type!r} is not "
                "supported here", "use local (expert parallel 1, no host syncs), allgather (any device "
                "and layout) or alltoall (GPU)")
+        balancing = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "quantile_balancing", "none")
+        check(m.moe_router_load_balancing_type in balancing, "model.moe_router_load_balancing_type",
+               f"{m.moe_router_load_balancing_type!r} is not one of megatron's router load-balancing types "
+               "(megatron would silently balance with none)", f"use one of {', '.join(balancing)}")
         factor = m.moe_expert_capacity_factor
         check(factor is None or factor > 0, "model.moe_expert_capacity_factor",
                f"{factor} is not a capacity (tokens per expert over the balanced share)",
