@@ -300,6 +300,8 @@ ESTIMATED = [
     (["model=mla"], "none", "core_attn-attn_proj"),
     (["model=mla"], "none", "qkv_linear-core_attn-attn_proj"),  # both down-projections save the input
     (["model=gdn", "model.num_layers=4"], "none", "core_attn-attn_proj"),
+    # the experts of gdn_moe's GatedDeltaNet layers offload too (the estimator once left them out)
+    (["model=gdn_moe", "model.num_layers=4"], "selective/moe_act", "expert_fc1"),
     # megatron's activation_offload_fraction: the last int(n * (1 - f)) moved groups stay (forward order)
     (["model=standard_attn", "model.num_layers=4", "offload.activation_offload_fraction=0.5"], "none",
      "core_attn-attn_proj"),  # 6 groups: layers 0-2's two; layer 1's projection and layer 2's stay

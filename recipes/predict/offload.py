@@ -31,10 +31,10 @@ HostTerm = tuple[str, str, int, int, str]
 
 def point_of(term: Term, d: Dims, gdn_layer: bool) -> str | None:
     """The offload module whose point saves this term (the first whose ``OffloadModule.saves`` says so),
-    or None (saved outside every point). In a GatedDeltaNet layer only the norms' points (``needs``
-    any) are modeled."""
+    or None (saved outside every point). A GatedDeltaNet layer has no attention points; its MLP's
+    (the norms', and the experts' of a ``gdn_moe`` layer) are as in any layer."""
     for name, module in MODULES.items():
-        if module.saves and (module.needs == "any" or not gdn_layer) and module.saves(term, d):
+        if module.saves and not (gdn_layer and module.needs == "attention") and module.saves(term, d):
             return name
     return None
 
