@@ -10,7 +10,9 @@ at compose time. Cross-field rules live in ``recipes.validate``.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
+import typing
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
@@ -26,8 +28,42 @@ from recipes.files import CONF_DIR
 COMPILE_SCOPES = ("none", "attention", "layer")
 
 
+class Section:
+    """A schema dataclass, frozen once built (``@dataclass(frozen=True)`` would make Hydra's composition
+    read-only too), and read by key as well (``section["hidden_size"]``, ``section.get(...)``), as the
+    helpers that take either a typed section or a stored result's plain one do. A changed copy is
+    ``dataclasses.replace``'d."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_frozen", True)
+
+    def __setattr__(self, key: str, value: Any) -> None:
+        if getattr(self, "_frozen", False):  # Hydra composes into unfrozen structured configs: frozen here instead
+            raise dataclasses.FrozenInstanceError(f"cannot assign {key}: the run config is frozen (a changed copy "
+                                                  "is dataclasses.replace'd)")
+        object.__setattr__(self, key, value)
+
+    def __getitem__(self, key: str) -> Any:
+        try:
+            return getattr(self, key)
+        except AttributeError:
+            raise KeyError(key) from None
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return getattr(self, key, default)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.__dataclass_fields__
+
+    def keys(self):
+        return self.__dataclass_fields__.keys()
+
+    def items(self):
+        return ((k, getattr(self, k)) for k in self.__dataclass_fields__)
+
+
 @dataclass
-class ModelConfig:
+class ModelConfig(Section):
     """A GPT model in megatron-core's vocabulary; ``family`` picks the attention kind x MLP kind
     (``recipes.recompute.ATTENTION_KIND``/``MLP_KIND``), the ``*_freq`` fields the layer pattern."""
 
@@ -93,14 +129,14 @@ class ModelConfig:
 
 
 @dataclass
-class AttentionConfig:
+class AttentionConfig(Section):
     """Core attention backend: unfused (materialized scores), sdpa (torch SDPA), te (TE fused)."""
 
     backend: str = "sdpa"
 
 
 @dataclass
-class RecomputeConfig:
+class RecomputeConfig(Section):
     """Activation recompute: megatron-core's recompute_* fields. ``granularity: null`` = off."""
 
     recompute_granularity: Optional[str] = None  # null | selective | full
@@ -114,7 +150,7 @@ class RecomputeConfig:
 
 
 @dataclass
-class OffloadConfig:
+class OffloadConfig(Section):
     """Activation offload to host memory: megatron-core's fine-grained offload (``offload_modules``)
     and its layer-level ``cpu_offloading`` (Transformer Engine only). ``offload=none`` = off."""
 
@@ -129,7 +165,7 @@ class OffloadConfig:
 
 
 @dataclass
-class ParallelConfig:
+class ParallelConfig(Section):
     """Parallel layout; data parallel = world size / (tp * pp * cp)."""
 
     tensor_model_parallel_size: int = 1
@@ -145,7 +181,7 @@ class ParallelConfig:
 
 
 @dataclass
-class LauncherConfig:
+class LauncherConfig(Section):
     """How the controller starts the worker process group."""
 
     name: str = "local"  # local: torchrun on this machine
@@ -158,7 +194,7 @@ class LauncherConfig:
 
 
 @dataclass
-class DataConfig:
+class DataConfig(Section):
     """Training data: mock tokens, or megatron indexed datasets (``data/indexed``)."""
 
     name: str = "mock"  # mock | indexed
@@ -172,7 +208,7 @@ class DataConfig:
 
 
 @dataclass
-class LoggerConfig:
+class LoggerConfig(Section):
     """Experiment logger: wandb (offline unless ``mode=online``) or none."""
 
     name: str = "none"
@@ -185,7 +221,7 @@ class LoggerConfig:
 
 
 @dataclass
-class TrainConfig:
+class TrainConfig(Section):
     """Run knobs."""
 
     seed: int = 1234
@@ -222,7 +258,7 @@ class TrainConfig:
 
 
 @dataclass
-class MeasureConfig:
+class MeasureConfig(Section):
     """What each run measures, and when: a window of ``steps`` steps from ``start_step`` (1-based)
     inside the run. Steps before it warm up (the first records the ledger); steps after it train
     without per-step device synchronization."""
@@ -257,7 +293,7 @@ class MeasureConfig:
 
 
 @dataclass
-class EstimateConfig:
+class EstimateConfig(Section):
     """What the estimator (``python -m recipes estimate``, ``advise --predict``) assumes where only a
     run can tell. Changes no measurement (``recipes.results.NOT_MEASURED``)."""
 
@@ -299,7 +335,7 @@ class EstimateConfig:
 
 
 @dataclass
-class ClusterConfig:
+class ClusterConfig(Section):
     """The cluster a plan is for (``advise --predict``, ``estimate``), not the machine running the planner
     (``recipes.hardware``). Changes no run; null: the launcher's layout and the GPU's profile."""
 
@@ -310,7 +346,7 @@ class ClusterConfig:
 
 
 @dataclass
-class CheckpointConfig:
+class CheckpointConfig(Section):
     """Checkpoints through megatron-core dist_checkpointing (recipes/run/checkpoint.py,
     docs/training.md). Off by default (``checkpoint=none``); ``checkpoint=default`` for long runs."""
 
@@ -323,7 +359,7 @@ class CheckpointConfig:
 
 
 @dataclass
-class NamedRecipeConfig:
+class NamedRecipeConfig(Section):
     """A public architecture at its published layout (``recipe=<name>``, conf/recipe/). The file sets
     ``model.*``, ``train.*``, ``parallel.*``, ``launcher.*`` and the published recompute at full depth;
     ``recipes.recipe.apply_recipe`` shrinks it to this machine unless ``recipe.full_depth=true``."""
@@ -340,7 +376,7 @@ class NamedRecipeConfig:
 
 
 @dataclass
-class RecipeConfig:
+class RecipeConfig(Section):
     """The root config: one training run (or, with -m, one sweep point)."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -365,6 +401,52 @@ class RecipeConfig:
     allow_over_memory: bool = False  # launch a single run the estimator predicts above this machine's memory
     lock_wait_s: float = 1800.0  # another run holds this point's directory: wait this long, then skip it
     fork_server: bool = True  # sweep points of one process fork from a server that imported megatron once
+
+
+#: The run config every module takes: the schema's dataclasses, built once after composition
+#: (``typed``). Read as attributes (``cfg.model.hidden_size``); a derived copy (an estimator or
+#: planner trial) is ``dataclasses.replace``'d, never edited; ``as_dict`` is its serialisation.
+RunConfig = RecipeConfig
+
+
+@cache
+def _nested(cls: type) -> dict[str, type]:
+    """The fields of a schema dataclass that are schema dataclasses themselves (``Optional`` ones too)."""
+    out = {}
+    for name, hint in typing.get_type_hints(cls).items():
+        args = [a for a in typing.get_args(hint) if a is not type(None)] if typing.get_origin(hint) else [hint]
+        if len(args) == 1 and dataclasses.is_dataclass(args[0]):
+            out[name] = args[0]
+    return out
+
+
+def _build[T](cls: type[T], values: Any) -> T:
+    if isinstance(values, cls) or values is None:
+        return values
+    nested, names = _nested(cls), {f.name for f in dataclasses.fields(cls)}
+    unknown = set(values) - names
+    if unknown:
+        raise KeyError(f"{cls.__name__} has no field {', '.join(sorted(unknown))}")
+    return cls(**{k: _build(nested[k], v) if k in nested else v for k, v in values.items()})
+
+
+def typed(cfg: Any) -> RunConfig:
+    """The typed run config of a composed one: a ``RunConfig`` as it is, a ``DictConfig`` through
+    ``OmegaConf.to_object`` (type-checked against the schema), a plain dict (a composed config's, a stored
+    result's) through ``upgrade``, field by field: the fields it lacks take the values it ran with."""
+    if isinstance(cfg, RecipeConfig):
+        return cfg
+    if OmegaConf.is_config(cfg):
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RecipeConfig), cfg))
+    return _build(RecipeConfig, upgrade(cfg))
+
+
+def as_dict(cfg: Any) -> dict:
+    """The run config as plain data, in the schema's field order: what config.yaml, result.json's
+    ``config`` and the W&B config hold."""
+    if dataclasses.is_dataclass(cfg):
+        return dataclasses.asdict(cfg)
+    return OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else copy.deepcopy(dict(cfg))
 
 
 #: Longest directory name ``slug`` makes: far below the file-name limit of 255 bytes, short enough to read.

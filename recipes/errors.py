@@ -54,5 +54,8 @@ def from_hydra(err: BaseException, conf_dir: str | None = None) -> ConfigError:
         article = "an" if kind[:1].lower() in "aeiou" else "a"
         return ConfigError(key, first, f"give {key} {article} {kind.lower()} (python train.py --cfg job shows "
                            "its current value)")
+    override = getattr(err, "override", None)  # OverrideParseException: which one, when its message does not say
+    if override and override not in first:
+        first = f"{override!r}: {first}"
     return ConfigError("overrides", first, "write each override as key=value or group=option (quote values with "
                        "spaces, brackets or commas; python train.py --help lists the groups)")

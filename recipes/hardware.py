@@ -20,6 +20,7 @@ from pathlib import Path
 
 import yaml
 
+from recipes.config import typed
 from recipes.errors import ConfigError
 from recipes.files import CONF_DIR
 
@@ -146,15 +147,16 @@ def match_profile(device_name: str) -> str | None:
 def resolve_profile(cfg: dict) -> tuple[Profile, str]:
     """(the profile a prediction for ``cfg`` uses, why that one): ``cluster.gpu`` when given, else this
     machine's GPU's spec profile, else the named recipe's GPU's, else ``h200``."""
-    named = (cfg.get("cluster") or {}).get("gpu")
+    cfg = typed(cfg)
+    named = cfg.cluster.gpu
     if named:
         return load_profile(named), "named by cluster.gpu"
     local = local_gpu_name()
     if local and match_profile(local):
         return load_profile(match_profile(local)), f"the GPU on this machine, {local}"
-    recipe = (cfg.get("recipe") or {}).get("gpu") if cfg.get("recipe") else None
+    recipe = cfg.recipe.gpu if cfg.recipe else None
     if recipe in RECIPE_GPU:
-        return load_profile(RECIPE_GPU[recipe]), f"the GPU recipe={cfg['recipe']['name']} trains on"
+        return load_profile(RECIPE_GPU[recipe]), f"the GPU recipe={cfg.recipe.name} trains on"
     why = (f"{local} has no spec profile" if local else "no GPU here and none named")
     return load_profile(DEFAULT_PROFILE), f"{why}: the default; name yours with cluster.gpu=NAME"
 
@@ -163,12 +165,13 @@ def cluster_of(cfg: dict, profile: Profile) -> dict:
     """The cluster the plan is for: GPUs per node and nodes (``cluster.*``, else the launcher's), host
     memory per node (``cluster.host_memory_gib``, else ``offload.host_memory_gib``, else the profile's
     measured node, else its typical node), each with where it came from. Never this machine's memory."""
-    cl, launch = cfg.get("cluster") or {}, cfg["launcher"]
-    gpus, nodes = cl.get("gpus_per_node") or launch["nproc_per_node"], cl.get("nodes") or launch["nnodes"]
-    if cl.get("host_memory_gib") is not None:
-        host, where = cl["host_memory_gib"], "cluster.host_memory_gib"
-    elif cfg["offload"].get("host_memory_gib") is not None:
-        host, where = cfg["offload"]["host_memory_gib"], "offload.host_memory_gib"
+    cfg = typed(cfg)
+    cl, launch = cfg.cluster, cfg.launcher
+    gpus, nodes = cl.gpus_per_node or launch.nproc_per_node, cl.nodes or launch.nnodes
+    if cl.host_memory_gib is not None:
+        host, where = cl.host_memory_gib, "cluster.host_memory_gib"
+    elif cfg.offload.host_memory_gib is not None:
+        host, where = cfg.offload.host_memory_gib, "offload.host_memory_gib"
     elif profile.host_memory_gib is not None:
         host, where = profile.host_memory_gib, f"the node profile {profile.name} measured"
     else:
@@ -181,16 +184,15 @@ def cluster_of(cfg: dict, profile: Profile) -> dict:
 def check_cluster(cfg: dict, cluster: dict) -> None:
     """Refuse a cluster the layout does not divide: its GPUs (nodes x GPUs per node) against tensor x
     pipeline x context parallel, and expert parallel against what is left of a pipeline stage."""
-    par = cfg["parallel"]
+    par = typed(cfg).parallel
     world = cluster["nodes"] * cluster["gpus_per_node"]
-    model_parallel = (par["tensor_model_parallel_size"] * par["pipeline_model_parallel_size"]
-                      * par["context_parallel_size"])
-    ep = par["expert_model_parallel_size"] * (par.get("expert_tensor_parallel_size") or 1)
-    if world % model_parallel or (world // par["pipeline_model_parallel_size"]) % ep:
+    model_parallel = par.tensor_model_parallel_size * par.pipeline_model_parallel_size * par.context_parallel_size
+    ep = par.expert_model_parallel_size * (par.expert_tensor_parallel_size or 1)
+    if world % model_parallel or (world // par.pipeline_model_parallel_size) % ep:
         raise ConfigError("cluster.gpus_per_node", f"{cluster['nodes']} node(s) x {cluster['gpus_per_node']} GPUs = "
-                          f"{world} GPUs, which TP{par['tensor_model_parallel_size']} x "
-                          f"PP{par['pipeline_model_parallel_size']} x CP{par['context_parallel_size']} "
-                          f"(EP{par['expert_model_parallel_size']} in each stage) does not divide",
+                          f"{world} GPUs, which TP{par.tensor_model_parallel_size} x "
+                          f"PP{par.pipeline_model_parallel_size} x CP{par.context_parallel_size} "
+                          f"(EP{par.expert_model_parallel_size} in each stage) does not divide",
                           f"use a multiple of {model_parallel} GPUs (cluster.nodes, cluster.gpus_per_node) or "
                           "change parallel.*")
 
@@ -198,6 +200,10 @@ def check_cluster(cfg: dict, cluster: dict) -> None:
 def check_budget(budget_gib: float, profile: Profile, option: str = "--budget-gib") -> None:
     """Refuse a budget above the profile's GPU's capacity (its memory; above ``budget_gib`` but within it,
     the allocator competes with CUDA's own memory, which a plan's cap shows)."""
+    if not 0 < budget_gib < float("inf"):  # NaN fails this too
+        raise ConfigError(option, f"{budget_gib:g} GiB is not a positive number of GiB",
+                          f"give what PyTorch's allocator may hold per GPU, at most {profile.budget_gib:g} on the "
+                          f"{profile.gpu} (e.g. {option} {profile.budget_gib:g})")
     if budget_gib > profile.memory_gib + 1e-9:
         raise ConfigError(option, f"{budget_gib:g} GiB is above the {profile.gpu}'s capacity ({profile.memory_gib:g} "
                           f"GiB, of which PyTorch's allocator can hold {profile.budget_gib:g}: CUDA and its libraries "

@@ -5,7 +5,10 @@ them and replaying the forward (recompute), a module's tensors saved for backwar
 memory after its forward, on a copy stream, and copied back before its backward. megatron-core calls
 the points ``offload_modules``; this project calls one a *module* and a YAML file under
 ``conf/offload/`` an *option* (``none``, ``<module>[-<module>...]``), as ``recipes.recompute`` does for
-recompute. Adding a module is one YAML file there plus one ``OffloadModule`` entry here.
+recompute. Adding a module is one YAML file there plus one ``OffloadModule`` entry here: the entry
+carries what validation and the estimator need (the layer part it sits in, the ledger terms saved
+inside it, the timed module whose marks its group commits and reloads at, its place in a layer's
+forward), and they loop over ``MODULES``.
 
 ``rule_problem`` is the one home of the rules between offload, recompute and the model; the validator
 refuses with it and the advisor skips the combinations it names.
@@ -13,6 +16,7 @@ refuses with it and the advisor skips the combinations it names.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 from typing import Any
@@ -22,18 +26,31 @@ from omegaconf import OmegaConf
 from recipes.config import OffloadConfig
 from recipes.errors import ConfigError
 from recipes.files import CONF_DIR
-from recipes.recompute import Label, family_model, layer_kinds
+from recipes.recompute import ATTENTION_KIND, FAMILIES, Label, family_model, layer_kinds
 
 
 @dataclass(frozen=True)
 class OffloadModule:
-    """One of megatron-core's ``offload_modules``: a point whose saved tensors go to the host."""
+    """One of megatron-core's ``offload_modules``: a point whose saved tensors go to the host, and every
+    fact about it that validation and the estimator use: they loop over ``MODULES`` and keep no table of
+    their own, so a new module is one YAML file under ``conf/offload/`` plus one entry here."""
 
     name: str
-    needs: str  # the layer part it sits in, as ``Label.needs``: any | attention | moe
+    needs: str  # the layer part it sits in, as ``Label.needs``: any | attention | moe (the routed experts)
     what: str  # what it moves, for messages and docs
     kind: str  # the activation-ledger kind those tensors count under
     te_only: str = ""  # why it cannot run without Transformer Engine, if it cannot
+    #: Whether a ledger term (kind, what, bytes) of ``recipes.predict.activations`` is saved inside its
+    #: point, given the layer's ``Dims`` (``recipes.predict.offload.point_of``: the first module in
+    #: ``MODULES`` order whose ``saves`` says so; None: the estimator does not model the module).
+    saves: Callable[[tuple, Any], bool] | None = None
+    #: The timed module (``recipes.measure.moduletime``) at whose forward end its group commits and at
+    #: whose backward start it reloads (``recipes.predict.copies``).
+    mark: str = ""
+    #: Where its module starts and ends in a layer's forward, as two of ``recipes.predict.copies``'
+    #: FLOP boundaries: start, qkv, core_attn, attention, fc1, end (modules sharing a ``mark`` split
+    #: its measured span by these).
+    span: tuple[str, str] | None = None
 
     def applies(self, model: Any) -> bool:
         """Whether a model (its ``model`` config) has this point, layer pattern included."""
@@ -49,25 +66,48 @@ class OffloadModule:
         return {"any": True, "attention": mixer in ("standard", "mla"), "moe": mlp == "moe"}[self.needs]
 
 
+# --- the ledger terms each point saves (``OffloadModule.saves``), by the names the estimator gives them
+_QKV_TERMS = ("qkv input (norm output)", "q_layernorm", "k_layernorm", "q_up input", "kv_up input",
+              "kv_layernorm", "mla_up_proj checkpoint")
+
+
+def _saves_qkv(term: tuple, d: Any) -> bool:
+    """The QKV computation's tensors; MLA applies RoPE inside it."""
+    return term[1].startswith(_QKV_TERMS) or (d.attention_kind == "mla" and term[1].startswith("RoPE"))
+
+
+def _saves_moe_act(term: tuple, d: Any) -> bool:
+    """The routed experts' tensors from FC1's output through the activation, and the probs it weighs by."""
+    return term[1] == "permuted probs" or (term[1].startswith("expert ") and "fc2 input" not in term[1])
+
+
+#: In the order a layer's forward reaches them (``recipes.predict.offload`` groups them so).
 MODULES: dict[str, OffloadModule] = {m.name: m for m in (
-    OffloadModule("attn_norm", "any", "the input norm's input (the layer input)", "norm"),
-    OffloadModule("qkv_linear", "attention", "the QKV projection's input (the input norm's output)", "attn_proj"),
+    OffloadModule("attn_norm", "any", "the input norm's input (the layer input)", "norm",
+                  saves=lambda t, d: t[1].startswith("input norm"), mark="input_layernorm", span=("start", "start")),
+    OffloadModule("qkv_linear", "attention", "the QKV projection's input (the input norm's output)", "attn_proj",
+                  saves=_saves_qkv, mark="self_attention.linear_qkv", span=("start", "qkv")),
     OffloadModule("core_attn", "attention", "what core attention saves (q, k, v, its output; unfused "
-                  "attention also its scores and probabilities)", "core_attn"),
-    OffloadModule("attn_proj", "attention", "the output projection's input (core attention's output)", "attn_proj"),
-    OffloadModule("mlp_norm", "any", "the pre-MLP norm's input", "norm"),
-    OffloadModule("expert_fc1", "moe", "the routed experts' FC1 input (the permuted tokens)", "moe"),
-    OffloadModule("moe_act", "moe", "the routed experts' activation input (FC1's output)", "moe"),
+                  "attention also its scores and probabilities)", "core_attn",
+                  saves=lambda t, d: t[0] == "core_attn", mark="self_attention.core_attention", span=("qkv", "core_attn")),
+    OffloadModule("attn_proj", "attention", "the output projection's input (core attention's output)", "attn_proj",
+                  saves=lambda t, d: t[1] == "linear_proj input (context)", mark="self_attention.linear_proj",
+                  span=("core_attn", "attention")),
+    OffloadModule("mlp_norm", "any", "the pre-MLP norm's input", "norm",
+                  saves=lambda t, d: t[1].startswith("pre-MLP norm"), mark="pre_mlp_layernorm",
+                  span=("attention", "attention")),
+    # megatron commits expert_fc1 after FC1 and moe_act after FC2: both at the experts' marks
+    OffloadModule("expert_fc1", "moe", "the routed experts' FC1 input (the permuted tokens)", "moe",
+                  saves=lambda t, d: t[1] == "expert fc1 input (permuted)", mark="mlp.experts", span=("attention", "fc1")),
+    OffloadModule("moe_act", "moe", "the routed experts' activation input (FC1's output)", "moe",
+                  saves=_saves_moe_act, mark="mlp.experts", span=("fc1", "end")),
     OffloadModule("fused_group_mlp", "moe", "the whole fused grouped MLP's input", "moe",
                   te_only="it needs Transformer Engine's op fuser (use_transformer_engine_op_fuser)"),
 )}
-#: Offload points inside the routed experts: whole-``moe`` recompute checkpoints around them.
-INSIDE_MOE = frozenset({"expert_fc1", "moe_act", "fused_group_mlp"})
-#: The guide's offload choice per family, mirroring ``recompute.GUIDE_FIRST_LABEL``: the attention
-#: point that also moves what fused (SDPA) attention keeps, where core_attn recompute saves nothing.
-GUIDE_FIRST_OFFLOAD = {"standard_attn": "core_attn-attn_proj", "mla": "core_attn-attn_proj",
-                       "moe": "expert_fc1-moe_act", "gdn": "attn_norm-mlp_norm",
-                       "mla_moe": "core_attn-attn_proj", "gdn_moe": "expert_fc1-moe_act"}
+#: Offload points inside the routed experts (``needs`` moe): whole-``moe`` recompute checkpoints around them.
+INSIDE_MOE = frozenset(name for name, module in MODULES.items() if module.needs == "moe")
+#: The guide's offload choice per family (``recompute.Family.first_offload``).
+GUIDE_FIRST_OFFLOAD = {name: family.first_offload for name, family in FAMILIES.items()}
 
 
 # --- the codec: config <-> option <-> modules ---------------------------------------------------------
@@ -157,7 +197,7 @@ def rule_problem(modules: list[str], recompute_labels: frozenset | None, model: 
         return (name, f"{'/'.join(inside)} sit inside the whole-MoE checkpoint of recompute=selective/moe, "
                 "which keeps nothing inside it (megatron-core asserts)",
                 "use recompute=selective/moe_act with offload, or drop the expert modules from offload")
-    if "layernorm" in recompute_labels and "qkv_linear" in modules and _get(model, "family") in ("standard_attn", "moe"):
+    if "layernorm" in recompute_labels and "qkv_linear" in modules and ATTENTION_KIND.get(_get(model, "family")) == "standard":
         return (name, "layernorm recompute discards the input norm's output, the one tensor qkv_linear offloads "
                 "in standard attention: it would copy it to the host and save nothing",
                 "use offload=attn_norm (the norm's input, which the layernorm checkpoint keeps) with layernorm recompute")

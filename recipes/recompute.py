@@ -1,6 +1,7 @@
 """The recompute vocabulary: families, attention backends, labels, ledger kinds, options.
 
-Every other module imports these names; none re-derives them. A recompute *option* is what the
+Every other module imports these names; none re-derives them. A model *family* (``model=``) is one YAML
+file under ``conf/model/`` plus one ``Family`` entry here. A recompute *option* is what the
 ``recompute`` config group names (``none``, ``control``, ``selective/<label>[-<label>...]``, ``full``,
 ``full/block``): one YAML file under ``conf/recompute/``. A *label* is one of megatron-core's
 ``recompute_modules``. Adding a label is one YAML file there plus one ``Label`` entry here: the entry
@@ -21,17 +22,42 @@ from omegaconf import OmegaConf
 from recipes.errors import ConfigError
 from recipes.files import CONF_DIR
 
-#: Model families (``model=``): an attention kind x an MLP kind. The first four are the measured families
-#: (docs/h200); ``mla_moe`` (DeepSeek-V2/V3, Moonlight, Kimi) and ``gdn_moe`` (Qwen3-Next) compose them.
-BASE_FAMILIES = ("standard_attn", "mla", "moe", "gdn")
-FAMILIES = BASE_FAMILIES + ("mla_moe", "gdn_moe")
-#: Token mixer of each family: standard (MHA/GQA), mla (Multi-Latent Attention), gdn (GatedDeltaNet
-#: layers with every ``linear_attention_freq``-th layer standard attention).
-ATTENTION_KIND = {"standard_attn": "standard", "moe": "standard", "mla": "mla", "mla_moe": "mla",
-                  "gdn": "gdn", "gdn_moe": "gdn"}
-#: MLP of each family: dense, or MoE on the layers ``moe_layer_freq`` picks (the rest dense).
-MLP_KIND = {"standard_attn": "dense", "mla": "dense", "gdn": "dense", "moe": "moe", "mla_moe": "moe",
-            "gdn_moe": "moe"}
+
+@dataclass(frozen=True)
+class Family:
+    """One model family (``model=<name>``, ``conf/model/<name>.yaml``): an attention kind x an MLP kind,
+    which is all the builder, the validator, the FLOPs and the estimator dispatch on (through
+    ``ATTENTION_KIND``/``MLP_KIND`` and ``layer_kinds``), and the guide's first choices for it."""
+
+    name: str
+    #: Token mixer: standard (MHA/GQA), mla (Multi-Latent Attention), gdn (GatedDeltaNet layers with
+    #: every ``linear_attention_freq``-th layer standard attention).
+    attention: str
+    #: MLP: dense, or moe on the layers ``moe_layer_freq`` picks (the rest dense).
+    mlp: str
+    #: The guide's first selective option (its decision guide, step 3; ``guide_order``).
+    first_label: str
+    #: The guide's offload option (``recipes.offload``): the attention point that also moves what fused
+    #: (SDPA) attention keeps, where core_attn recompute saves nothing; the experts' for MoE.
+    first_offload: str
+    #: Measured on the GPU (docs/evidence/h200.md): checks/ hold every (family, option) pair to a row.
+    measured: bool = False
+
+
+#: Model families (``model=``). ``mla_moe`` (DeepSeek-V2/V3, Moonlight, Kimi) and ``gdn_moe`` (Qwen3-Next)
+#: compose the measured four.
+FAMILIES: dict[str, Family] = {family.name: family for family in (
+    Family("standard_attn", "standard", "dense", "selective/core_attn", "core_attn-attn_proj", measured=True),
+    Family("mla", "mla", "dense", "selective/mla_up_proj", "core_attn-attn_proj", measured=True),
+    Family("moe", "standard", "moe", "selective/moe_act", "expert_fc1-moe_act", measured=True),
+    Family("gdn", "gdn", "dense", "selective/gdn_norm_out", "attn_norm-mlp_norm", measured=True),
+    Family("mla_moe", "mla", "moe", "selective/mla_up_proj-moe_act", "core_attn-attn_proj"),
+    Family("gdn_moe", "gdn", "moe", "selective/gdn_norm_out-moe_act", "expert_fc1-moe_act"),
+)}
+#: Views of ``FAMILIES`` the other modules read: the measured families, each family's kinds.
+BASE_FAMILIES = tuple(name for name, family in FAMILIES.items() if family.measured)
+ATTENTION_KIND = {name: family.attention for name, family in FAMILIES.items()}
+MLP_KIND = {name: family.mlp for name, family in FAMILIES.items()}
 #: Core-attention backends (``attention=``).
 BACKENDS = ("unfused", "sdpa", "te")
 #: Activation-ledger module kinds, in report order (``recipes.measure.ledger`` attributes bytes to them).
@@ -268,10 +294,8 @@ def replays_without_output(label: str, recompute: Any) -> bool:
     return bool(record and record.without_output and not (record.checkpoint_if and recompute.get(record.checkpoint_if)))
 
 
-#: The guide's first selective option per family (its decision guide, step 3).
-GUIDE_FIRST_LABEL = {"standard_attn": "selective/core_attn", "mla": "selective/mla_up_proj",
-                     "moe": "selective/moe_act", "gdn": "selective/gdn_norm_out",
-                     "mla_moe": "selective/mla_up_proj-moe_act", "gdn_moe": "selective/gdn_norm_out-moe_act"}
+#: The guide's first selective option per family (``Family.first_label``).
+GUIDE_FIRST_LABEL = {name: family.first_label for name, family in FAMILIES.items()}
 
 
 # --- the layer pattern: which layers are GDN / attention, dense / MoE ---------------------------------
@@ -453,9 +477,10 @@ def chunk_layers(model: Any, parallel: Any) -> list[range]:
     middle = n - (first or 0) - (last or 0)
     free = sum(s is None for s in sizes)
     if middle < 0 or free == 0 and middle or free and middle % free:
-        raise ConfigError("model.num_layers", f"{n} layers minus {first or 0} first and {last or 0} last "
-                          f"leave {middle} for {free} other stage(s)",
-                          "pick num_layers_in_first/last_pipeline_stage leaving a multiple of the other stages")
+        given = f"parallel.num_layers_in_{'last' if last is not None else 'first'}_pipeline_stage"  # the one set
+        raise ConfigError(given, f"model.num_layers={n} minus {first or 0} first and {last or 0} last "
+                          f"leave {middle} for {free} other stage(s)", "pick parallel.num_layers_in_first/last_pipeline"
+                          "_stage leaving a multiple of the other stages, or change model.num_layers")
     sizes = [s if s is not None else middle // free for s in sizes]
     starts = [sum(sizes[:i]) for i in range(pp)]
     return [range(a, a + k) for a, k in zip(starts, sizes)]

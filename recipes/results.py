@@ -200,6 +200,8 @@ def load_result(path: Path) -> dict:
         path = path / "result.json"
     if path.is_dir():
         raise BadResult(path, "a directory, not a run's result")
+    if path.exists() and not path.is_file():  # /dev/zero, a FIFO: reading it would never end
+        raise BadResult(path, "not a regular file (a device or a pipe), not a run's result")
     try:
         result = read_json(path)
     except UnreadableFile as err:

@@ -120,6 +120,18 @@ def test_a_sweep_of_only_bad_results_is_refused_with_exit_2(tmp_path, tool, caps
     assert f"no result.json under {tmp_path}" in err or f"no completed result.json under {tmp_path}" in err
 
 
+@pytest.mark.parametrize("tool", ["report", "advise", "compare"])
+def test_a_result_json_that_is_a_device_is_skipped_not_read_forever(tmp_path, tool, capsys):
+    path = tmp_path / "point" / "result.json"
+    path.parent.mkdir()
+    path.symlink_to("/dev/zero")  # reading it never ends
+    code = {"report": lambda: report.main([str(tmp_path), "--no-wandb"]),
+            "advise": lambda: advise.main([str(tmp_path), "--budget-gib", "20"]),
+            "compare": lambda: estimate_command.main(["--compare", str(tmp_path)])}[tool]()
+    err = capsys.readouterr().err
+    assert code == 2 and f"warning: skipped {path}: not a regular file" in err, err
+
+
 def test_compare_of_a_missing_directory_is_refused_with_exit_2(tmp_path, capsys):
     assert estimate_command.main(["--compare", str(tmp_path / "nowhere")]) == 2
     assert f"--compare {tmp_path / 'nowhere'}: not a directory" in capsys.readouterr().err

@@ -104,6 +104,7 @@ def test_a_single_run_never_overwrites_another_config_in_its_output_dir(tmp_path
     stored = (run / "config.yaml").read_text()
     other = train([*TINY, f"output_dir={run}", "train.seed=7", "dry_run=true"], tmp_path)
     assert other.returncode == 2 and "output_dir" in other.stderr and "rerun=true" in other.stderr
+    assert "train.seed 1234 -> 7" in other.stderr  # what differs, by name
     assert (run / "config.yaml").read_text() == stored  # untouched
     again = train([*TINY, f"output_dir={run}", "train.seed=7", "dry_run=true", "rerun=true"], tmp_path)
     assert again.returncode == 0 and "seed: 7" in (run / "config.yaml").read_text()
@@ -385,6 +386,11 @@ BAD_INPUTS = [
     (["parallel=pp3"], "parallel=pp3"), (["recipe=llama3_8b", "model=moe"], "model=moe"),
     (["recipe=llama3_8b", "model.num_layers=8"], "model.num_layers"),
     (["recipe=llama3_8b", "model.hidden_size=128"], "model.hidden_size"),
+    # found by the audit of the user's path (its issue's closing note): the planner's cluster, megatron's router
+    (["cluster.host_memory_gib=-1"], "cluster.host_memory_gib"), (["cluster.gpus_per_node=0"], "cluster.gpus_per_node"),
+    (["cluster.nodes=-1"], "cluster.nodes"), (["cluster.gpu=nosuch"], "cluster.gpu"),
+    (["model=moe", "model.moe_router_load_balancing_type=foo"], "model.moe_router_load_balancing_type"),
+    (["parallel=pp2", "parallel.num_layers_in_last_pipeline_stage=5"], "parallel.num_layers_in_last_pipeline_stage"),
 ]
 
 

@@ -91,7 +91,8 @@ def test_a_label_replays_the_forward_time_of_its_modules_in_the_layers_it_covers
     block = compose("size=h200", "recompute=full/block", "recompute.recompute_num_layers=2")
     # a rank holding two model chunks (virtual pipeline): layers 1-4 and 9-12; two of each replayed
     assert measured_replay_s(block, _times([1, 2, 3, 4, 9, 10, 11, 12], layer=10.0))["full"] == pytest.approx(4 * 10e-3)
-    moe = measured_replay_s(compose("model=moe", "size=h200", "recompute=selective/moe"),
+    moe = measured_replay_s(compose("model=moe", "size=h200", "recompute=selective/moe",
+                                    "model.moe_shared_expert_intermediate_size=128"),  # the layers it covers
                             _times([1, 2], mlp=7.0, mlp__shared_experts=1.0))
     assert moe["moe"] == pytest.approx(2 * 7e-3) and moe["shared_experts"] == pytest.approx(2e-3)
     assert "mlp" not in moe or moe["mlp"] == 0.0  # no dense MLP layer among MoE ones

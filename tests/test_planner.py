@@ -145,6 +145,28 @@ def test_a_larger_micro_batch_runs_its_gemms_faster():
     assert times[1] > times[2] > times[4] > times[8]
 
 
+@pytest.mark.parametrize("budget", [0.0, -1.0, float("nan"), float("inf")])
+def test_a_budget_that_is_not_a_positive_number_is_refused(budget):
+    with pytest.raises(ConfigError, match="is not a positive number of GiB") as err:
+        hardware.check_budget(budget, hardware.load_profile("h100_sxm"))
+    assert err.value.option == "--budget-gib" and "--budget-gib 77" in err.value.fix
+
+
+@pytest.mark.parametrize("args", [["--budget-gib", "-1"], ["--budget-gib", "nan"], ["--budget-gib", "0"],
+                                  ["--dir", "FILE"]])
+def test_plan_and_estimate_refuse_a_bad_budget_or_directory_with_exit_2(tmp_path, monkeypatch, capsys, args):
+    from recipes.predict import estimate_command
+
+    (tmp_path / "FILE").write_text("x")
+    monkeypatch.chdir(tmp_path)
+    assert fr.main(["size=h200", "cluster.gpu=h100_sxm", *args]) == 2
+    err = capsys.readouterr().err
+    assert f"error: {args[0]}:" in err and "fix:" in err and "Traceback" not in err, err
+    if args[0] == "--budget-gib":
+        assert estimate_command.main(["size=tiny", *args]) == 2
+        assert "is not a positive number of GiB" in capsys.readouterr().err
+
+
 def test_the_frontier_names_its_gpu_and_profile_and_writes_one_sweep_for_the_top_three(tmp_path):
     cfg = compose_config(["model=standard_attn", "size=h200", "cluster.gpu=h100_sxm", "cluster.host_memory_gib=2000"])
     f = fr.frontier(cfg, 19.0)

@@ -65,7 +65,7 @@ def test_reduced_recipe_trains_here(megatron_world, name):
     (["recipe=llama3_8b", "recompute=selective/moe_act"], "recompute=selective/moe_act"),
     (["recipe=qwen3_30b_a3b", "recompute=selective/mla_up_proj"], "recompute=selective/mla_up_proj"),
     (["recipe=llama3_70b", "model.num_layers=78"], "model.num_layers"),  # 78 layers, PP4 x VPP5
-    (["recipe=deepseek_v3", "parallel.num_layers_in_last_pipeline_stage=4"], "model.num_layers"),
+    (["recipe=deepseek_v3", "parallel.num_layers_in_last_pipeline_stage=4"], "parallel.num_layers_in_last_pipeline_stage"),
 ])
 def test_bad_recipes_are_refused_with_the_fix(overrides, option):
     for full in (True, False):  # the published layout is checked even when a reduced run is asked for

@@ -50,6 +50,10 @@ def test_the_validate_path_imports_no_torch_or_megatron():
     (["model.hiden_size=3"], "model.hiden_size"),  # Hydra: a typo'd key
     (["model=mooe"], "model=mooe"),  # Hydra: an unknown option
     (["train.lr=x"], "train.lr"),  # Hydra: not a number
+    (["train.fused_adam=2"], "train.fused_adam"),  # a switch OmegaConf would read as true
+    (["~model"], "model.family"),  # a deleted group: its values unset
+    (["model=[a"], "overrides"),  # Hydra cannot parse it: the message quotes it
+    (["cluster.gpu=nosuch"], "cluster.gpu"),  # a typo'd profile, refused by train.py too
 ])
 def test_a_refusal_exits_2_naming_the_option_and_the_fix_before_torch_loads(args, option, tmp_path):
     done, loaded = probe(*args, f"output_dir={tmp_path / 'run'}")
@@ -58,6 +62,8 @@ def test_a_refusal_exits_2_naming_the_option_and_the_fix_before_torch_loads(args
     assert "Traceback" not in done.stderr and "HYDRA_FULL_ERROR" not in done.stderr
     assert loaded == [], loaded
     assert not (tmp_path / "run").exists()
+    if option == "overrides":
+        assert "'model=[a'" in done.stderr
 
 
 def test_an_output_dir_that_is_a_file_is_refused(tmp_path):
@@ -66,6 +72,23 @@ def test_an_output_dir_that_is_a_file_is_refused(tmp_path):
     done, _ = probe(f"output_dir={blocker / 'run'}")
     assert done.returncode == 2 and "error: output_dir:" in done.stderr and "is a file" in done.stderr
     assert "fix:" in done.stderr
+
+
+@pytest.mark.parametrize("args, option", [
+    (["checkpoint=default", "checkpoint.dir=FILE/c"], "checkpoint.dir"),  # the first save would stop the run
+    (["data=indexed", "data.paths=[DATA]", "data.split='100,0,0'", "data.cache_dir=FILE"], "data.cache_dir"),
+])
+def test_a_checkpoint_or_cache_dir_that_cannot_be_written_is_refused_before_launch(args, option, tmp_path):
+    from recipes.data.preprocess import preprocess
+
+    (tmp_path / "FILE").write_text("")
+    (tmp_path / "t.txt").write_text("a little text for a dataset.\n" * 50)
+    preprocess([str(tmp_path / "t.txt")], str(tmp_path / "d"), "byte", True)
+    paths = {"FILE": str(tmp_path / "FILE"), "DATA": str(tmp_path / "d_text_document")}
+    done, _ = probe(*[a.replace("FILE", paths["FILE"]).replace("DATA", paths["DATA"]) for a in args], "size=tiny",
+                    f"output_dir={tmp_path / 'run'}")
+    assert done.returncode == 2 and done.stderr.startswith(f"error: {option}:") and "is a file" in done.stderr, done.stderr
+    assert "fix:" in done.stderr and "Traceback" not in done.stderr
 
 
 def test_a_local_sweep_refuses_its_invalid_point_before_any_runs(tmp_path):

@@ -1,21 +1,26 @@
-"""One entry per label: a throwaway label, defined once (its ``Label`` record and its YAML file, in the
+"""One entry per concept: a throwaway label, defined once (its ``Label`` record and its YAML file, in the
 fixture below), flows through validation, the checkpoint ledger, the label flags, the FLOPs, the
-activation estimate and the advice. Each check fails if that layer keeps a private per-label table the
-record does not reach."""
+activation estimate, the cost model and the advice; a throwaway offload module (its ``OffloadModule``
+record and YAML) through validation, the estimate and the copies; a throwaway family (its ``Family``
+record and YAML) through validation, the options and the estimate. Each check fails if that layer keeps
+a private table the record does not reach."""
 
 from __future__ import annotations
 
 import importlib.util
 import shutil
+from dataclasses import replace
 
 import pytest
 import torch
 from conftest import REPO, compose
 
 from recipes import config as config_module
+from recipes import offload as offload_module
 from recipes import recompute
 from recipes.errors import ConfigError
-from recipes.recompute import LABELS, Label
+from recipes.offload import MODULES, OffloadModule
+from recipes.recompute import LABELS, Family, Label
 
 TOY = "toy_fc2"
 
@@ -121,44 +126,149 @@ def test_the_estimate_and_the_advice_follow_its_activations(toy):
     assert got == f"selective/{TOY}" and toy.advice in why
 
 
-@pytest.mark.xfail(strict=True, reason="recipes.predict.cost keeps its own ELEMENTWISE_REPLAYS table; once it "
-                   "reads Label.elementwise this passes: drop the mark")
-def test_the_cost_model_reads_the_record(toy, monkeypatch):
-    from recipes.predict.cost import elementwise_replays
-
-    monkeypatch.setitem(LABELS, TOY, Label(**{**toy.__dict__, "elementwise": (3, 7), "flops": ""}))
-    regions, kernels = elementwise_replays(compose("model=standard_attn", f"recompute=selective/{TOY}"))
-    assert (regions, kernels) == (3, 7)
-
-
-def test_the_records_hold_what_the_cost_model_tables_hold():
-    """Until ``recipes.predict.cost`` reads the records, its tables and the records say the same (then
-    this test goes with the tables)."""
+def test_the_cost_model_prices_its_replay_from_the_record(toy, monkeypatch):
+    """Its replay is priced by its FLOPs, or by the forward times of its ``timed`` modules where a point
+    timed them, and placed at its ``at`` module; an elementwise label by its ``elementwise`` regions and
+    kernels, its function at its ``at``."""
+    from recipes.measure.flops import layer_forward_flops
     from recipes.predict import cost
 
-    records = {name: label for name, label in LABELS.items()}
-    if hasattr(cost, "ELEMENTWISE_REPLAYS"):
-        assert cost.ELEMENTWISE_REPLAYS == {n: r.elementwise for n, r in records.items() if r.elementwise}
-    if hasattr(cost, "ELEMENTWISE_FUNCTION"):
-        assert cost.ELEMENTWISE_FUNCTION == {at: fn for r in records.values() for at, fn in r.at if fn}
-    if hasattr(cost, "MLA_OUTSIDE_UP_PROJ"):
-        assert cost.MLA_OUTSIDE_UP_PROJ == records["mla_up_proj"].untimed
-    for overrides in (("model=moe", "model.moe_shared_expert_intermediate_size=128"), ("model=mla",),
-                      ("model=standard_attn", "recompute.mlp_replays_fc2=true"), ("model=standard_attn",)):
-        cfg = compose(*overrides, "recompute=control")
-        m = cfg["model"]
-        for name, label in records.items():
-            if not label.applies(m):
-                continue
-            trial = {**cfg, "recompute": {**cfg["recompute"], "recompute_modules": [name]}}
-            covers = label.covers(m)
-            placed = cost._placements(trial)
-            if placed is not None:  # (replayed, not replayed, at, covers, region kind) per piece
-                assert [p[:3] for p in placed] == [(label.timed, label.untimed_modules(trial), at) for at, _ in label.at]
-                assert [[p[3](g, g) for g in range(len(covers))] for p in placed] == [covers] * len(label.at)
-            if label.flops:  # a matmul label's modules, timed: one ms per module per layer
-                names = ["", *label.timed, *label.untimed_modules(trial)]
-                times = {"layers": list(range(1, m["num_layers"] + 1)),
-                         "forward_ms": {n: [1.0] * m["num_layers"] for n in names}}
-                want = max(0, len(label.timed) - len(label.untimed_modules(trial))) * sum(covers) / 1e3
-                assert cost.measured_replay_s(trial, times)[name] == pytest.approx(want)
+    cfg = compose("model=standard_attn", f"recompute=selective/{TOY}")
+    n, tp = cfg["model"]["num_layers"], cfg["parallel"]["tensor_model_parallel_size"]
+    by_flops = n * 0.25 * layer_forward_flops(cfg)["mlp"] / tp / 100e12
+    assert cost.recompute_s(cfg, 100.0, n, 1) == pytest.approx(by_flops)
+    times = {"layers": list(range(1, n + 1)), "forward_ms": {"": [5.0] * n, "mlp.linear_fc2": [2.0] * n}}
+    assert cost.measured_replay_s(cfg, times)[TOY] == pytest.approx(n * 2e-3)
+    assert cost.recompute_s(cfg, 100.0, n, 1, module_times=times) == pytest.approx(n * 2e-3)
+    (piece,) = cost._placements(cfg)  # (replayed, not replayed, at, function, kernels, covers, region kind)
+    assert piece[:5] == (toy.timed, (), "mlp.linear_fc2", "", None) and piece[6] == "checkpoint"
+    assert all(piece[5](g, g) for g in range(n))
+
+    elementwise = replace(toy, flops="", timed=(), at=(("mlp", "toy_function"),), elementwise=(3, 6))
+    monkeypatch.setitem(LABELS, TOY, elementwise)
+    assert cost.elementwise_replays(cfg) == (3, 6)
+    assert cost._placements(cfg)[0][:5] == ((), (), "mlp", "toy_function", 2.0)
+    assert cost.recompute_s(cfg, 100.0, n, 1) == pytest.approx(n * 3 * cfg["estimate"]["replay_region_ms"] / 1e3)
+
+
+# --- one entry per offload module: a throwaway module, its record and its YAML ------------------------
+TOY_MODULE = "toy_fc2_input"
+TOY_OFFLOAD = OffloadModule(
+    TOY_MODULE, "any", "the dense MLP's FC2 input", "mlp",
+    saves=lambda t, d: t[0] == "mlp" and t[1] == "fc2 input", mark="mlp.linear_fc2", span=("fc1", "end"))
+EMULATED = ("offload.emulate_on_cpu=true", "offload.min_offloaded_tensor_size=0")
+
+
+@pytest.fixture
+def toy_offload(tmp_path, monkeypatch):
+    """The throwaway offload module in one place: its record in ``MODULES`` and its YAML in a copy of conf/."""
+    conf = tmp_path / "conf"
+    shutil.copytree(REPO / "conf", conf)
+    (conf / "offload" / f"{TOY_MODULE}.yaml").write_text(
+        f"fine_grained_activation_offloading: true\noffload_modules: [{TOY_MODULE}]\n")
+    monkeypatch.setattr(offload_module, "CONF_DIR", conf)
+    monkeypatch.setattr(config_module, "CONF_DIR", conf)
+    offload_module.conf_options.cache_clear()
+    monkeypatch.setitem(MODULES, TOY_MODULE, TOY_OFFLOAD)
+    yield TOY_OFFLOAD
+    offload_module.conf_options.cache_clear()
+
+
+def test_an_offload_module_flows_through_validation_the_estimate_and_the_copies(toy_offload):
+    """Validation takes it where it applies; the estimator moves the terms its ``saves`` names to the
+    host as its own group; the copies place it by its ``span`` (FLOPs) or its ``mark`` (a timeline)."""
+    from recipes.predict.copies import flop_positions, offload_positions, timeline_offload_costs
+    from recipes.predict.estimate import predict
+    from recipes.validate import validate
+
+    assert TOY_MODULE in offload_module.options_for("standard_attn")
+    cfg = compose("model=standard_attn", f"offload={TOY_MODULE}", *EMULATED)
+    validate(cfg, num_gpus=0, te_available=False)
+    assert offload_module.rule_problem([TOY_MODULE], frozenset(), cfg["model"]) is None
+    moved, base = predict(cfg, "cpu"), predict(compose("model=standard_attn", *EMULATED), "cpu")
+    fc2 = sum(t[2] for t in base["layer_terms"] if t[0] == "mlp" and t[1] == "fc2 input")
+    groups = moved["offload_groups_per_layer"]
+    assert fc2 and [[p for p, _ in layer] for layer in groups] == [[TOY_MODULE]] * len(groups)
+    assert [n for layer in groups for _, n in layer] == [fc2] * (len(groups) - 1) + [0]  # the last layer's kept
+    assert moved["host_terms_per_layer"][0] == {TOY_MODULE: 1}
+
+    flops = flop_positions(cfg)
+    assert flops[TOY_MODULE] == (flops["expert_fc1"][1], 1.0)  # from FC1's end (the fc1 boundary) to the layer's
+    names = ["1::pre", "1:mlp.linear_fc2:pre", "1:mlp.linear_fc2:end", "1::end"]
+    timed = {"layers": [1], "forward_ms": {}, "marks": {"names": names, "host_ms": [0.0] * 4,
+                                                        "gpu_ms": [0.0, 7.0, 2.0, 1.0]}}
+    assert offload_positions(cfg, timed)[TOY_MODULE] == pytest.approx((0.7, 0.9))
+    names = ["1::pre", "1:mlp.linear_fc2:pre", "1:mlp.linear_fc2:end", "1:mlp.linear_fc2:bwd", "1::end"]
+    marks = {"names": names, "host_ms": [0.0, 1.0, 2.0, 3.0, 4.0], "gpu_ms": [0.0] * 5,
+             "offload_ms": {"group": 1.0, "tensor": 0.0}}
+    assert timeline_offload_costs([{TOY_MODULE: 1}], {"layers": [1], "forward_ms": {}, "marks": marks}) is not None
+
+
+def test_an_offload_module_is_refused_where_its_layer_part_is_missing(toy_offload, monkeypatch):
+    from recipes.validate import validate
+
+    monkeypatch.setitem(MODULES, TOY_MODULE, replace(toy_offload, needs="moe"))
+    assert TOY_MODULE not in offload_module.options_for("standard_attn")
+    with pytest.raises(ConfigError) as err:
+        validate(compose("model=standard_attn", f"offload={TOY_MODULE}", *EMULATED), num_gpus=0, te_available=False)
+    assert toy_offload.what in str(err.value)
+
+
+# --- one entry per family: a throwaway family, its record and its YAML ---------------------------------
+TOY_FAMILY = Family("toy_family", "standard", "moe", "selective/moe_act", "expert_fc1-moe_act")
+
+
+@pytest.fixture
+def toy_family(tmp_path, monkeypatch):
+    """The throwaway family in one place: its record in ``FAMILIES`` (and the kinds read from it) and its
+    YAML, model=moe's with its name, in a copy of conf/."""
+    conf = tmp_path / "conf"
+    shutil.copytree(REPO / "conf", conf)
+    moe = (conf / "model" / "moe.yaml").read_text()
+    (conf / "model" / "toy_family.yaml").write_text(moe.replace("family: moe", "family: toy_family"))
+    monkeypatch.setattr(config_module, "CONF_DIR", conf)
+    monkeypatch.setitem(recompute.FAMILIES, TOY_FAMILY.name, TOY_FAMILY)
+    for view, value in ((recompute.ATTENTION_KIND, TOY_FAMILY.attention), (recompute.MLP_KIND, TOY_FAMILY.mlp),
+                        (recompute.GUIDE_FIRST_LABEL, TOY_FAMILY.first_label),
+                        (offload_module.GUIDE_FIRST_OFFLOAD, TOY_FAMILY.first_offload)):
+        monkeypatch.setitem(view, TOY_FAMILY.name, value)
+    yield TOY_FAMILY
+
+
+def test_a_family_flows_through_validation_the_options_and_the_estimate(toy_family):
+    """A family is its kinds: validated, offered options and predicted as model=moe, its twin."""
+    from recipes.measure.flops import step_flops
+    from recipes.predict.estimate import predict
+    from recipes.validate import validate
+
+    toy, moe = compose("model=toy_family", "recompute=selective/moe_act"), compose("model=moe", "recompute=selective/moe_act")
+    assert toy["model"]["family"] == "toy_family"
+    validate(toy, num_gpus=0, te_available=False)
+    assert recompute.options_for("toy_family") == recompute.options_for("moe")
+    assert offload_module.options_for("toy_family") == offload_module.options_for("moe")
+    assert "toy_family" in LABELS["moe_act"].families and "toy_family" not in LABELS["mlp"].families
+    assert recompute.layer_kinds(toy["model"]) == recompute.layer_kinds(moe["model"])
+    assert predict(toy, "cpu")["peak_bytes"] == predict(moe, "cpu")["peak_bytes"]
+    assert step_flops(toy, 1) == step_flops(moe, 1)
+    assert recompute.guide_order("selective/moe_act", "toy_family") < recompute.guide_order("selective/layernorm", "toy_family")
+
+
+def test_every_family_record_names_options_that_exist():
+    """The guide's first options per family are options of the family (``Family.first_label``,
+    ``first_offload``)."""
+    for name, family in recompute.FAMILIES.items():
+        assert family.first_label in recompute.options_for(name)
+        assert family.first_offload in offload_module.options_for(name)
+
+
+def test_every_module_a_record_names_is_timed():
+    """The cost model and the copies read the forward marks of the modules the records name: each is one
+    ``recipes.measure.moduletime.TIMED`` times (a new one goes there too)."""
+    from recipes.measure.moduletime import TIMED
+    from recipes.measure.regions import REGION_FUNCTIONS
+
+    named = {m for label in LABELS.values() for m in (*label.timed, *label.untimed_modules(
+        compose("model=standard_attn", "recompute=control")), *(at for at, _ in label.at))}
+    named |= {fn for label in LABELS.values() for _, fn in label.at if fn and fn not in REGION_FUNCTIONS}
+    named |= {m.mark for m in MODULES.values() if m.mark}
+    assert named - set(TIMED) == set()

@@ -157,6 +157,8 @@ def test_a_local_tokenizer_json_through_megatron(tmp_path):
     (tmp_path / "tok" / "tokenizer.json").rename(tmp_path / "tok" / "other.json")
     with pytest.raises(PreprocessError, match="must be named tokenizer.json"):
         preprocess_tokenizer(str(tmp_path / "tok" / "other.json"))
+    with pytest.raises(PreprocessError, match="--eod-token '<nope>': the byte tokenizer names no tokens"):
+        preprocess_tokenizer("byte", eod_token="<nope>")  # not ignored: the data would end documents otherwise
     with pytest.raises(PreprocessError, match="--eod-token '<nope>' is not one of its tokens"):
         shutil.copy(tmp_path / "tok" / "other.json", tmp_path / "tok" / "tokenizer.json")
         preprocess_tokenizer(str(tmp_path / "tok"), eod_token="<nope>")

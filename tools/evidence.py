@@ -218,8 +218,72 @@ def mfu_section(ev: Evidence, tmp: Path) -> list[str]:
             bench.table(bench.rows_from_results([root / s for s in sweeps])), ""]
 
 
+def plan_section(ev: Evidence, tmp: Path) -> list[str]:
+    """The planner's questions: per question (a ``<question>.plan.json`` record beside its confirm sweep),
+    each of the top three's predicted and measured peak and step time, and whether the pick was the
+    fastest that ran (within the measured step-time spread: the min-max of its measured steps)."""
+    out = []
+    for r in ev.records:
+        if not r.get("file", "").endswith(".plan.json"):
+            continue
+        question, plan = r["file"][: -len(".plan.json")], r["json"]
+        measured = {}
+        for point in ev.points(question):
+            tag = next((o.split("=", 1)[1] for o in point["overrides"] if o.startswith("+point=")), None)
+            measured[tag] = point["result"]
+        if not out:
+            out = ["## planner", "", "| question | budget GiB | # | point | peak GiB predicted | measured (reserved) "
+                   "| step ms predicted | measured (min-max) | status |", "|---|---|---|---|---|---|---|---|---|"]
+        steps = {}
+        for i, p in enumerate(plan["top"], 1):
+            point = " ".join(f"{k}={p[k]}" for k in ("recompute", "recompute_num_layers", "offload",
+                                                     "micro_batch_size") if p.get(k) not in (None, "none"))
+            res = measured.get(p["point"])
+            if res is None:
+                cells = ["-", "-", "not run"]
+            else:
+                rank = res["ranks"][res.get("worst_rank") or 0]
+                mem, t = rank.get("memory") or {}, rank.get("timing") or {}
+                if res["status"] == "ok":
+                    steps[i] = (t["step_time_s"], t["step_time_min_s"], t["step_time_max_s"])
+                    cells = [f"{mem['peak_allocated_gib']:.2f} ({mem['peak_reserved_gib']:.2f})",
+                             f"{t['step_time_s'] * 1e3:.0f} ({t['step_time_min_s'] * 1e3:.0f}-"
+                             f"{t['step_time_max_s'] * 1e3:.0f})", "ok"]
+                else:
+                    cells = ["-", "-", res["status"]]
+            out.append(f"| {question} | {plan['budget_gib']:g} | {i} | {point} | {p['predicted_peak_gib']:.2f} "
+                       f"| {cells[0]} | {p['step_s'] * 1e3:.0f} | {cells[1]} | {cells[2]} |")
+        if 1 in steps:
+            fastest = min(steps, key=lambda i: steps[i][0])
+            tied = steps[fastest][2] >= steps[1][1]  # the pick's fastest step reaches the winner's slowest
+            verdict = "the pick ran fastest" if fastest == 1 else (
+                f"#{fastest} ran fastest, {'within' if tied else 'outside'} the measured spread")
+            out.append(f"| {question} | | | {verdict} | | | | | |")
+    return [*out, ""] if out else []
+
+
+def determinism_section(ev: Evidence, tmp: Path) -> list[str]:
+    """``train.deterministic``'s table (benchmarks/determinism.py table) from the straight runs (sweep
+    ``straight``), the resumed ones (sweep ``resume``, one point ``resume_<family>`` each) and, when
+    recorded, the label comparison (a ``labels.json`` record)."""
+    import contextlib
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("determinism", ROOT / "benchmarks" / "determinism.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    root = ev.unpack(tmp / "determinism")
+    for point in (root / "resume").glob("resume_*"):
+        point.rename(root / point.name)
+    with contextlib.redirect_stdout(io.StringIO()):
+        bench.table_main(root)
+    return ["## determinism", "", "`python benchmarks/determinism.py table <out>`", "",
+            (root / "table.md").read_text().rstrip("\n"), ""]
+
+
 #: Tables an evidence file gets before its sweep reports, beyond the header.
-EXTRA_SECTIONS: dict[str, Callable[[Evidence, Path], list[str]]] = {"h200": mfu_section}
+EXTRA_SECTIONS: dict[str, Callable[[Evidence, Path], list[str]]] = {"h200": mfu_section, "planner-h100": plan_section,
+                                                                 "determinism-h100": determinism_section}
 
 
 def render(ev: Evidence) -> str:

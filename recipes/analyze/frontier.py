@@ -25,15 +25,17 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from recipes.analyze.plan import _extends, _order, buys_nothing, overrides_of, plan
-from recipes.config import upgrade
+from recipes.config import typed
 from recipes.errors import ConfigError
 from recipes.hardware import Profile, check_budget, cluster_of, resolve_profile
 from recipes.measure.flops import step_flops
 from recipes.predict.estimate import num_microbatches
 from recipes.predict.fit import allocator_overrides
+from recipes.validate.run import output_problem
 
 #: The bare step's share of the bf16 peak at full GEMM rate (dense steps at the h200 size: 50.0% on an
 #: H200, 48.3% on an H100; MLA 45%, MoE 36%): it sets the step's scale, not the order of the options.
@@ -50,25 +52,27 @@ FRONTIER_ROWS = 10
 
 def micro_batch_sizes(cfg: dict) -> list[int]:
     """Micro-batch sizes that divide one data-parallel rank's share of the global batch."""
-    t, launch, par = cfg["train"], cfg["launcher"], cfg["parallel"]
-    world = launch["nproc_per_node"] * launch["nnodes"]
-    dp = max(1, world // (par["tensor_model_parallel_size"] * par["pipeline_model_parallel_size"]
-                          * par["context_parallel_size"]))
-    share = (t["global_batch_size"] or t["micro_batch_size"] * dp) // dp
+    cfg = typed(cfg)
+    t, launch, par = cfg.train, cfg.launcher, cfg.parallel
+    world = launch.nproc_per_node * launch.nnodes
+    dp = max(1, world // (par.tensor_model_parallel_size * par.pipeline_model_parallel_size
+                          * par.context_parallel_size))
+    share = (t.global_batch_size or t.micro_batch_size * dp) // dp
     return [b for b in range(1, share + 1) if share % b == 0]
 
 
 def gemm_rows(cfg: dict) -> int:
     """Rows (tokens) of one micro-batch's GEMMs on a rank: micro-batch x sequence over context parallel."""
-    t = cfg["train"]
-    return t["micro_batch_size"] * t["seq_length"] // cfg["parallel"]["context_parallel_size"]
+    cfg = typed(cfg)
+    return cfg.train.micro_batch_size * cfg.train.seq_length // cfg.parallel.context_parallel_size
 
 
 def bare_step_s(cfg: dict, profile: Profile) -> float:
     """One rank's step with nothing recomputed or offloaded: its model FLOPs at ``STEP_MFU`` of the
     profile's bf16 rate, at the GEMM efficiency of its micro-batch, plus ``MICROBATCH_S`` a micro-batch."""
-    m, par = num_microbatches(cfg), cfg["parallel"]
-    flops = step_flops(cfg, m)["model"] / (par["tensor_model_parallel_size"] * par["pipeline_model_parallel_size"])
+    cfg = typed(cfg)
+    m, par = num_microbatches(cfg), cfg.parallel
+    flops = step_flops(cfg, m)["model"] / (par.tensor_model_parallel_size * par.pipeline_model_parallel_size)
     rate = profile.bf16_tflops * 1e12 * STEP_MFU * profile.efficiency(gemm_rows(cfg))
     return flops / rate + m * MICROBATCH_S
 
@@ -77,18 +81,16 @@ def frontier(cfg: dict, budget_gib: float, profile: Profile | None = None, why: 
     """Every (micro-batch, recompute, offload) point: predicted peak, fit, step time; the Pareto frontier
     of peak against step time, and the ranking (fastest fitting first, an offload point behind the best
     recompute-only one where its gain is within its price's uncertainty)."""
-    cfg = upgrade(cfg)
+    cfg = typed(cfg)  # a stored result's config: upgraded to today's schema
     if profile is None:
         profile, why = resolve_profile(cfg)
     check_budget(budget_gib, profile)
     cluster = cluster_of(cfg, profile)
-    cfg = {**cfg, "launcher": {**cfg["launcher"], "nproc_per_node": cluster["gpus_per_node"],
-                               "nnodes": cluster["nodes"]}}
+    cfg = replace(cfg, launcher=replace(cfg.launcher, nproc_per_node=cluster["gpus_per_node"], nnodes=cluster["nodes"]))
+    global_batch_size = cfg.train.global_batch_size or cfg.train.micro_batch_size
     points, plans = [], {}
     for mb in micro_batch_sizes(cfg):
-        trial = {**cfg, "train": {**cfg["train"], "micro_batch_size": mb,
-                                  "global_batch_size": cfg["train"]["global_batch_size"]
-                                  or cfg["train"]["micro_batch_size"]}}
+        trial = replace(cfg, train=replace(cfg.train, micro_batch_size=mb, global_batch_size=global_batch_size))
         p = plan(trial, budget_gib, profile=profile)
         plans[mb] = p
         eff = profile.efficiency(gemm_rows(trial))
@@ -97,11 +99,11 @@ def frontier(cfg: dict, budget_gib: float, profile: Profile | None = None, why: 
             points.append({**row, "micro_batch_size": mb, "bare_step_s": bare,
                            "step_s": bare + row["recompute_s"] / eff + row["offload_s"],
                            "uncertainty_s": OFFLOAD_UNCERTAINTY * row["offload_copy_s"]})
-    ranked = rank_points(points, cfg["model"]["family"])
+    ranked = rank_points(points, cfg.model.family)
     first = next(iter(plans.values()))
     return {"budget_gib": budget_gib, "profile": profile.name, "profile_text": profile.describe(),
             "profile_gpu": profile.gpu, "profile_why": why, "cluster": first["cluster"],
-            "global_batch_size": cfg["train"]["global_batch_size"] or cfg["train"]["micro_batch_size"],
+            "global_batch_size": global_batch_size,
             "micro_batch_sizes": list(plans), "points": points, "frontier": pareto(points),
             "ranked": ranked, "top": ranked[:TOP], "note": _note(ranked)}
 
@@ -278,11 +280,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg, _ = compose_recipe(at_full_depth(args.overrides), on_gpu=True)
         profile, why = resolve_profile(cfg)
-        f = frontier(cfg, args.budget_gib or profile.budget_gib, profile, why)
+        f = frontier(cfg, profile.budget_gib if args.budget_gib is None else args.budget_gib, profile, why)
+        sweep_dir = args.dir or Path("multirun/plan")
+        if problem := output_problem(sweep_dir):
+            raise ConfigError("--dir", problem[1], "give --dir a writable directory (default multirun/plan)")
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    sweep_dir = args.dir or Path("multirun/plan")
     command = write_confirm(f, args.overrides, sweep_dir) if f["top"] else None
     sweep_dir.mkdir(parents=True, exist_ok=True)
     if f["points"]:

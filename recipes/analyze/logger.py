@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+from recipes.config import as_dict
 from recipes.files import GIB, PROGRESS_FILE, read_json, write_json_atomic
 from recipes.results import result_rows, worst_row
 
@@ -300,14 +301,15 @@ def open_run(cfg: dict, run_dir: str | Path, rank: int, resuming: bool = False) 
     """The worker's W&B run: opened on rank 0 with ``logger=wandb`` (else ``NullRun``), under the identity
     the controller wrote (``RUN_DIR/wandb.json``; without one, the directory's name). ``resuming`` (this
     process continues a checkpoint) continues the W&B run the earlier process opened. Never raises."""
-    log = cfg["logger"]
+    plain = as_dict(cfg)  # W&B's config: plain data
+    log = plain["logger"]
     if log["name"] != "wandb" or rank != 0:
         return NullRun()
     run_dir = Path(run_dir)
     identity = read_identity(run_dir) or run_identity(log, run_dir.name, run_dir, False)
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
-        config = {**cfg, "choices": identity.get("choices") or {}, "overrides": identity.get("overrides") or [],
+        config = {**plain, "choices": identity.get("choices") or {}, "overrides": identity.get("overrides") or [],
                   "run_dir": str(run_dir)}
         run = _init(log, identity, run_dir, identity.get("id") if resuming else None, config)
         write_offline_files(run, config=config)

@@ -18,30 +18,27 @@ every recompute option on that timeline (host time included: ``recipes.predict.r
 
 from __future__ import annotations
 
-from recipes.config import EstimateConfig, MeasureConfig, upgrade
+from dataclasses import replace
+from typing import Any
+
+from recipes.config import EstimateConfig, MeasureConfig, OffloadConfig, RecomputeConfig, typed
 from recipes.errors import ConfigError
 from recipes.files import GIB
 from recipes.hardware import Profile, check_cluster, cluster_of, resolve_profile
 from recipes.offload import offload_config, option_modules, rule_problem
 from recipes.offload import options_for as offload_options
 from recipes.predict.copies import exposed_transfer_s, offload_overhead, offload_positions, timeline_offload_costs
-from recipes.predict.cost import (
-    ELEMENTWISE_REPLAYS,
-    has_timeline,
-    host_wait_ms,
-    layer_forward_s,
-    recompute_by_process_s,
-)
+from recipes.predict.cost import has_timeline, host_wait_ms, layer_forward_s, recompute_by_process_s
 from recipes.predict.estimate import held_host_bytes, num_microbatches, predict
 from recipes.predict.fit import FITS, TIGHT, allocator_overrides, fits, slack_for, verdict
-from recipes.recompute import guide_order, is_full, option_of, options_for, recompute_config, selective_labels
+from recipes.recompute import LABELS, guide_order, is_full, option_of, options_for, recompute_config, selective_labels
 from recipes.validate.offload import host_memory_problem
 from recipes.validate.recompute import layers_per_chunk
 
 #: Added step times closer than this (seconds) are a tie: the simpler plan wins.
 SAME_TIME_S = 1e-4
 #: Labels that replay elementwise work only (no matmul): priced as memory traffic and their replays.
-ELEMENTWISE = frozenset(ELEMENTWISE_REPLAYS)
+ELEMENTWISE = frozenset(name for name, label in LABELS.items() if label.elementwise)
 
 
 #: The share of the HBM's spec bandwidth elementwise replays run at (3000 of the H200's 4800 GB/s).
@@ -52,36 +49,39 @@ def on_hardware(cfg: dict, profile: Profile, cluster: dict | None = None) -> dic
     """``cfg`` with the profile's figures where the config keeps the schema's defaults (an explicit
     ``estimate.*`` or ``measure.peak_tflops`` wins): the bf16 peak, the host link, the HBM bandwidth, a
     measured offload manager's cost a group; and the cluster's GPUs per node and nodes."""
-    est, default, measure = dict(cfg.get("estimate") or {}), EstimateConfig(), dict(cfg["measure"])
-    if measure.get("peak_tflops") == MeasureConfig().peak_tflops:
-        measure["peak_tflops"] = float(profile.bf16_tflops)
-    if est.get("host_link_gb_s", default.host_link_gb_s) == default.host_link_gb_s:
-        est["host_link_gb_s"] = float(profile.host_link_gb_s)
-    if est.get("hbm_gb_s", default.hbm_gb_s) == default.hbm_gb_s:
-        est["hbm_gb_s"] = round(profile.hbm_gb_s * HBM_SHARE, 1)
-    if profile.offload_ms_per_group is not None and est.get("offload_ms_per_group") == default.offload_ms_per_group:
-        est["offload_ms_per_group"] = profile.offload_ms_per_group
-    out = {**cfg, "estimate": est, "measure": measure}
+    cfg = typed(cfg)
+    est, default, measure = cfg.estimate, EstimateConfig(), cfg.measure
+    if measure.peak_tflops == MeasureConfig().peak_tflops:
+        measure = replace(measure, peak_tflops=float(profile.bf16_tflops))
+    if est.host_link_gb_s == default.host_link_gb_s:
+        est = replace(est, host_link_gb_s=float(profile.host_link_gb_s))
+    if est.hbm_gb_s == default.hbm_gb_s:
+        est = replace(est, hbm_gb_s=round(profile.hbm_gb_s * HBM_SHARE, 1))
+    if profile.offload_ms_per_group is not None and est.offload_ms_per_group == default.offload_ms_per_group:
+        est = replace(est, offload_ms_per_group=profile.offload_ms_per_group)
+    out = replace(cfg, estimate=est, measure=measure)
     if cluster:
-        out["launcher"] = {**cfg["launcher"], "nproc_per_node": cluster["gpus_per_node"], "nnodes": cluster["nodes"]}
+        out = replace(out, launcher=replace(cfg.launcher, nproc_per_node=cluster["gpus_per_node"],
+                                            nnodes=cluster["nodes"]))
     return out
 
 
 def rates(cfg: dict, tflops: float | None = None, link_gb_s: float | None = None) -> tuple[float, float]:
     """(achieved TFLOP/s per GPU, host-link GB/s): given, else the config's ``estimate`` assumptions."""
-    est = cfg.get("estimate") or {}
-    return (tflops or est.get("mfu", 0.38) * cfg["measure"]["peak_tflops"],
-            link_gb_s or est.get("host_link_gb_s", 50.0))
+    cfg = typed(cfg)
+    return tflops or cfg.estimate.mfu * cfg.measure.peak_tflops, link_gb_s or cfg.estimate.host_link_gb_s
 
 
-def fewest_block_layers(cfg: dict, rc: dict, budget_gib: float) -> tuple[dict, dict]:
+def fewest_block_layers(cfg: dict, rc: Any, budget_gib: float) -> tuple[RecomputeConfig, dict]:
     """full/block with the fewest layers per stage (recompute_num_layers) whose predicted peak fits.
     Its peak falls linearly in the layers recomputed (H200, Run E: 4 of 8 layers land on the midpoint
     of the control and uniform full recompute in every family), and so does its replay; when no count
     fits, every layer."""
+    cfg = typed(cfg)
+    rc = rc if isinstance(rc, RecomputeConfig) else replace(cfg.recompute, **rc)
     for k in range(1, layers_per_chunk(cfg) + 1):
-        trial = {**rc, "recompute_num_layers": k}
-        p = predict({**cfg, "recompute": trial}, "cuda")
+        trial = replace(rc, recompute_num_layers=k)
+        p = predict(replace(cfg, recompute=trial), "cuda")
         if fits(p["peak_bytes"] / GIB, budget_gib, p["allocator_slack"]):
             break
     return trial, p
@@ -95,8 +95,9 @@ def smallest_offload_fraction(cfg: dict, budget_gib: float) -> tuple[float, dict
     """For an offload plan that fits moving every group: the smallest ``activation_offload_fraction``
     (of ``OFFLOAD_FRACTIONS``) that still fits, with its prediction; fewer groups moved cost less host
     time and link. None when none smaller fits."""
+    cfg = typed(cfg)
     for fraction in OFFLOAD_FRACTIONS:
-        trial = {**cfg, "offload": {**cfg["offload"], "activation_offload_fraction": fraction}}
+        trial = replace(cfg, offload=replace(cfg.offload, activation_offload_fraction=fraction))
         p = predict(trial, "cuda")
         if fits(p["peak_bytes"] / GIB, budget_gib, p["allocator_slack"]):
             return fraction, p
@@ -106,13 +107,13 @@ def smallest_offload_fraction(cfg: dict, budget_gib: float) -> tuple[float, dict
 def elementwise_bytes(cfg: dict) -> int:
     """What the recompute option's elementwise labels (no matmul to replay) rematerialize per
     micro-batch: the bytes they save, against the same config without them, offload off."""
+    cfg = typed(cfg)
     labels = selective_labels(option_of(cfg)) or frozenset()
     if not labels & ELEMENTWISE:
         return 0
-    plain = {**cfg, "offload": {**cfg["offload"], "fine_grained_activation_offloading": False, "offload_modules": []}}
-    rc = {**cfg["recompute"], "recompute_modules": [x for x in cfg["recompute"]["recompute_modules"]
-                                                    if x not in ELEMENTWISE]}
-    without = predict({**plain, "recompute": rc}, "cuda")["activation_bytes"]
+    plain = replace(cfg, offload=replace(cfg.offload, fine_grained_activation_offloading=False, offload_modules=[]))
+    rc = replace(cfg.recompute, recompute_modules=[x for x in cfg.recompute.recompute_modules if x not in ELEMENTWISE])
+    without = predict(replace(plain, recompute=rc), "cuda")["activation_bytes"]
     return max(0, without - predict(plain, "cuda")["activation_bytes"])
 
 
@@ -122,9 +123,9 @@ def price(cfg: dict, p: dict, tflops: float, link_gb_s: float, remat_bytes: int 
     labels rematerialize, ``elementwise_bytes``; ``module_times``: a measured point's module forward
     times, which price the labels they cover and time the layer forwards offload's copies hide
     behind) and offload's (reloads waited for, the copies' overhead), in seconds."""
-    par = cfg["parallel"]
-    layers = cfg["model"]["num_layers"] // par["pipeline_model_parallel_size"]
-    m, hbm = num_microbatches(cfg), (cfg.get("estimate") or {}).get("hbm_gb_s", 3000.0)
+    cfg = typed(cfg)
+    layers = cfg.model.num_layers // cfg.parallel.pipeline_model_parallel_size
+    m, hbm = num_microbatches(cfg), cfg.estimate.hbm_gb_s
     replay, by_process = recompute_by_process_s(cfg, tflops, layers, m, remat_bytes, hbm, module_times)
     # the base point's processes price it apart where their host pace differs: shown beside the median
     spread = (by_process[0], by_process[-1]) if by_process and by_process[-1] - by_process[0] > 1e-6 else None
@@ -133,7 +134,7 @@ def price(cfg: dict, p: dict, tflops: float, link_gb_s: float, remat_bytes: int 
     host = (timeline_offload_costs(p.get("host_terms_per_layer") or [], module_times)
             if any(p["host_bytes_per_layer"]) else None)
     copies = exposed_transfer_s(p["offload_groups_per_layer"], layer_forward_s(cfg, tflops, module_times), link_gb_s,
-                                m, offload_positions(cfg, module_times), *offload_overhead(cfg.get("estimate") or {}))
+                                m, offload_positions(cfg, module_times), *offload_overhead(cfg.estimate))
     overhead = copies["overhead_s"] + (host[len(host) // 2] if host else 0.0)
     return {"recompute_s": replay, "offload_s": copies["exposed_s"] + overhead,
             "offload_copy_s": copies["copy_s"], "offload_stall_s": copies["exposed_s"],
@@ -148,7 +149,7 @@ def price(cfg: dict, p: dict, tflops: float, link_gb_s: float, remat_bytes: int 
 def price_config(cfg: dict, tflops: float, link_gb_s: float, module_times: dict | None = None) -> dict:
     """One config as it is (its offload fraction, its block layer count): predicted peak and added
     step time at these rates (and measured module times), as ``plan`` prices its rows."""
-    cfg = upgrade(cfg)
+    cfg = typed(cfg)  # a stored result's config: upgraded to today's schema
     p = predict(cfg, "cuda")
     return {"predicted_peak_gib": p["peak_bytes"] / GIB,
             **price(cfg, p, tflops, link_gb_s, elementwise_bytes(cfg), module_times)}
@@ -163,7 +164,7 @@ def plan(cfg: dict, budget_gib: float, tflops: float | None = None, link_gb_s: f
     the cluster's, ``recipes.hardware.cluster_of``; never this machine's) is set aside in ``over_host``, as
     the validator would refuse it. ``profile``: the GPU's (``recipes.hardware``; default: resolved from
     ``cfg``), whose figures price the plans where the config does not set its own."""
-    cfg = upgrade(cfg)
+    cfg = typed(cfg)  # a stored result's config: upgraded to today's schema
     if profile is None:
         profile, why = resolve_profile(cfg)
     else:
@@ -171,28 +172,29 @@ def plan(cfg: dict, budget_gib: float, tflops: float | None = None, link_gb_s: f
     cluster = cluster_of(cfg, profile)
     check_cluster(cfg, cluster)
     cfg = on_hardware(cfg, profile, cluster)
-    cfg["offload"] = {**cfg["offload"], "host_memory_gib": cluster["host_memory_gib"]}
+    cfg = replace(cfg, offload=replace(cfg.offload, host_memory_gib=cluster["host_memory_gib"]))
     tflops, link_gb_s = rates(cfg, tflops, link_gb_s)
-    model, pp = cfg["model"], cfg["parallel"]["pipeline_model_parallel_size"]
-    keep = {k: cfg["offload"][k] for k in ("min_offloaded_tensor_size", "activation_offload_fraction",
-                                            "host_memory_gib", "emulate_on_cpu")}
+    model, pp = cfg.model, cfg.parallel.pipeline_model_parallel_size
+    keep = {k: getattr(cfg.offload, k) for k in ("min_offloaded_tensor_size", "activation_offload_fraction",
+                                                 "host_memory_gib", "emulate_on_cpu")}
     rows, refused, over_host = [], [], []
     for rc_option in options_for(model):
         labels = None if is_full(rc_option) else selective_labels(rc_option)
-        remat = elementwise_bytes({**cfg, "recompute": recompute_config(rc_option)}) if labels else 0
+        recompute = replace(cfg.recompute, **recompute_config(rc_option))  # its own recompute.mlp_replays_fc2
+        remat = elementwise_bytes(replace(cfg, recompute=recompute)) if labels else 0
         for off_option in offload_options(model):
             modules = option_modules(off_option)
             problem = rule_problem(modules, labels, model, pp) if modules else None
             if problem:
                 refused.append({"recompute": rc_option, "offload": off_option, "why": problem[1]})
                 continue
-            trial = {**cfg, "recompute": recompute_config(rc_option),
-                     "offload": {**offload_config(off_option), **keep},
-                     "measure": {**cfg["measure"], "expandable_segments": bool(modules)
-                                 or cfg["measure"]["expandable_segments"]}}
+            trial = replace(cfg, recompute=recompute, offload=OffloadConfig(**{**offload_config(off_option), **keep}),
+                            measure=replace(cfg.measure, expandable_segments=bool(modules)
+                                            or cfg.measure.expandable_segments))
             try:
                 if rc_option == "full/block":
-                    trial["recompute"], p = fewest_block_layers(trial, trial["recompute"], budget_gib)
+                    rc, p = fewest_block_layers(trial, trial.recompute, budget_gib)
+                    trial = replace(trial, recompute=rc)
                 else:
                     p = predict(trial, "cuda")
             except ConfigError as err:
@@ -203,23 +205,23 @@ def plan(cfg: dict, budget_gib: float, tflops: float | None = None, link_gb_s: f
                 smaller = smallest_offload_fraction(trial, budget_gib)
                 if smaller:
                     fraction, p = smaller
-                    trial["offload"] = {**trial["offload"], "activation_offload_fraction": fraction}
+                    trial = replace(trial, offload=replace(trial.offload, activation_offload_fraction=fraction))
             planned = held_host_bytes(p)
             host = host_memory_problem(trial, planned)
             if host:  # the validator would refuse it at launch
                 over_host.append({"recompute": rc_option, "offload": off_option, "why": host[1], "fix": host[2],
-                                  "host_gib": planned * cfg["launcher"]["nproc_per_node"] / GIB})
+                                  "host_gib": planned * cfg.launcher.nproc_per_node / GIB})
                 continue
             peak, slack = p["peak_bytes"] / GIB, p["allocator_slack"]
             mark = verdict(peak, budget_gib, slack)
             rows.append({"recompute": rc_option, "offload": off_option, "predicted_peak_gib": peak,
                          "fits": mark == FITS, "tight": mark == TIGHT, "host_gib": planned / GIB,
                          **price(trial, p, tflops, link_gb_s, remat, module_times),
-                         **({"recompute_num_layers": trial["recompute"]["recompute_num_layers"]}
+                         **({"recompute_num_layers": trial.recompute.recompute_num_layers}
                             if rc_option == "full/block" else {}),
                          **({"activation_offload_fraction": fraction} if modules and fraction < 1.0 else {})})
     wait = host_wait_ms(module_times)
-    return rank({"budget_gib": budget_gib, "family": cfg["model"]["family"], "tflops": tflops, "host_link_gb_s": link_gb_s,
+    return rank({"budget_gib": budget_gib, "family": cfg.model.family, "tflops": tflops, "host_link_gb_s": link_gb_s,
                  "profile": profile.name, "profile_text": profile.describe(), "profile_why": why, "cluster": cluster,
                  "module_times": bool(module_times), "timeline": has_timeline(module_times),
                  "allocator_slack": slack_for(cfg), "rows": rows, "refused": refused, "over_host": over_host,

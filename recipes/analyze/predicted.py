@@ -7,7 +7,10 @@ the plan over recompute x offload (``recipes.analyze.plan``), with the sweep tha
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from recipes.analyze.plan import explain_plan, fewest_block_layers, overrides_of, plan
+from recipes.config import typed
 from recipes.files import GIB
 from recipes.hardware import check_budget, resolve_profile
 from recipes.measure.flops import layer_forward_flops, replayed_layer_flops
@@ -24,6 +27,7 @@ def advise_before_running(overrides: list[str], budget_gib: float) -> dict:
     no recompute first: the guide's "narrowest boundary that fits", to be confirmed by a sweep."""
 
     cfg, _ = compose_recipe(at_full_depth(overrides), on_gpu=True)  # recipe=<name>: its published layout
+    cfg = typed(cfg)
     profile, why = resolve_profile(cfg)
     check_budget(budget_gib, profile)
     done, refused = predict_options(cfg, "cuda")
@@ -31,18 +35,18 @@ def advise_before_running(overrides: list[str], budget_gib: float) -> dict:
     per_layer = sum(layer.get(k, 0.0) for k in ("attn_proj", "core_attn", "mlp", "moe"))
     rows = []
     for option, p in done:
-        rc = recompute_config(option)
+        rc = replace(cfg.recompute, **recompute_config(option))
         if option == "full/block":
             rc, p = fewest_block_layers(cfg, rc, budget_gib)
-        replay = replayed_layer_flops({**cfg, "recompute": rc}, layer, per_layer)
+        replay = replayed_layer_flops(replace(cfg, recompute=rc), layer, per_layer)
         peak, slack = p["peak_bytes"] / GIB, p["allocator_slack"]
         rows.append({"recompute": option, "predicted_peak_gib": peak, "fits": verdict(peak, budget_gib, slack) == FITS,
                      "tight": verdict(peak, budget_gib, slack) == TIGHT,
                      "replay_fraction": replay / per_layer,
-                     **({"recompute_num_layers": rc["recompute_num_layers"]} if option == "full/block" else {})})
+                     **({"recompute_num_layers": rc.recompute_num_layers} if option == "full/block" else {})})
     rows.sort(key=lambda r: r["predicted_peak_gib"])
     fitting = [r for r in rows if r["fits"]]
-    family = cfg["model"]["family"]
+    family = cfg.model.family
     choice = min(fitting, key=lambda r: (r["replay_fraction"], guide_order(r["recompute"], family)), default=None)
     share = done[0][1]["routed_share"] if done else None
     return {"source": "predicted", "budget_gib": budget_gib, "overrides": overrides, "family": family, "options": rows,

@@ -33,8 +33,8 @@ def find_results(sweep_dir: Path) -> list[dict]:
         try:
             results.append(load_result(f))
         except UnreadableFile as err:  # a kill mid-write elsewhere, a hand edit: name it, keep the rest
-            if f.resolve() not in _WARNED:  # once per file (the advisor reads a sweep several times)
-                _WARNED.add(f.resolve())
+            if f.absolute() not in _WARNED:  # once per file (the advisor reads a sweep several times)
+                _WARNED.add(f.absolute())  # not resolve(): links to one target are each named
                 print(f"warning: skipped {err}", file=sys.stderr)
     return sorted(results, key=_order)
 

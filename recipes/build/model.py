@@ -20,6 +20,7 @@ from recipes.build.gdn import gdn_layer_spec
 from recipes.build.resolve import resolve_precision, resolve_swiglu_fusion
 from recipes.build.wgrad import enable as enable_wgrad_fusion
 from recipes.build.wgrad import resolve_wgrad_fusion
+from recipes.config import typed
 from recipes.recompute import ATTENTION_KIND, MLP_KIND, layer_kinds, moe_pattern
 
 #: Model fields that are ours or GPTModel arguments, not TransformerConfig fields.
@@ -64,12 +65,14 @@ def resolve_rope_fusion(model: dict, on_gpu: bool) -> bool:
 
 
 def transformer_config_kwargs(cfg: Any, on_gpu: bool) -> dict:
-    """The keyword arguments for megatron's config class, from the run config (plain dict view)."""
-    model, par, rc = cfg["model"], cfg["parallel"], cfg["recompute"]
-    attention, mlp = ATTENTION_KIND[model["family"]], MLP_KIND[model["family"]]
+    """The keyword arguments for megatron's config class, from the run config: its sections' fields by
+    megatron's names (``dataclasses.asdict``: lists copied, never shared with the config)."""
+    cfg = typed(cfg)
+    model, par, rc = cfg.model, cfg.parallel, cfg.recompute
+    attention, mlp = ATTENTION_KIND[model.family], MLP_KIND[model.family]
     kwargs = {
         k: v
-        for k, v in model.items()
+        for k, v in dataclasses.asdict(model).items()
         if k not in NON_TRANSFORMER_FIELDS
         and (attention == "mla" or k not in MLA_FIELDS)
         and (mlp == "moe" or not k.startswith(MOE_PREFIX))
@@ -77,35 +80,33 @@ def transformer_config_kwargs(cfg: Any, on_gpu: bool) -> dict:
         and k != "num_moe_experts"
     }
     if mlp == "moe":
-        kwargs["num_moe_experts"] = model["num_moe_experts"]
+        kwargs["num_moe_experts"] = model.num_moe_experts
         kwargs["moe_layer_freq"] = moe_pattern(model)  # a per-layer list, whatever form the config used
-        if model["moe_token_dispatcher_type"] == "local":
+        if model.moe_token_dispatcher_type == "local":
             # megatron's config knows allgather, alltoall and flex; our MoE layers replace allgather's
             # dispatcher with the local one (recipes.build.dispatch).
             kwargs["moe_token_dispatcher_type"] = "allgather"
-    kwargs["activation_func"] = ACTIVATIONS[model["activation"]]
+    kwargs["activation_func"] = ACTIVATIONS[model.activation]
     kwargs["bias_activation_fusion"] = resolve_swiglu_fusion(model, on_gpu)
-    kwargs.update({k: v for k, v in par.items() if k not in NON_MPC_PARALLEL_FIELDS})
-    if par["expert_tensor_parallel_size"] is None:
+    kwargs.update({k: v for k, v in dataclasses.asdict(par).items() if k not in NON_MPC_PARALLEL_FIELDS})
+    if par.expert_tensor_parallel_size is None:
         kwargs.pop("expert_tensor_parallel_size")
     kwargs.update(
-        recompute_granularity=rc["recompute_granularity"],
+        recompute_granularity=rc.recompute_granularity,
         # megatron defaults recompute_modules to ["core_attn"] when None; always pass a list.
-        recompute_modules=list(rc["recompute_modules"]),
-        recompute_method=rc["recompute_method"],
-        recompute_num_layers=rc["recompute_num_layers"],
-        distribute_saved_activations=rc["distribute_saved_activations"],
+        recompute_modules=list(rc.recompute_modules),
+        recompute_method=rc.recompute_method,
+        recompute_num_layers=rc.recompute_num_layers,
+        distribute_saved_activations=rc.distribute_saved_activations,
     )
-    off = cfg.get("offload") or {}
-    kwargs.update({k: (list(v) if isinstance(v, list) else v) for k, v in off.items()
-                   if k not in NON_TRANSFORMER_OFFLOAD_FIELDS})
-    precision = resolve_precision(cfg["train"]["precision"], on_gpu)
+    kwargs.update({k: v for k, v in dataclasses.asdict(cfg.offload).items() if k not in NON_TRANSFORMER_OFFLOAD_FIELDS})
+    precision = resolve_precision(cfg.train.precision, on_gpu)
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     kwargs.update(
         bf16=precision == "bf16",
         params_dtype=dtype,
         pipeline_dtype=dtype,
-        transformer_impl="transformer_engine" if cfg["attention"]["backend"] == "te" else "local",
+        transformer_impl="transformer_engine" if cfg.attention.backend == "te" else "local",
         use_cpu_initialization=not on_gpu,
         gradient_accumulation_fusion=resolve_wgrad_fusion(model, on_gpu, megatron_optimizer(cfg, on_gpu)),
         masked_softmax_fusion=False,
@@ -117,10 +118,10 @@ def transformer_config_kwargs(cfg: Any, on_gpu: bool) -> dict:
         batch_p2p_comm=on_gpu,  # batched p2p calls torch.cuda.synchronize; gloo uses isend/irecv
         # train.deterministic: megatron's deterministic code paths (the embedding's gradient by indexing, not
         # F.embedding's atomics); torch's half is recipes.run.world.use_deterministic
-        deterministic_mode=bool(cfg["train"].get("deterministic", False)),
+        deterministic_mode=bool(cfg.train.deterministic),
     )
     if attention == "mla":
-        kwargs.update(multi_latent_attention=True, rope_type="rope", rotary_base=model["rotary_base"])
+        kwargs.update(multi_latent_attention=True, rope_type="rope", rotary_base=model.rotary_base)
     if attention == "gdn":
         kwargs.update(experimental_attention_variant="gated_delta_net")
     return kwargs
@@ -128,13 +129,14 @@ def transformer_config_kwargs(cfg: Any, on_gpu: bool) -> dict:
 
 def build_transformer_config(cfg: Any, on_gpu: bool):
     """The single TransformerConfig (MLATransformerConfig for family=mla) of this run."""
+    cfg = typed(cfg)
     # lazy: megatron takes seconds to import; tools that never build a model skip it
     from megatron.core.transformer.transformer_config import (
         MLATransformerConfig,
         TransformerConfig,
     )
 
-    cls = MLATransformerConfig if ATTENTION_KIND[cfg["model"]["family"]] == "mla" else TransformerConfig
+    cls = MLATransformerConfig if ATTENTION_KIND[cfg.model.family] == "mla" else TransformerConfig
     kwargs = transformer_config_kwargs(cfg, on_gpu)
     if kwargs["gradient_accumulation_fusion"]:
         enable_wgrad_fusion()  # before megatron's linear layers check for Apex's kernel
@@ -144,7 +146,8 @@ def build_transformer_config(cfg: Any, on_gpu: bool):
 def megatron_optimizer(cfg: Any, on_gpu: bool) -> bool:
     """Whether the run trains under megatron's DistributedOptimizer (fp32 ``main_grad`` buffers) rather
     than torch's AdamW (``train.optimizer``)."""
-    return on_gpu and cfg["train"]["optimizer"] == "auto"
+    cfg = typed(cfg)
+    return on_gpu and cfg.train.optimizer == "auto"
 
 
 def build_layer_spec(cfg: Any, config, vp_stage: int | None = None):
@@ -154,11 +157,12 @@ def build_layer_spec(cfg: Any, config, vp_stage: int | None = None):
     layer spec, as megatron's own recipes do; a layer pattern (GatedDeltaNet hybrids, ``moe_layer_freq``
     with dense layers) gets this (virtual) pipeline stage's block, one spec per layer (``build_block_spec``).
     """
-    backend = cfg["attention"]["backend"]
-    model = cfg["model"]
-    attention = ATTENTION_KIND[model["family"]]
+    cfg = typed(cfg)
+    backend = cfg.attention.backend
+    model = cfg.model
+    attention = ATTENTION_KIND[model.family]
     kinds = layer_kinds(model)
-    num_experts = model["num_moe_experts"] if MLP_KIND[model["family"]] == "moe" else None
+    num_experts = model.num_moe_experts if MLP_KIND[model.family] == "moe" else None
     if backend == "te" and attention == "gdn":  # megatron's own hybrid spec (TE-only)
         from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
             get_transformer_block_with_experimental_attention_variant_spec,
@@ -176,8 +180,8 @@ def build_layer_spec(cfg: Any, config, vp_stage: int | None = None):
                                                                    vp_stage=vp_stage))
         return with_dispatcher(cfg, get_gpt_layer_with_transformer_engine_spec(
             num_experts=num_experts,
-            moe_grouped_gemm=model["moe_grouped_gemm"],
-            qk_layernorm=model["qk_layernorm"],
+            moe_grouped_gemm=model.moe_grouped_gemm,
+            qk_layernorm=model.qk_layernorm,
             multi_latent_attention=attention == "mla",
         ))
     specs = {}
@@ -192,25 +196,26 @@ def build_layer_spec(cfg: Any, config, vp_stage: int | None = None):
 def local_layer_spec(cfg: Any, num_experts: int | None):
     """One local (no Transformer Engine) layer: our core attention; for MoE (``num_experts``) our
     grouped experts unless ``model.experts=sequential``."""
+    cfg = typed(cfg)
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     from recipes.build.attention import CORE_ATTENTION  # imports megatron: only when a model is built
 
-    model = cfg["model"]
+    model = cfg.model
     spec = get_gpt_layer_local_spec(
         num_experts=num_experts,
-        moe_grouped_gemm=model["moe_grouped_gemm"],
-        qk_layernorm=model["qk_layernorm"],
-        multi_latent_attention=ATTENTION_KIND[model["family"]] == "mla",
-        normalization=model["normalization"],
+        moe_grouped_gemm=model.moe_grouped_gemm,
+        qk_layernorm=model.qk_layernorm,
+        multi_latent_attention=ATTENTION_KIND[model.family] == "mla",
+        normalization=model.normalization,
     )
     attn = spec.submodules.self_attention
-    attn.submodules = dataclasses.replace(attn.submodules, core_attention=CORE_ATTENTION[cfg["attention"]["backend"]])
-    if not num_experts and not cfg["recompute"]["mlp_replays_fc2"]:
+    attn.submodules = dataclasses.replace(attn.submodules, core_attention=CORE_ATTENTION[cfg.attention.backend])
+    if not num_experts and not cfg.recompute.mlp_replays_fc2:
         from recipes.build.mlp import use_replay_mlp  # imports megatron, as above
 
         spec = use_replay_mlp(spec)
-    if num_experts and model["experts"] == "grouped":
+    if num_experts and model.experts == "grouped":
         from recipes.build.experts import grouped_experts_builder  # imports megatron, as above
 
         moe = spec.submodules.mlp  # functools.partial(MoELayer, submodules=MoESubmodules(...))
@@ -223,7 +228,8 @@ def local_layer_spec(cfg: Any, num_experts: int | None):
 def with_dispatcher(cfg: Any, spec):
     """``spec`` with the local token dispatcher in its MoE layers when the run asks for it
     (``model.moe_token_dispatcher_type=local``); megatron's dispatchers need nothing."""
-    if MLP_KIND[cfg["model"]["family"]] != "moe" or cfg["model"]["moe_token_dispatcher_type"] != "local":
+    cfg = typed(cfg)
+    if MLP_KIND[cfg.model.family] != "moe" or cfg.model.moe_token_dispatcher_type != "local":
         return spec
     from recipes.build.dispatch import use_local_dispatcher  # imports megatron, as above
 
@@ -248,25 +254,26 @@ def build_block_spec(config, layer_specs: list, vp_stage: int | None = None):
 
 def build_model(cfg: Any, config) -> list[torch.nn.Module]:
     """GPTModel chunk(s) for this pipeline rank (one per virtual stage), on this process's device."""
+    cfg = typed(cfg)
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
-    model_cfg = cfg["model"]
-    vpp = cfg["parallel"]["virtual_pipeline_model_parallel_size"]
+    model_cfg = cfg.model
+    vpp = cfg.parallel.virtual_pipeline_model_parallel_size
     chunks = []
     for vp_stage in range(vpp or 1):
         stage = vp_stage if vpp else None
         chunk = GPTModel(
             config=config,
             transformer_layer_spec=build_layer_spec(cfg, config, stage),
-            vocab_size=model_cfg["vocab_size"],
-            max_sequence_length=cfg["train"]["seq_length"],
+            vocab_size=model_cfg.vocab_size,
+            max_sequence_length=cfg.train.seq_length,
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
             post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
             parallel_output=True,
-            share_embeddings_and_output_weights=not model_cfg["untie_embeddings_and_output_weights"],
-            position_embedding_type=model_cfg["position_embedding_type"],
-            rotary_base=model_cfg["rotary_base"],
+            share_embeddings_and_output_weights=not model_cfg.untie_embeddings_and_output_weights,
+            position_embedding_type=model_cfg.position_embedding_type,
+            rotary_base=model_cfg.rotary_base,
             vp_stage=stage,
         )
         chunk = chunk.to(device())
@@ -277,7 +284,7 @@ def build_model(cfg: Any, config) -> list[torch.nn.Module]:
 
             chunk = Float16Module(config, chunk)
         chunks.append(chunk)
-    if not cfg["recompute"]["mlp_replays_fc2"]:
+    if not cfg.recompute.mlp_replays_fc2:
         from recipes.build.mlp import replay_mlps
 
         replay_mlps(chunks)
@@ -285,7 +292,7 @@ def build_model(cfg: Any, config) -> list[torch.nn.Module]:
         rope.install()
     else:
         rope.uninstall()
-    compile_layers(chunks, model_cfg["compile"])
+    compile_layers(chunks, model_cfg.compile)
     return chunks
 
 

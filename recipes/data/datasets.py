@@ -12,19 +12,21 @@ from typing import Any
 
 import torch
 
+from recipes.config import typed
 from recipes.data.gpt import ByteTokenizer, gpt_dataset_config
 from recipes.data.indexed import build_indexed_datasets
 
 
 def build_datasets(cfg: Any, num_samples: list[int]):
     """(train, valid, test) megatron datasets for ``cfg.data`` (valid/test may be None)."""
+    cfg = typed(cfg)
     # lazy: megatron takes seconds to import; tools that never build a model skip it
     from megatron.core.datasets.blended_megatron_dataset_builder import (
         BlendedMegatronDatasetBuilder,
     )
     from megatron.core.datasets.gpt_dataset import MockGPTDataset
 
-    name = cfg["data"]["name"]
+    name = cfg.data.name
     if name == "mock":
         config = gpt_dataset_config(cfg, ByteTokenizer(), split="1,0,0")
         builder = BlendedMegatronDatasetBuilder(MockGPTDataset, num_samples, lambda: True, config)

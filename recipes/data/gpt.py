@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from recipes.config import typed
+
 
 class ByteTokenizer:
     """What ``data=mock`` tells megatron's ``MockGPTDataset``: a 257-token vocabulary whose end-of-document
@@ -23,12 +25,13 @@ class ByteTokenizer:
 
 def gpt_dataset_config(cfg: Any, tokenizer, blend=None, split=None):
     """megatron's GPTDatasetConfig for this run's sequence length and seed (mock when no blend)."""
+    cfg = typed(cfg)
     # lazy: megatron takes seconds to import; tools that never build a model skip it
     from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
 
     return GPTDatasetConfig(
-        random_seed=cfg["train"]["seed"],
-        sequence_length=cfg["train"]["seq_length"],
+        random_seed=cfg.train.seed,
+        sequence_length=cfg.train.seq_length,
         blend=blend,
         split=split,
         tokenizer=tokenizer,

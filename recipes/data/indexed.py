@@ -30,10 +30,12 @@ import struct
 from pathlib import Path
 from typing import Any
 
+from recipes.config import typed
 from recipes.data.gpt import ByteTokenizer, gpt_dataset_config
 from recipes.data.tokenizer import BYTE_EOD, BYTE_VOCAB, KINDS, check_spec, load_tokenizer
 from recipes.errors import ConfigError
 from recipes.files import REPO_ROOT, UnreadableFile, read_json, write_json_atomic
+from recipes.validate.run import output_problem
 
 META_SUFFIX = ".meta.json"
 #: What the sidecar records for the byte tokenizer (``recipes.data.tokenizer``; known without loading it).
@@ -206,14 +208,15 @@ def check_tokenizer(cfg: Any) -> dict | None:
     """Worker, before the model is built: ``data.tokenizer`` through megatron-core, which must agree with
     every prefix's sidecar on vocabulary size and end-of-document id (the data was made with it) and fit
     ``model.vocab_size``. Returns what it loaded (None without ``data=indexed`` and ``data.tokenizer``)."""
-    data = cfg["data"]
-    spec = data.get("tokenizer") if data["name"] == "indexed" else None
+    cfg = typed(cfg)
+    data = cfg.data
+    spec = data.tokenizer if data.name == "indexed" else None
     if not spec:
         return None
     if spec not in _LOADED:
         _LOADED[spec] = load_tokenizer(spec, _tokenizer_error).info
     info = _LOADED[spec]
-    for raw in parse_blend(list(data["paths"]))[0]:
+    for raw in parse_blend(list(data.paths))[0]:
         meta = read_meta(resolve_prefix(raw))
         made = (meta or {}).get("tokenizer") or {}
         differs = [f"{k} {info[k]} here, {made.get(k)} in the data" for k in ("vocab_size", "eod")
@@ -223,23 +226,24 @@ def check_tokenizer(cfg: Any) -> dict | None:
                               f"made with {made.get('name')} {made.get('path') or ''}: " + "; ".join(differs),
                               "drop data.tokenizer (the sidecar's tokenizer is used), give the tokenizer the data "
                               "was made with, or re-run python -m recipes preprocess with --tokenizer " + spec)
-    if info["vocab_size"] > cfg["model"]["vocab_size"]:
+    if info["vocab_size"] > cfg.model.vocab_size:
         raise ConfigError("model.vocab_size", f"data.tokenizer {spec}: the {info['name']} tokenizer has "
-                          f"{info['vocab_size']} tokens but the model's vocabulary is {cfg['model']['vocab_size']}",
+                          f"{info['vocab_size']} tokens but the model's vocabulary is {cfg.model.vocab_size}",
                           f"set model.vocab_size={info['vocab_size']} or more, or use a smaller tokenizer")
     return info
 
 
 def inspect_data(cfg: Any) -> dict:
     """Check every prefix of ``data.paths``; returns prefixes, weights and the tokenizer they share."""
-    data, model = cfg["data"], cfg["model"]
-    raw_prefixes, weights = parse_blend(list(data["paths"]))
-    fractions = split_fractions(data["split"])
-    if data["eval_interval"] and fractions[1] == 0:
-        raise ConfigError("data.split", f"data.eval_interval={data['eval_interval']} but "
-                          f"data.split={data['split']} has no validation part",
+    cfg = typed(cfg)
+    data, model = cfg.data, cfg.model
+    raw_prefixes, weights = parse_blend(list(data.paths))
+    fractions = split_fractions(data.split)
+    if data.eval_interval and fractions[1] == 0:
+        raise ConfigError("data.split", f"data.eval_interval={data.eval_interval} but "
+                          f"data.split={data.split} has no validation part",
                           "give the split a validation weight (\"data.split='98,2,0'\") or data.eval_interval=0")
-    declared = declared_tokenizer(data["tokenizer"]) if data.get("tokenizer") else None
+    declared = declared_tokenizer(data.tokenizer) if data.tokenizer else None
     tokenizer, source = declared, "data.tokenizer"
     prefixes, tops = [], []
     for raw in raw_prefixes:
@@ -265,7 +269,7 @@ def inspect_data(cfg: Any) -> dict:
         for name, fraction, count in zip(("train", "validation", "test"), fractions, per_split):
             if fraction > 0 and count == 0:
                 raise ConfigError("data.split", f"{raw} has {sequences} document(s): data.split="
-                                  f"{data['split']} leaves its {name} part empty (megatron cannot "
+                                  f"{data.split} leaves its {name} part empty (megatron cannot "
                                   "sample from it)", "add documents, or change the split (a single "
                                   "document needs \"data.split='100,0,0'\" and data.eval_interval=0)")
         meta = read_meta(prefix)
@@ -273,7 +277,7 @@ def inspect_data(cfg: Any) -> dict:
             found, where = meta["tokenizer"], meta_path(prefix)
             known = [k for k in ("vocab_size", "eod") if declared and declared[k] is not None]
             if any(declared[k] != found.get(k) for k in known):  # the byte and null tokenizers, known here
-                raise ConfigError("data.tokenizer", f"{data['tokenizer']} has {declared['vocab_size']} "
+                raise ConfigError("data.tokenizer", f"{data.tokenizer} has {declared['vocab_size']} "
                                   f"tokens (eod {declared['eod']}) but {where} says the data was made with "
                                   f"{found['name']} ({found['vocab_size']} tokens, eod {found.get('eod')})",
                                   "drop data.tokenizer (the sidecar is used), or give the tokenizer the data "
@@ -318,10 +322,15 @@ def _identity(tokenizer: dict) -> tuple:
 def validate_data(cfg: Any) -> None:
     """Controller-side refusal of bad ``data=indexed`` input (cheap: no megatron, no token reads), and of a
     vocabulary too small for ``data=mock``'s token ids (the embedding lookup would raise IndexError)."""
-    if cfg["data"]["name"] == "indexed":
+    cfg = typed(cfg)
+    if cfg.data.name == "indexed":
         inspect_data(cfg)
-    elif cfg["data"]["name"] == "mock" and cfg["model"]["vocab_size"] < ByteTokenizer.vocab_size:
-        raise ConfigError("model.vocab_size", f"{cfg['model']['vocab_size']} is smaller than data=mock's "
+        cache_dir = cfg.data.cache_dir  # megatron writes its index there: a file in the way stops the run
+        if cache_dir and (problem := output_problem(resolve_prefix(cache_dir))):
+            raise ConfigError("data.cache_dir", problem[1], "set data.cache_dir to a writable directory (null: "
+                              "the per-user cache)")
+    elif cfg.data.name == "mock" and cfg.model.vocab_size < ByteTokenizer.vocab_size:
+        raise ConfigError("model.vocab_size", f"{cfg.model.vocab_size} is smaller than data=mock's "
                           f"{ByteTokenizer.vocab_size} token ids (bytes and the end-of-document id "
                           f"{ByteTokenizer.eod}); the embedding would index past its table",
                           f"set model.vocab_size>={ByteTokenizer.vocab_size}, e.g. model.vocab_size=512")
@@ -352,14 +361,15 @@ def default_cache_dir() -> str:
 
 def build_indexed_datasets(cfg: Any, num_samples: list[int]):
     """(train, valid, test) ``GPTDataset``/``BlendedDataset`` splits of ``data.paths`` (None where empty)."""
+    cfg = typed(cfg)
     # lazy: megatron takes seconds to import; tools that never build a model skip it
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset
 
     found = inspect_data(cfg)
     config = gpt_dataset_config(cfg, DatasetTokenizer(check_tokenizer(cfg) or found["tokenizer"]),
-                                blend=(found["prefixes"], found["weights"]), split=cfg["data"]["split"])
-    cache_dir = cfg["data"].get("cache_dir")
+                                blend=(found["prefixes"], found["weights"]), split=cfg.data.split)
+    cache_dir = cfg.data.cache_dir
     config.path_to_cache = resolve_prefix(cache_dir) if cache_dir else default_cache_dir()
     builder = BlendedMegatronDatasetBuilder(GPTDataset, num_samples, lambda: True, config)
     return builder.build()

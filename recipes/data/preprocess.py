@@ -81,7 +81,8 @@ def iter_documents(inputs: Sequence[str | Path], json_key: str, skipped: dict,
             raise PreprocessError(f"input {path} is not a regular file (a device, pipe or socket): give text "
                                   "files, directories of them or *.jsonl files (save a stream to a file first)")
         else:
-            raise PreprocessError(f"input {path}: no such file or directory")
+            raise PreprocessError(f"input {path}: no such file or directory (give text files, directories of "
+                                  "them or *.jsonl files)")
 
 
 def _read_or_skip(path: Path, json_key: str, skipped: dict, named: bool) -> Iterator[tuple[str, str]]:
@@ -275,6 +276,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--progress-interval", type=float, default=2.0,
                         help="seconds between progress lines on stderr (negative: quiet)")
     args = parser.parse_args(argv)
+    if args.progress_interval != args.progress_interval:
+        parser.error("--progress-interval must be a number of seconds (negative: quiet), got nan")
     # importing megatron.core says TE/Apex/absl are missing and CUDA is absent: true, and noise here
     warnings.filterwarnings("ignore", message=".*(Transformer Engine|absl).*")
     logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)

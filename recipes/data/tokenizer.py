@@ -160,6 +160,9 @@ def load_tokenizer(spec: str, fail: Callable[[str, str], Exception], eod_token: 
                    f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}",
                    f"give {SPECS}; a Hugging Face model once downloaded elsewhere: its local directory") from None
     eod = _eod(tok, kind, eod_token)
+    if eod_token and kind in ("byte", "null"):  # ignored by _eod: say so, not write another eod than asked
+        raise fail(f"{spec}: --eod-token {eod_token!r}: the {kind} tokenizer names no tokens (its end-of-document "
+                   f"is id {eod})", "drop --eod-token, or use a tokenizer with named tokens")
     if eod_token and eod is None:
         raise fail(f"{spec}: --eod-token {eod_token!r} is not one of its tokens", "name a token the tokenizer has")
     return Tokenizer(spec, tok, kind, where, eod)

@@ -125,8 +125,8 @@ def model_shapes(overrides: list[str]) -> tuple[int, int, int]:
     from recipes.config import compose_config
 
     cfg = compose_config(overrides or ["size=h200_long"])
-    m = cfg["model"]
-    return m["hidden_size"], m["ffn_hidden_size"], cfg["train"]["seq_length"]
+    m = cfg.model
+    return m.hidden_size, m.ffn_hidden_size, cfg.train.seq_length
 
 
 def calibrate(overrides: list[str]) -> dict:

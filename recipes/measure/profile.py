@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from recipes.build import compat
+from recipes.config import typed
 from recipes.errors import ConfigError
 from recipes.measure.memtrace import BEFORE, BUCKETS, STATIC, TRANSIENT, Trace, record_cpu, record_gpu
 from recipes.recompute import KINDS, LABELS
@@ -143,7 +144,8 @@ def profile_step(trainer, cfg: dict, run_dir: Path | None = None, step_time_s: f
     step's time is used. A failure is recorded, never raised: the run's
     measurements stand without the profile.
     """
-    mode = cfg["measure"]["profile"]
+    cfg = typed(cfg)
+    mode = cfg.measure.profile
     if mode not in MODES:
         raise ConfigError("measure.profile", f"unknown profile {mode!r}", "use profile=peak or profile=none")
     if mode == "none":
@@ -206,13 +208,14 @@ def write_timeline_pngs(result: dict, run_dir: Path | str) -> list[Path]:
 
 def _run_title(cfg: dict) -> str:
     """The run's name, else its model, attention and recompute policy."""
+    cfg = typed(cfg)
     if cfg.get("name"):
-        return str(cfg["name"])
-    rc = cfg["recompute"]
-    policy = rc["recompute_granularity"] or "none"
+        return str(cfg.name)
+    rc = cfg.recompute
+    policy = rc.recompute_granularity or "none"
     if policy == "selective":
-        policy = f"selective [{', '.join(rc['recompute_modules'])}]"
-    return f"{cfg['model']['family']}, {cfg['attention']['backend']} attention, recompute {policy}"
+        policy = f"selective [{', '.join(rc.recompute_modules)}]"
+    return f"{cfg.model.family}, {cfg.attention.backend} attention, recompute {policy}"
 
 
 _COLORS = {"parameters": "#4d4d4d", "gradients": "#8c8c8c", "optimizer_state": "#bdbdbd",

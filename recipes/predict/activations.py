@@ -43,7 +43,7 @@ def core_attention_terms(d: Dims, q: int, k: int, v_whole: int) -> tuple[list[Te
     sb, probs = d.s * d.b, d.b * d.np * d.s * d.s
     rep = d.np // d.ng
     kv_expanded = d.e * sb * d.np * d.dv
-    dropout = d.model["attention_dropout"] > 0
+    dropout = d.model.attention_dropout > 0
     if d.backend == "sdpa":
         if d.device == "cuda":  # cuDNN / flash: inputs, output, fp32 logsumexp, Philox seed+offset
             return [("core_attn", "q", q), ("core_attn", "k", k), ("core_attn", "v", v_whole),
@@ -62,7 +62,7 @@ def core_attention_terms(d: Dims, q: int, k: int, v_whole: int) -> tuple[list[Te
             terms += [("core_attn", "dropout mask", d.mask * probs),
                       ("core_attn", "dropout output", d.e * probs)]
         return terms, True
-    fp32_softmax = d.model["attention_softmax_in_fp32"] and d.e < 4
+    fp32_softmax = d.model.attention_softmax_in_fp32 and d.e < 4
     terms = [("core_attn", "q", q),
              ("core_attn", "k (GQA-expanded)" if rep > 1 else "k", kv_expanded if rep > 1 else k),
              ("core_attn", "v (GQA-expanded)" if rep > 1 else "v", kv_expanded if rep > 1 else v_whole),
@@ -154,7 +154,7 @@ def attention_terms(d: Dims) -> list[Term]:
 def activation_terms(d: Dims, ffn: int, tokens: int, kind: str = "mlp", what: str = "",
                      expert: bool = False) -> list[Term]:
     """FC1 output through FC2 input of a (dense, shared or expert) MLP on ``tokens`` rows."""
-    fused, e, glu = d.model["bias_activation_fusion"], d.e, d.model["gated_linear_unit"]
+    fused, e, glu = d.model.bias_activation_fusion, d.e, d.model.gated_linear_unit
     fc1 = e * tokens * ffn * (2 if glu else 1)
     out = e * tokens * ffn
     if fused:  # bias_swiglu: keeps its input, output goes to FC2
@@ -271,9 +271,9 @@ def embedding_terms(d: Dims) -> list[Term]:
     sb = d.s * d.b
     terms: list[Term] = [("embedding", "token ids (int64)", 8 * sb)] if d.tp == 1 else [
         ("embedding", "masked token ids (int64)", 8 * sb), ("embedding", "vocab-range mask (bool)", sb)]
-    if d.model["position_embedding_type"] == "learned_absolute":
+    if d.model.position_embedding_type == "learned_absolute":
         terms.append(("embedding", "position ids (int64)", 8 * sb))
-    if d.model["hidden_dropout"] > 0:
+    if d.model.hidden_dropout > 0:
         terms.append(("embedding", "embedding dropout mask", d.mask * d.s_sp * d.b * d.h))
     return terms
 
@@ -281,7 +281,7 @@ def embedding_terms(d: Dims) -> list[Term]:
 def head_terms(d: Dims) -> list[Term]:
     """Final norm, output layer input and the vocab-parallel cross entropy (fp32 softmax)."""
     sb, sb_sp = d.s * d.b, d.s_sp * d.b
-    vocab = d.model["vocab_size"] // d.tp
+    vocab = d.model.vocab_size // d.tp
     return norm_terms(d, "final norm", sb_sp, d.h) + [
         ("logits", "output layer input (final norm output)", d.e * sb_sp * d.h),
         ("logits", "softmax over the vocab shard (fp32)", 4 * sb * vocab),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fractions import Fraction
 
-from recipes.config import upgrade
+from recipes.config import typed, upgrade
 from recipes.files import GIB
 from recipes.predict.activations import balanced_rows
 from recipes.predict.dims import dims
@@ -17,8 +17,9 @@ def recorded_shares(cfg: dict, device: str, rank: dict) -> tuple[list | None, Fr
     """The routed shares a run recorded on one rank (``rank["moe_routing"]``, written by the worker):
     (one per layer of the ledger's micro-batch, the timed steps' worst micro-batch over all layers),
     exact fractions of ``balanced_rows``; (None, None) without expert parallel or a record."""
+    cfg = typed(cfg)
     routing = rank.get("moe_routing") or {}
-    if MLP_KIND.get(cfg["model"]["family"]) != "moe" or cfg["parallel"]["expert_model_parallel_size"] == 1 or not routing:
+    if MLP_KIND.get(cfg.model.family) != "moe" or cfg.parallel.expert_model_parallel_size == 1 or not routing:
         return None, None
     balanced = balanced_rows(dims(cfg, device))
     ledger = [Fraction(rows, balanced) for rows in routing.get("ledger_rows") or []] or None

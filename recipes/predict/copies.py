@@ -23,15 +23,10 @@ from __future__ import annotations
 import statistics
 from collections import defaultdict
 
-from recipes.config import EstimateConfig
+from recipes.config import EstimateConfig, typed
 from recipes.measure.flops import layer_forward_flops, output_projection_flops
+from recipes.offload import MODULES
 from recipes.predict.cost import layer_spans, paced_timelines
-
-#: The timed module at whose marks each offload point's group commits (its forward's end) and reloads
-#: (its backward's start).
-OFFLOAD_MARKS = {"qkv_linear": "self_attention.linear_qkv", "core_attn": "self_attention.core_attention",
-                 "attn_proj": "self_attention.linear_proj", "attn_norm": "input_layernorm",
-                 "mlp_norm": "pre_mlp_layernorm", "expert_fc1": "mlp.experts", "moe_act": "mlp.experts"}
 
 
 def timeline_offload_costs(terms_per_layer: list[dict[str, int]], module_times: dict | None) -> list[float] | None:
@@ -53,7 +48,7 @@ def timeline_offload_costs(terms_per_layer: list[dict[str, int]], module_times: 
         host: dict[int, float] = defaultdict(float)  # ms after each mark
         for number, points in zip(numbers, terms_per_layer):
             for point, n in points.items():
-                at = OFFLOAD_MARKS.get(point)
+                at = MODULES[point].mark if point in MODULES else None
                 ends, starts = (tl.where(number, at, "end"), tl.where(number, at, "bwd")) if at else ([], [])
                 if not ends or len(ends) != len(starts):
                     return None
@@ -95,41 +90,42 @@ def fit_offload_rates(priced, measured: list[float], a: float, b: float) -> tupl
 
 def flop_positions(cfg: dict) -> dict[str, tuple[float, float]]:
     """Where each offload point's module starts and ends in a layer's forward, as shares of it, by its
-    matmul FLOPs (``layer_forward_flops``): the norms take none; QKV, core attention, the projection,
-    then the MLP; in an MoE layer FC1 then the activation and FC2 (megatron commits ``expert_fc1``
-    after FC1 and ``moe_act`` after FC2)."""
+    matmul FLOPs (``layer_forward_flops``): its ``OffloadModule.span`` between the boundaries of QKV,
+    core attention, the projection, then the MLP (the norms take none); in an MoE layer FC1 then the
+    activation and FC2."""
+    cfg = typed(cfg)
     layer = layer_forward_flops(cfg)
     proj = output_projection_flops(cfg) if layer.get("core_attn") else 0.0
     qkv, core = max(layer.get("attn_proj", 0.0) - proj, 0.0), layer.get("core_attn", 0.0)
     mlp = layer.get("mlp", 0.0) + layer.get("moe", 0.0)
     total = (qkv + core + proj + mlp) or 1.0
     a, b, c = qkv / total, (qkv + core) / total, (qkv + core + proj) / total
-    glu = 2 if cfg["model"]["gated_linear_unit"] else 1
+    glu = 2 if cfg.model.gated_linear_unit else 1
     fc1 = c + (1 - c) * glu / (glu + 1)
-    return {"attn_norm": (0.0, 0.0), "qkv_linear": (0.0, a), "core_attn": (a, b), "attn_proj": (b, c),
-            "mlp_norm": (c, c), "expert_fc1": (c, fc1), "moe_act": (fc1, 1.0)}
+    bounds = {"start": 0.0, "qkv": a, "core_attn": b, "attention": c, "fc1": fc1, "end": 1.0}
+    return {name: (bounds[m.span[0]], bounds[m.span[1]]) for name, m in MODULES.items() if m.span}
 
 
 def offload_positions(cfg: dict, module_times: dict | None = None) -> dict[str, tuple[float, float]]:
     """``flop_positions``, with each point's module as the base point's step timeline has it, where it
     has one (the median over layers and micro-batches of where the GPU reached the module's forward
-    start and end, as shares of its layer's forward, ``layer_spans``; the experts split between FC1
-    and the activation by FLOPs)."""
+    start and end, as shares of its layer's forward, ``layer_spans``; points sharing a mark, the
+    experts' FC1 and activation, split its span by their FLOPs)."""
+    cfg = typed(cfg)
     flops = flop_positions(cfg)
     out = dict(flops)
+    marks = {m.mark for name, m in MODULES.items() if m.mark and name in flops}
     measured = {}
-    for module, spans in layer_spans(module_times, tuple(sorted(set(OFFLOAD_MARKS.values())))).items():
+    for module, spans in layer_spans(module_times, tuple(sorted(marks))).items():
         shares = [((a - lo) / (hi - lo), (b - lo) / (hi - lo)) for lo, hi, a, b in spans if hi > lo]
         if shares:
             measured[module] = tuple(statistics.median(x) for x in zip(*shares))
-    for point, module in OFFLOAD_MARKS.items():
-        if module in measured:
-            out[point] = measured[module]
-    if "mlp.experts" in measured:  # FC1's share of the experts' FLOPs
-        lo, hi = measured["mlp.experts"]
-        c, fc1 = flops["expert_fc1"]
-        split = lo + (hi - lo) * (fc1 - c) / ((1.0 - c) or 1.0)
-        out["expert_fc1"], out["moe_act"] = (lo, split), (split, hi)
+    for mark, (lo, hi) in measured.items():
+        points = {name: flops[name] for name, m in MODULES.items() if m.mark == mark and name in flops}
+        first, last = min(a for a, _ in points.values()), max(b for _, b in points.values())
+        for name, (a, b) in points.items():  # each point's FLOP share of the mark's measured span
+            out[name] = (lo if a == first else lo + (hi - lo) * (a - first) / ((last - first) or 1.0),
+                         hi if b == last else lo + (hi - lo) * (b - first) / ((last - first) or 1.0))
     return out
 
 

@@ -18,10 +18,10 @@ from __future__ import annotations
 import statistics
 
 from recipes.build.resolve import resolve_swiglu_fusion
-from recipes.config import EstimateConfig
-from recipes.measure.flops import layer_forward_flops, mlp_replays_fc2, replayed_layer_flops
+from recipes.config import EstimateConfig, typed
+from recipes.measure.flops import layer_forward_flops, replayed_layer_flops
 from recipes.predict.replay import Timeline, stream_pace
-from recipes.recompute import ATTENTION_KIND, gdn_pattern, labels_of, moe_pattern, replays_without_output
+from recipes.recompute import ATTENTION_KIND, LABELS, gdn_pattern, labels_of, moe_pattern, replays_without_output
 
 
 def layer_forward_s(cfg: dict, tflops: float, module_times: dict | None = None) -> float:
@@ -29,6 +29,7 @@ def layer_forward_s(cfg: dict, tflops: float, module_times: dict | None = None) 
     (on its step timeline, the median of its layers' forwards as the GPU reached them,
     ``layer_spans``; else the mean of the module-time pass's stream times), else at ``tflops``
     achieved TFLOP/s per GPU (its matmul FLOPs, ``recipes.measure.flops``; TP splits them)."""
+    cfg = typed(cfg)
     spans = layer_spans(module_times, ("",))[""]
     if spans:
         return statistics.median(end - start for start, end, _, _ in spans) / 1e3
@@ -37,17 +38,7 @@ def layer_forward_s(cfg: dict, tflops: float, module_times: dict | None = None) 
         return sum(measured) / len(measured) / 1e3
     layer = layer_forward_flops(cfg)
     flops = sum(layer.get(k, 0.0) for k in ("attn_proj", "core_attn", "mlp", "moe"))
-    return flops / cfg["parallel"]["tensor_model_parallel_size"] / (tflops * 1e12)
-
-
-#: What each elementwise label (no matmul) replays per layer it covers and micro-batch, on CUDA with the
-#: local spec (counted from megatron-core 0.19.2 and recipes/build): (checkpoint regions, kernels; None:
-#: the activation's, one fused or five unfused). ``layernorm``: the input and pre-MLP norms, two
-#: ``CheckpointWithoutOutput`` regions of one kernel each (torch's RMSNorm is one fused kernel on CUDA,
-#: ``_fused_rms_norm``; the CPU's composite runs six). ``moe_act``: one region, the experts' activation x
-#: probs (unfused: silu, the GLU's offset add, the product, the probs product in fp32, the cast back).
-#: ``gdn_norm_out``: one region, the gated output norm (norm, silu of the gate, product, cast; approximate).
-ELEMENTWISE_REPLAYS = {"layernorm": (2, 2), "moe_act": (1, None), "gdn_norm_out": (1, 4)}
+    return flops / cfg.parallel.tensor_model_parallel_size / (tflops * 1e12)
 
 
 def activation_kernels(model: dict) -> int:
@@ -58,41 +49,36 @@ def activation_kernels(model: dict) -> int:
 
 def elementwise_replays(cfg: dict) -> tuple[float, float]:
     """(checkpoint regions, kernels) the run's elementwise labels replay per layer and micro-batch
-    (``ELEMENTWISE_REPLAYS``; model=gdn and partial MoE: the average layer)."""
-    labels, m = set(labels_of(cfg)), cfg["model"]
-    share = {"layernorm": 1.0, "moe_act": sum(moe_pattern(m)) / m["num_layers"],
-             "gdn_norm_out": sum(gdn_pattern(m)) / m["num_layers"]}
+    (``Label.elementwise``; model=gdn and partial MoE: the average layer, the share of layers it covers)."""
+    cfg = typed(cfg)
+    labels, m = set(labels_of(cfg)), cfg.model
     act = activation_kernels(m)
     regions, kernels = 0.0, 0.0
-    for label, (label_regions, label_kernels) in ELEMENTWISE_REPLAYS.items():
-        if label in labels:
-            regions += share[label] * label_regions
-            kernels += share[label] * (act if label_kernels is None else label_kernels)
+    for name, label in LABELS.items():
+        if name in labels and label.elementwise:
+            label_regions, label_kernels = label.elementwise
+            share = sum(label.covers(m)) / m["num_layers"]
+            regions += share * label_regions
+            kernels += share * (act if label_kernels is None else label_kernels)
     return regions, kernels
 
 
 def host_bound(cfg: dict) -> bool:
     """A step the host's launch rate bounds: MoE (routing, permutation, many small kernels) and
     MLA; the GPU idles there for a third of a bare MoE step (docs/evidence/h200.md)."""
-    return any(moe_pattern(cfg["model"])) or ATTENTION_KIND[cfg["model"]["family"]] == "mla"
-
-
-#: MLA's attention modules outside its ``mla_up_proj`` checkpoint: the rest of ``self_attention``'s
-#: forward is the up projections, RoPE and the q/k/v assembly the label replays.
-MLA_OUTSIDE_UP_PROJ = ("self_attention.core_attention", "self_attention.linear_proj",
-                       "self_attention.linear_q_proj", "self_attention.linear_q_down_proj",
-                       "self_attention.linear_kv_down_proj", "self_attention.q_layernorm",
-                       "self_attention.kv_layernorm")
+    cfg = typed(cfg)
+    return any(moe_pattern(cfg.model)) or ATTENTION_KIND[cfg.model.family] == "mla"
 
 
 def measured_replay_s(cfg: dict, module_times: dict) -> dict[str, float]:
     """Seconds one micro-batch's replay of each matmul label (and ``full``, its layers as ``cfg``'s
     recompute method and count say) takes on the rank that timed its modules
     (``recipes.measure.moduletime``): the forward times of the modules the label's checkpoint runs, in
-    the layers it covers. A label whose modules were not timed is left out (priced by its FLOPs)."""
+    the layers it covers. A label whose modules were not timed, or that covers no layer, is left out
+    (priced by its FLOPs)."""
+    cfg = typed(cfg)
     fwd, numbers = module_times.get("forward_ms") or {}, module_times.get("layers") or []
-    m = cfg["model"]
-    moe, gdn = moe_pattern(m), gdn_pattern(m)
+    m = cfg.model
 
     def total(plus: tuple, minus: tuple, covers) -> float | None:
         if not numbers or any(name not in fwd for name in plus):
@@ -101,13 +87,11 @@ def measured_replay_s(cfg: dict, module_times: dict) -> dict[str, float]:
                  for i, number in enumerate(numbers) if covers(number - 1, i))
         return max(ms, 0.0) / 1e3
 
-    out = {"full": total(("",), (), _full_covers(cfg, numbers)),
-           "mlp": total(("mlp",), () if mlp_replays_fc2(cfg) else ("mlp.linear_fc2",), lambda g, _: not moe[g]),
-           "moe": total(("mlp",), (), lambda g, _: moe[g]),
-           "shared_experts": total(("mlp.shared_experts",), (), lambda g, _: moe[g])}
-    if ATTENTION_KIND[m["family"]] == "mla":
-        out["mla_up_proj"] = total(("self_attention",), MLA_OUTSIDE_UP_PROJ, lambda g, _: True)
-    out["core_attn"] = total(("self_attention.core_attention",), (), lambda g, _: not gdn[g])
+    out = {"full": total(("",), (), _full_covers(cfg, numbers))}
+    for name, label in LABELS.items():  # the matmul labels in the layers they cover: Label.timed less Label.untimed
+        covers = label.covers(m)
+        if label.timed and any(covers):
+            out[name] = total(label.timed, label.untimed_modules(cfg), lambda g, _, covers=covers: covers[g])
     return {label: s for label, s in out.items() if s is not None}
 
 
@@ -115,7 +99,7 @@ def _full_covers(cfg: dict, numbers: list[int]):
     """Which of a rank's layers (megatron's layer numbers, in order) full recompute replays: all of them
     (uniform), or the first ``recompute_num_layers`` of each model chunk (block; a chunk is a run of
     consecutive layer numbers)."""
-    rc = cfg["recompute"]
+    rc = cfg.recompute
     if rc["recompute_method"] != "block":
         return lambda g, i: True
     position, k = [], rc["recompute_num_layers"] or 0
@@ -124,48 +108,43 @@ def _full_covers(cfg: dict, numbers: list[int]):
     return lambda g, i: position[i] < k
 
 
-#: Where each label's replay runs, for ``timeline_recompute_costs``: (modules whose forward it replays,
-#: modules inside those it does not replay, the module at whose backward start it runs, which layers,
-#: the kind of region: ``recipes.measure.regions``); an elementwise label's replay is (no module: its
-#: bytes and kernels, ``ELEMENTWISE_REPLAYS``) at each position it names. ``layernorm``'s norms are
-#: replayed where the attention's and the MLP's backward begin (megatron registers their recompute on
-#: those modules' outputs).
-def _placements(cfg: dict) -> list[tuple[tuple, tuple, str, object, str]] | None:
-    """The run's recompute as (replayed, not replayed, at, covers(global layer, index), region kind)
-    pieces; None where a label has no place on the timeline (``gdn_norm_out``, GDN layers)."""
-    rc, m = cfg["recompute"], cfg["model"]
-    moe, gdn = moe_pattern(m), gdn_pattern(m)
-    if any(gdn):
+def _placements(cfg: dict) -> list[tuple[tuple, tuple, str, str, float | None, object, str]] | None:
+    """The run's recompute as (replayed, not replayed, at, function, kernels, covers(global layer, index),
+    region kind) pieces, for ``timeline_recompute_costs``: a matmul label replays the forwards of its
+    ``Label.timed`` modules less its ``untimed`` ones at each module of its ``Label.at`` (whose backward
+    start runs it); an elementwise label replays no module but its ``at`` function there, a region of
+    ``kernels`` kernels (``Label.elementwise``; None: the MLP activation's) besides its bytes. The kind
+    of region: ``recipes.measure.regions``. None where a label has no place on the timeline (no
+    ``at``: ``gdn_norm_out``; GDN layers)."""
+    cfg = typed(cfg)
+    rc, m = cfg.recompute, cfg.model
+    if any(gdn_pattern(m)):
         return None
-    every = lambda g, i: True  # noqa: E731
     if rc["recompute_granularity"] == "full":
-        return [(("",), (), "", None, "checkpoint")]  # covers: _full_covers, which needs the rank's layer numbers
+        return [(("",), (), "", "", None, None, "checkpoint")]  # covers: _full_covers, which needs the rank's layer numbers
     if rc["recompute_granularity"] != "selective":
         return []
-    spec = {"mlp": [(("mlp",), () if mlp_replays_fc2(cfg) else ("mlp.linear_fc2",), "mlp", lambda g, i: not moe[g])],
-            "moe": [(("mlp",), (), "mlp", lambda g, i: moe[g])],
-            "shared_experts": [(("mlp.shared_experts",), (), "mlp.shared_experts", lambda g, i: moe[g])],
-            "mla_up_proj": [(("self_attention",), MLA_OUTSIDE_UP_PROJ, "self_attention.core_attention", every)],
-            "core_attn": [(("self_attention.core_attention",), (), "self_attention.core_attention", every)],
-            "layernorm": [((), (), "self_attention", every), ((), (), "mlp", every)],
-            "moe_act": [((), (), "mlp.experts", lambda g, i: moe[g])]}
-    if any(label not in spec for label in rc["recompute_modules"]):
+    labels = [LABELS.get(name) for name in rc["recompute_modules"]]
+    if any(label is None or not label.at for label in labels):
         return None
-    return [(*piece, "without_output" if replays_without_output(label, rc) else "checkpoint")
-            for label in rc["recompute_modules"] for piece in spec[label]]
+    out = []
+    for label in labels:
+        covers = label.covers(m)
+        kind = "without_output" if replays_without_output(label.name, rc) else "checkpoint"
+        regions, kernels = label.elementwise or (1, None)
+        kernels = None if kernels is None else kernels / regions
+        out += [(label.timed, label.untimed_modules(cfg), at, function, kernels,
+                 lambda g, i, covers=covers: covers[g], kind) for at, function in label.at]
+    return out
 
 
-#: The function an elementwise region replays, by where it runs: a timed module (a norm; its host time
-#: on the timeline) or a ``recipes.measure.regions.REGION_FUNCTIONS`` label (its host time in the pass).
-ELEMENTWISE_FUNCTION = {"self_attention": "input_layernorm", "mlp": "pre_mlp_layernorm", "mlp.experts": "moe_act"}
-
-
-def _elementwise_host_ms(tl: Timeline, number: int, at: str, k: int, kernels: int, launch_ms: float) -> float:
-    """Host ms the function of an elementwise region replayed at ``at`` takes (its ``k``-th micro-batch):
-    as measured where the pass measured regions (a norm's forward on the timeline, the experts'
-    activation in the pass: on one H200 a norm took about 56 us and megatron's compiled SwiGLU about
-    240), else ``kernels`` x ``launch_ms`` (an eager op's host cost, an order of magnitude)."""
-    function = ELEMENTWISE_FUNCTION[at]
+def _elementwise_host_ms(tl: Timeline, number: int, function: str, k: int, kernels: float, launch_ms: float) -> float:
+    """Host ms an elementwise region's ``function`` (``Label.at``: a timed module, a norm, its host time
+    on the timeline; or a ``recipes.measure.regions.REGION_FUNCTIONS`` label, its host time in the pass)
+    takes (its ``k``-th micro-batch): as measured where the pass measured regions (a norm's forward on
+    the timeline, the experts' activation in the pass: on one H200 a norm took about 56 us and
+    megatron's compiled SwiGLU about 240), else ``kernels`` x ``launch_ms`` (an eager op's host cost,
+    an order of magnitude)."""
     if tl.region_ms is not None:
         if function in tl.region_function_ms:
             return tl.region_function_ms[function]
@@ -218,19 +197,20 @@ def timeline_recompute_costs(cfg: dict, module_times: dict, elementwise_s: float
     (``replay.stream_pace``; a process without one takes its point's others'). One price a process
     whose timeline the point kept, sorted; None where the point has no timeline or a label has no
     place on it."""
+    cfg = typed(cfg)
     pieces, numbers = _placements(cfg), module_times.get("layers") or []
     timelines = paced_timelines(module_times, numbers)
     if not timelines or pieces is None or not numbers:
         return None
-    est, default = cfg.get("estimate") or {}, EstimateConfig()
+    est, default = cfg.estimate, EstimateConfig()
     region_ms = est.get("replay_region_ms", default.replay_region_ms)
     launch_ms = est.get("launch_us", default.launch_us) / 1e3
-    act = activation_kernels(cfg["model"])
+    act = activation_kernels(cfg.model)
     costs = []
     for tl in timelines:
         inserted: dict[int, list[float]] = {}
         elementwise = []
-        for replayed, inside, at, covers, kind in pieces:
+        for replayed, inside, at, function, kernels, covers, kind in pieces:
             covers = covers or _full_covers(cfg, numbers)
             for i, number in enumerate(numbers):
                 if not covers(number - 1, i):
@@ -245,7 +225,7 @@ def timeline_recompute_costs(cfg: dict, module_times: dict, elementwise_s: float
                     slot[0] -= saved
                 region = (tl.region_ms or {}).get(kind, region_ms)
                 ahead = min((tl.region_forward_ms or {}).get(kind, 0.0), region)
-                starts = tl.where(number, replayed[0] if replayed else ELEMENTWISE_FUNCTION[at], "pre") or \
+                starts = tl.where(number, replayed[0] if replayed else function, "pre") or \
                     tl.where(number, at, "pre")
                 if ahead and len(starts) == len(spots):  # the region's forward machinery, where it runs
                     for j in starts:
@@ -258,7 +238,7 @@ def timeline_recompute_costs(cfg: dict, module_times: dict, elementwise_s: float
                             sign = 1.0 if n < len(replayed) else -1.0
                             host, gpu = host + sign * f[k][0], gpu + sign * f[k][1]
                     if not replayed:  # elementwise: one kernel for a norm, the activation's for moe_act
-                        host += _elementwise_host_ms(tl, number, at, k, act if at == "mlp.experts" else 1,
+                        host += _elementwise_host_ms(tl, number, function, k, act if kernels is None else kernels,
                                                      launch_ms)
                         elementwise.append(j)
                     slot = inserted.setdefault(j, [0.0, 0.0])
@@ -296,6 +276,7 @@ def _forward_savings(tl: Timeline, number: int, replayed: tuple, inside: tuple, 
 def recompute_s(cfg: dict, tflops: float, layers: int, microbatches: int, elementwise_bytes: int = 0,
                 hbm_gb_s: float = 3000.0, module_times: dict | None = None) -> float:
     """Seconds per step the run's recompute replays (``recompute_by_process_s``)."""
+    cfg = typed(cfg)
     return recompute_by_process_s(cfg, tflops, layers, microbatches, elementwise_bytes, hbm_gb_s, module_times)[0]
 
 
@@ -313,7 +294,8 @@ def recompute_by_process_s(cfg: dict, tflops: float, layers: int, microbatches: 
     behind): the median of its processes' prices, returned with them all (an MoE process's host pace
     moves a replay's cost by that much: 71-108 ms for ``full`` in three processes of one H200 point);
     otherwise with None."""
-    rc = cfg["recompute"]
+    cfg = typed(cfg)
+    rc = cfg.recompute
     memory = 2 * elementwise_bytes / (hbm_gb_s * 1e9)
     if module_times and module_times.get("marks"):
         costs = timeline_recompute_costs(cfg, module_times, memory)
@@ -330,8 +312,8 @@ def recompute_by_process_s(cfg: dict, tflops: float, layers: int, microbatches: 
     layer = layer_forward_flops(cfg)
     per_layer = sum(layer.get(k, 0.0) for k in ("attn_proj", "core_attn", "mlp", "moe"))
     replay = replayed_layer_flops({**cfg, "recompute": rest}, layer, per_layer)
-    replay /= cfg["parallel"]["tensor_model_parallel_size"]
-    est, default = cfg.get("estimate") or {}, EstimateConfig()
+    replay /= cfg.parallel.tensor_model_parallel_size
+    est, default = cfg.estimate, EstimateConfig()
     regions, kernels = elementwise_replays(cfg)
     per_kernel = est.get("launch_us", default.launch_us) / 1e6 if host_bound(cfg) else 0.0
     overhead = regions * est.get("replay_region_ms", default.replay_region_ms) / 1e3 + kernels * per_kernel

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 from fractions import Fraction
 
 from recipes.build.parallel import pipeline_schedule
-from recipes.config import EstimateConfig, compose_config, upgrade
+from recipes.config import compose_config, typed
 from recipes.errors import ConfigError
 from recipes.files import GIB
 from recipes.offload import modules_of
@@ -78,9 +78,10 @@ def build_chunk(cfg: dict, d: Dims, index: int, shares: list | None = None) -> C
     ``index`` holds global layers ``chunk_layers(...)[index]`` (megatron's layer offset), which says which
     layers are GatedDeltaNet or attention, MoE or dense (``global_layer_terms``). ``shares``: each layer's
     routed share (EP: the rows a run recorded), else ``d.routed_share`` for every layer."""
-    par, rc = cfg["parallel"], cfg["recompute"]
-    num_chunks = par["pipeline_model_parallel_size"] * (par["virtual_pipeline_model_parallel_size"] or 1)
-    mine = chunk_layers(cfg["model"], par)[index]
+    cfg = typed(cfg)
+    par, rc = cfg.parallel, cfg.recompute
+    num_chunks = par.pipeline_model_parallel_size * (par.virtual_pipeline_model_parallel_size or 1)
+    mine = chunk_layers(cfg.model, par)[index]
     n = len(mine)
     per = [d] * n if shares is None else [replace(d, routed_share=f if d.ep > 1 else 1) for f in shares]
     extra = embedding_terms(d) if index == 0 else []
@@ -88,12 +89,12 @@ def build_chunk(cfg: dict, d: Dims, index: int, shares: list | None = None) -> C
     groups: list[list[str]] = []
     if not d.full:
         layers = [global_layer_terms(per[i], mine[i]) for i in range(n)]
-        layers, host, groups = chunk_offload(cfg, d, layers, list(mine), gdn_pattern(cfg["model"]))
+        layers, host, groups = chunk_offload(cfg, d, layers, list(mine), gdn_pattern(cfg.model))
     else:  # a checkpoint keeps its chunk's input (1/tp of it when distributed over TP)
-        k = rc["recompute_num_layers"]
-        hidden = d.e * d.s_sp * d.b * d.h // (d.tp if rc["distribute_saved_activations"] else 1)
+        k = rc.recompute_num_layers
+        hidden = d.e * d.s_sp * d.b * d.h // (d.tp if rc.distribute_saved_activations else 1)
         ckpt = [("other", "full recompute checkpoint input", hidden)]
-        if rc["recompute_method"] == "uniform":
+        if rc.recompute_method == "uniform":
             layers = [ckpt if i % k == 0 else [] for i in range(n)]
         else:  # block: the first k layers are checkpointed one by one, the rest keep everything
             layers = [ckpt if i < k else global_layer_terms(per[i], mine[i]) for i in range(n)]
@@ -142,26 +143,28 @@ def transient_bytes(d: Dims, has_head: bool, last_layer_recomputed: bool = True,
     loss = 0
     if has_head:
         sb = d.s * d.b
-        loss = (d.e * sb * d.model["vocab_size"] // d.tp if d.e < 4 else 0) + d.e * sb * d.h
+        loss = (d.e * sb * d.model.vocab_size // d.tp if d.e < 4 else 0) + d.e * sb * d.h
     return max(loss, remat + 2 * biggest - head_freed)
 
 
 def num_microbatches(cfg: dict) -> int:
-    t, par, launch = cfg["train"], cfg["parallel"], cfg["launcher"]
-    world = launch["nproc_per_node"] * launch["nnodes"]
-    dp = max(1, world // (par["tensor_model_parallel_size"] * par["pipeline_model_parallel_size"]
-                          * par["context_parallel_size"]))
-    gbs = t["global_batch_size"] or t["micro_batch_size"] * dp
-    return max(1, gbs // (t["micro_batch_size"] * dp))
+    cfg = typed(cfg)
+    t, par, launch = cfg.train, cfg.parallel, cfg.launcher
+    world = launch.nproc_per_node * launch.nnodes
+    dp = max(1, world // (par.tensor_model_parallel_size * par.pipeline_model_parallel_size
+                          * par.context_parallel_size))
+    gbs = t.global_batch_size or t.micro_batch_size * dp
+    return max(1, gbs // (t.micro_batch_size * dp))
 
 
 def moe_imbalance(cfg: dict) -> float:
     """The routed share to price an expert-parallel rank at before any run: ``estimate.moe_imbalance``
     (a bound for the worst EP rank), 1 without expert parallel. Results recorded before the field
     existed get its default."""
-    if MLP_KIND.get(cfg["model"]["family"]) != "moe" or cfg["parallel"]["expert_model_parallel_size"] == 1:
+    cfg = typed(cfg)
+    if MLP_KIND.get(cfg.model.family) != "moe" or cfg.parallel.expert_model_parallel_size == 1:
         return 1.0
-    return float((cfg.get("estimate") or {}).get("moe_imbalance", EstimateConfig.moe_imbalance))
+    return float(cfg.estimate.moe_imbalance)
 
 
 def predict(cfg: dict, device: str = "auto", stage: int | None = None,
@@ -179,19 +182,19 @@ def predict(cfg: dict, device: str = "auto", stage: int | None = None,
     (the worst EP rank, ``moe_imbalance``); a number for every layer; or a list, one per layer of
     ``stage`` in chunk order, as a run records them (``compare_result``). Ignored without EP.
     """
-    cfg = upgrade(cfg)  # a stored result's config: today's schema
+    cfg = typed(cfg)  # a stored result's config: upgraded to today's schema
     if routed_share is None:
         routed_share = moe_imbalance(cfg)
     per_layer = isinstance(routed_share, list)
     if per_layer and stage is None:
         raise ValueError("per-layer routed shares belong to one pipeline stage: give stage")
     d = dims(cfg, device, 1 if per_layer else routed_share)
-    par = cfg["parallel"]
-    pp, vpp = par["pipeline_model_parallel_size"], par["virtual_pipeline_model_parallel_size"]
+    par = cfg.parallel
+    pp, vpp = par.pipeline_model_parallel_size, par.virtual_pipeline_model_parallel_size
     m_count = num_microbatches(cfg)
     stages = []
     for st in range(pp):
-        n = cfg["model"]["num_layers"] // (pp * (vpp or 1))
+        n = cfg.model.num_layers // (pp * (vpp or 1))
         shares = [routed_share[v * n:(v + 1) * n] if per_layer and st == stage else None for v in range(vpp or 1)]
         chunks = [build_chunk(cfg, d, v * pp + st, shares[v]) for v in range(vpp or 1)]
         chunk_bytes = [_sum([t for layer in c.layers for t in layer] + c.extra) for c in chunks]
@@ -205,11 +208,11 @@ def predict(cfg: dict, device: str = "auto", stage: int | None = None,
         static = static_bytes(cfg, d.device, st)
         static_total = static["params"] + static["grads"] + static["optimizer"]
         has_head = any(c.index == pp * (vpp or 1) - 1 for c in chunks)
-        rc = cfg["recompute"]
-        block = d.full and rc["recompute_method"] == "block" and rc["recompute_num_layers"] < len(
+        rc = cfg.recompute
+        block = d.full and rc.recompute_method == "block" and rc.recompute_num_layers < len(
             chunks[-1].layers)
         head_freed = _sum(head_terms(d)) if has_head else 0
-        last = chunk_layers(cfg["model"], par)[chunks[-1].index][-1]  # its backward runs first
+        last = chunk_layers(cfg.model, par)[chunks[-1].index][-1]  # its backward runs first
         transient = transient_bytes(d, has_head, last_layer_recomputed=not block, head_freed=head_freed,
                                     last_gdn=is_gdn_layer(d, last), last_moe=is_moe_layer(d, last))
         host_layers = [sum(t[3] for t in layer) for c in chunks for layer in c.host]
@@ -244,13 +247,13 @@ def predict(cfg: dict, device: str = "auto", stage: int | None = None,
         })
     pick = stages[stage] if stage is not None else max(stages, key=lambda s: s["peak_bytes"])
     if pick["host_bytes"]:  # the copies' time per step at the assumed rate and link (estimate.*)
-        est = cfg.get("estimate") or {}
-        tflops, link = est.get("mfu", 0.38) * cfg["measure"]["peak_tflops"], est.get("host_link_gb_s", 50.0)
+        est = cfg.estimate
+        tflops, link = est.mfu * cfg.measure.peak_tflops, est.host_link_gb_s
         overhead = offload_overhead(est)
         pick = {**pick, "offload_transfer": {**exposed_transfer_s(pick["offload_groups_per_layer"], layer_forward_s(
             cfg, tflops), link, m_count, flop_positions(cfg), *overhead), "tflops": tflops,
             "host_link_gb_s": link, "s_per_group": overhead[0], "s_per_gib": overhead[1]}}
-    ep = par["expert_model_parallel_size"] > 1 and MLP_KIND.get(cfg["model"]["family"]) == "moe"
+    ep = par.expert_model_parallel_size > 1 and MLP_KIND.get(cfg.model.family) == "moe"
     share = None if not ep else [float(f) for f in routed_share] if per_layer else float(routed_share)
     worst = max(stages, key=lambda s: s["peak_bytes"])
     return {**pick, "predicted": True, "device": d.device, "precision": "bf16" if d.e == 2 else "fp32",
@@ -263,6 +266,7 @@ def planned_host_bytes(cfg: dict, device: str = "auto") -> int | None:
     """The host memory one rank's activation offload is predicted to hold (its micro-batches in
     flight, the worst pipeline stage), for the validator's host-memory check; None without offload
     or for a configuration the estimator does not model (the run itself then decides)."""
+    cfg = typed(cfg)
     if not modules_of(cfg):
         return None
     try:
@@ -281,7 +285,8 @@ def held_host_bytes(p: dict) -> int:
 def worst_rank_reason(cfg: dict, st: dict, pp: int) -> str:
     """Why pipeline stage ``st`` holds the most: its largest share (micro-batches in flight under 1F1B,
     static memory, the head) and, for MoE, the routed tokens each expert rank keeps (balanced routing)."""
-    m, par = cfg["model"], cfg["parallel"]
+    cfg = typed(cfg)
+    m, par = cfg.model, cfg.parallel
     static, flight = st["static_bytes"], st["in_flight_activation_bytes"]
     parts = [f"pipeline stage {st['stage']} of {pp} ({st['num_layers']} layers)"]
     if flight >= static:
@@ -294,14 +299,14 @@ def worst_rank_reason(cfg: dict, st: dict, pp: int) -> str:
                      f"{flight / GIB:.1f} GiB of in-flight activations ({st['in_flight_microbatches']:.2f} micro-batches)")
     if st["outside_layers"] and any(t[0] == "logits" for t in st["outside_layers"]):
         parts.append("it also computes the loss over the vocabulary")
-    vpp, split, pattern = par["virtual_pipeline_model_parallel_size"] or 1, chunk_layers(m, par), moe_pattern(m)
+    vpp, split, pattern = par.virtual_pipeline_model_parallel_size or 1, chunk_layers(m, par), moe_pattern(m)
     moe_layers = sum(pattern[i] for v in range(vpp) for i in split[v * pp + st["stage"]])
     if moe_layers:
-        ep = par["expert_model_parallel_size"]
-        tokens = cfg["train"]["seq_length"] * cfg["train"]["micro_batch_size"] // (
-            par["tensor_model_parallel_size"] if par["sequence_parallel"] else 1)
-        routed = tokens * m["moe_router_topk"]  # the EP group's tokens x top-k / EP: expected, every EP rank alike
-        parts.append(f"each expert rank's {m['num_moe_experts'] // ep} experts receive ~{routed} routed tokens per "
+        ep = par.expert_model_parallel_size
+        tokens = cfg.train.seq_length * cfg.train.micro_batch_size // (
+            par.tensor_model_parallel_size if par.sequence_parallel else 1)
+        routed = tokens * m.moe_router_topk  # the EP group's tokens x top-k / EP: expected, every EP rank alike
+        parts.append(f"each expert rank's {m.num_moe_experts // ep} experts receive ~{routed} routed tokens per "
                      f"micro-batch in each of its {moe_layers} MoE layers (balanced routing assumed: a hot expert "
                      "rank holds more)")
     return "; ".join(parts)
@@ -309,15 +314,15 @@ def worst_rank_reason(cfg: dict, st: dict, pp: int) -> str:
 
 def predict_options(cfg: dict, device: str = "cuda") -> tuple[list[tuple[str, dict]], list[tuple[str, str]]]:
     """Every recompute option of the family: (predictions sorted by peak, refused with the reason)."""
-    cfg = upgrade(cfg)
+    cfg = typed(cfg)  # a stored result's config: upgraded to today's schema
     done, refused = [], []
-    if cfg["model"]["family"] not in FAMILIES:
+    if cfg.model.family not in FAMILIES:
         dims(cfg, device)  # refuses the family by name
     # the config as given is refused with the controller's message: each option's refusal below only
     # says why that option does not apply, and a bad model would make every option "not applicable"
     validate_for(cfg, device)
-    for option in options_for(cfg["model"]):
-        trial = {**cfg, "recompute": recompute_config(option)}
+    for option in options_for(cfg.model):
+        trial = replace(cfg, recompute=replace(cfg.recompute, **recompute_config(option)))
         try:
             done.append((option, predict(trial, device)))
         except ConfigError as err:

@@ -41,6 +41,7 @@ keep outside it (``recipes.hardware``: each GPU profile's ``cuda_reserved_gib``)
 
 from __future__ import annotations
 
+from recipes.config import typed
 from recipes.offload import modules_of
 from recipes.recompute import MLP_KIND
 
@@ -62,8 +63,9 @@ def slack_for(cfg: dict | None) -> float:
     ``ALLOCATOR_SLACK`` (also without a config)."""
     if not cfg:
         return ALLOCATOR_SLACK
-    kind = MLP_KIND.get(cfg["model"]["family"])
-    slack = EP_MOE_SLACK if kind == "moe" and cfg["parallel"]["expert_model_parallel_size"] > 1 else ALLOCATOR_SLACK
+    cfg = typed(cfg)
+    kind = MLP_KIND.get(cfg.model.family)
+    slack = EP_MOE_SLACK if kind == "moe" and cfg.parallel.expert_model_parallel_size > 1 else ALLOCATOR_SLACK
     modules = modules_of(cfg)
     which = "moe" if modules and kind == "moe" else "core_attn" if "core_attn" in modules else None
     return max(slack, OFFLOAD_SLACK[which]) if which else slack

@@ -2,9 +2,9 @@
 
 Memory. Each offload module (``recipes.offload.MODULES``) is the point megatron wraps in a saved-tensor
 hook context; the ledger terms saved inside it (``recipes.predict.activations``) are the ones it
-moves. ``point_of`` names each term's point from the code that saves it (the input norm's tensors for
-``attn_norm``, core attention's for ``core_attn``, the projection's input for ``attn_proj``, the
-expert activation's for ``moe_act``...). A moved term leaves the device (the manager drops its
+moves. ``point_of`` names each term's point from the code that saves it (``OffloadModule.saves``: the
+input norm's tensors for ``attn_norm``, core attention's for ``core_attn``, the projection's input for
+``attn_proj``, the expert activation's for ``moe_act``...). A moved term leaves the device (the manager drops its
 reference once copied, and releases the point's input explicitly) and its elements go to the host:
 a saved view is copied as its own elements (core attention's v is a view of the fused QKV output;
 the GLU's gate half of FC1's output), while the device frees the whole storage. Two points can copy
@@ -21,36 +21,21 @@ What the copies and the recompute cost a step's time is ``recipes.predict.cost``
 
 from __future__ import annotations
 
-from recipes.offload import modules_of
+from recipes.config import typed
+from recipes.offload import MODULES, modules_of
 from recipes.predict.dims import Dims, Term
 
 #: A host term: (kind, what, bytes kept on the device before offload, bytes copied to the host, the
 #: offload module whose group copies it).
 HostTerm = tuple[str, str, int, int, str]
 
-_NORM_POINT = {"input norm": "attn_norm", "pre-MLP norm": "mlp_norm"}
-_QKV_TERMS = ("qkv input (norm output)", "q_layernorm", "k_layernorm", "q_up input", "kv_up input",
-              "kv_layernorm", "mla_up_proj checkpoint")
-
-
 def point_of(term: Term, d: Dims, gdn_layer: bool) -> str | None:
-    """The offload module whose point saves this term, or None (saved outside every point)."""
-    kind, what, _ = term
-    for prefix, point in _NORM_POINT.items():
-        if what.startswith(prefix):
-            return point
-    if gdn_layer:
-        return None
-    if what.startswith(_QKV_TERMS) or (d.attention_kind == "mla" and what.startswith("RoPE")):
-        return "qkv_linear"  # MLA applies RoPE inside its QKV computation
-    if kind == "core_attn":
-        return "core_attn"
-    if what == "linear_proj input (context)":
-        return "attn_proj"
-    if what == "expert fc1 input (permuted)":
-        return "expert_fc1"
-    if what == "permuted probs" or (what.startswith("expert ") and "fc2 input" not in what):
-        return "moe_act"
+    """The offload module whose point saves this term (the first whose ``OffloadModule.saves`` says so),
+    or None (saved outside every point). In a GatedDeltaNet layer only the norms' points (``needs``
+    any) are modeled."""
+    for name, module in MODULES.items():
+        if module.saves and (module.needs == "any" or not gdn_layer) and module.saves(term, d):
+            return name
     return None
 
 
@@ -67,17 +52,17 @@ def host_copy_bytes(term: Term, d: Dims) -> int:
     _, what, nbytes = term
     if what == "v" and nbytes:  # a view of the fused QKV output (standard attention)
         return d.e * d.s * d.b * d.ng * d.dv if d.attention_kind != "mla" else nbytes
-    if what == "expert fc1 output" and d.model["gated_linear_unit"]:  # the gate half (chunk's view)
+    if what == "expert fc1 output" and d.model.gated_linear_unit:  # the gate half (chunk's view)
         return nbytes // 2
     if d.attention_kind == "mla":
         if what == "qkv input (norm output)":  # saved by both of MLA's down-projections (q and kv)
             return 2 * nbytes
         if what in ("kv_up input (kv_compressed)", "kv_layernorm input (kv_compressed)"):  # kv_combined's view
-            return d.e * d.s_sp * d.b * d.model["kv_lora_rank"]
-    rms_cpu = d.device == "cpu" and d.model["normalization"] == "RMSNorm"
+            return d.e * d.s_sp * d.b * d.model.kv_lora_rank
+    rms_cpu = d.device == "cpu" and d.model.normalization == "RMSNorm"
     if rms_cpu and what.endswith(("norm input", "norm rstd (fp32)")):  # composite: pow and mul save x; rsqrt, mul rstd
         return 2 * nbytes
-    if what in ("softmax output", "probabilities") and not d.model["attention_dropout"]:
+    if what in ("softmax output", "probabilities") and not d.model.attention_dropout:
         return 2 * nbytes  # softmax saves its output and, without dropout between, the matmul with v again
     return nbytes
 
@@ -161,10 +146,6 @@ def offload_layers(d: Dims, layers: list[list[Term]], gdn: list[bool], modules: 
     return out_layers, hosts
 
 
-#: The offload points in the order a layer's forward reaches them.
-POINT_ORDER = ("attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm", "expert_fc1", "moe_act")
-
-
 def group_points(d: Dims, layers: list[list[Term]], gdn: list[bool], modules: list[str]) -> list[list[str]]:
     """Per layer, the offload points of ``modules`` it has, in forward order: each is a group of
     megatron's manager (hooks that commit and reload it), moved or kept. Fused attention saves no
@@ -174,7 +155,7 @@ def group_points(d: Dims, layers: list[list[Term]], gdn: list[bool], modules: li
         has = {point_of(t, d, gdn[i]) for t in layer}
         if "core_attn" in has and _context_copied(layer):
             has.add("attn_proj")
-        out.append([p for p in POINT_ORDER if p in modules and p in has])
+        out.append([p for p in MODULES if p in modules and p in has])  # MODULES: in forward order
     return out
 
 
@@ -182,9 +163,10 @@ def chunk_offload(cfg: dict, d: Dims, layers: list[list[Term]], global_layers: l
                   gdn_pattern: list[int]) -> tuple[list[list[Term]], list[list[HostTerm]], list[list[str]]]:
     """``offload_layers`` for a run config's ``offload`` group (the layers unchanged without it), and
     each layer's groups (``group_points``)."""
+    cfg = typed(cfg)
     modules = modules_of(cfg)
     if not modules:
         return layers, [[] for _ in layers], [[] for _ in layers]
     gdn = [bool(gdn_pattern[g]) for g in global_layers]
-    return (*offload_layers(d, layers, gdn, modules, cfg["offload"]["min_offloaded_tensor_size"],
-                            cfg["offload"]["activation_offload_fraction"]), group_points(d, layers, gdn, modules))
+    return (*offload_layers(d, layers, gdn, modules, cfg.offload.min_offloaded_tensor_size,
+                            cfg.offload.activation_offload_fraction), group_points(d, layers, gdn, modules))

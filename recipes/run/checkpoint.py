@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from recipes.build import upstream
+from recipes.config import as_dict, typed
 from recipes.errors import ConfigError
 from recipes.files import write_json_atomic
 from recipes.run import manifest
@@ -57,9 +58,10 @@ def step_name(step: int) -> str:
 
 def checkpoint_root(cfg: dict, run_dir: Path | None) -> Path:
     """Where this run's checkpoints live: ``checkpoint.dir``, else ``RUN_DIR/checkpoints``."""
-    ck = cfg["checkpoint"]
-    if ck["dir"]:
-        return Path(os.path.expanduser(ck["dir"]))
+    cfg = typed(cfg)
+    ck = cfg.checkpoint
+    if ck.dir:
+        return Path(os.path.expanduser(ck.dir))
     if run_dir is None:
         raise ConfigError("checkpoint.dir", "checkpoints are on but the run has no directory",
                           "set checkpoint.dir=<path> or output_dir=<path>")
@@ -127,7 +129,8 @@ def find_resume(cfg: dict, run_dir: Path | None, deep: bool = True) -> tuple[Pat
     that verifies: its manifest's files, sizes and, with ``deep``, hashes; each one skipped is named;
     none at all: start fresh and say so), or a path (a checkpoint directory, or a directory of them).
     Nothing is loaded that does not verify: ``recipes.run.manifest``."""
-    resume = cfg["checkpoint"]["resume"]
+    cfg = typed(cfg)
+    resume = cfg.checkpoint.resume
     if not resume:
         return None, []
     root = checkpoint_root(cfg, run_dir) if resume == "auto" else Path(os.path.expanduser(resume))
@@ -174,7 +177,7 @@ def _latest_named(root: Path) -> Path | None:
 
 def model_differences(meta: dict, cfg: dict) -> list[str]:
     """What differs between the checkpoint's model and this run's (``model.*`` fields)."""
-    saved, now = meta.get("config", {}), cfg
+    saved, now = meta.get("config", {}), as_dict(cfg)
     out = []
     for section in MODEL_KEYS:
         a, b = saved.get(section, {}), now.get(section, {})
@@ -185,6 +188,7 @@ def model_differences(meta: dict, cfg: dict) -> list[str]:
 
 def check_compatible(path: Path, cfg: dict) -> dict:
     """The checkpoint's ``meta.json``; refuses one saved from another model (family or shape)."""
+    cfg = typed(cfg)
     meta = read_meta(path)
     if meta is None or meta.get("format") != FORMAT:
         raise ConfigError("checkpoint.resume", f"{path} is not a complete checkpoint of this project "
@@ -321,7 +325,7 @@ def full_state(trainer, extra: dict, is_loading: bool) -> dict:
 def _meta(cfg: dict, trainer) -> dict:
     return {"format": FORMAT, "step": trainer.step_count,
             "world_size": torch.distributed.get_world_size(), "global_batch_size": trainer.global_batch_size,
-            "config": {k: cfg[k] for k in ("model", "parallel", "train", "data")},
+            "config": {k: v for k, v in as_dict(cfg).items() if k in ("model", "parallel", "train", "data")},
             "schedule": trainer.scheduler.state_dict()}
 
 
@@ -332,6 +336,7 @@ def save_checkpoint(trainer, cfg: dict, root: Path, measured: dict | None = None
     any exception class (torch's ``CheckpointException`` is a ``BaseException``). The manifest is
     written last; ``latest`` is rewritten and older checkpoints deleted (``checkpoint.keep_last``) only
     once the renamed directory verifies."""
+    cfg = typed(cfg)
     from megatron.core import dist_checkpointing
 
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
@@ -381,7 +386,7 @@ def save_checkpoint(trainer, cfg: dict, root: Path, measured: dict | None = None
             if found:
                 raise OSError(f"{final} does not verify after its save: {'; '.join(found[:3])}")
             _write_text_atomic(root / LATEST, final.name)
-            _prune(root, cfg["checkpoint"]["keep_last"], final)
+            _prune(root, cfg.checkpoint.keep_last, final)
     except OSError as err:
         error, cause = f"{type(err).__name__}: {err}", err
     _agree(error, f"finishing the checkpoint of step {step} in {final} failed", cause)
@@ -431,6 +436,7 @@ def load_checkpoint(trainer, cfg: dict, path: Path, verified: bool = False) -> d
     """Load ``path`` into the trainer (model, optimizer, scheduler, data position, step, and the
     RNG states when the world size matches); returns ``{"step", "measured", "notes"}``. Nothing is read
     but JSON until it verifies against its manifest (``verified``: ``find_resume`` just checked it)."""
+    cfg = typed(cfg)
     from megatron.core import dist_checkpointing
 
     from recipes.run.schedule import restep, resumed_horizon
@@ -441,10 +447,10 @@ def load_checkpoint(trainer, cfg: dict, path: Path, verified: bool = False) -> d
     meta = check_compatible(path, cfg)
     notes = []
     horizon = None
-    if not cfg["checkpoint"]["override_scheduler"]:
+    if not cfg.checkpoint.override_scheduler:
         saved = _saved_scheduler(meta)
         if saved:
-            horizon, said = resumed_horizon(saved, trainer.scheduler.state_dict(), cfg["train"], str(path))
+            horizon, said = resumed_horizon(saved, trainer.scheduler.state_dict(), cfg.train, str(path))
             notes += said
     notes += batch_differences(meta, cfg, trainer.global_batch_size)
     same_world = meta["world_size"] == torch.distributed.get_world_size()
@@ -465,7 +471,7 @@ def load_checkpoint(trainer, cfg: dict, path: Path, verified: bool = False) -> d
         _gpt(chunk).load_state_dict(loaded[key], strict=True)
     load_optimizer_state(trainer, loaded["optimizer"])
     scheduler = trainer.scheduler
-    if cfg["checkpoint"]["override_scheduler"]:
+    if cfg.checkpoint.override_scheduler:
         scheduler.num_steps = int(loaded["step"])
         notes.append(f"checkpoint.override_scheduler=true: this run's train.* schedule applies from step {loaded['step']}")
     else:  # megatron keeps the checkpoint's values (use_checkpoint_opt_param_scheduler)
@@ -488,11 +494,12 @@ def load_checkpoint(trainer, cfg: dict, path: Path, verified: bool = False) -> d
 def batch_differences(meta: dict, cfg: dict, global_batch_size: int) -> list[str]:
     """Notes for a batch shape other than the checkpoint's: allowed (the data continues at the saved
     sample, as under Megatron-LM's batch-size ramp-up), but the next steps are not the saved run's."""
+    cfg = typed(cfg)
     saved_train = (meta.get("config") or {}).get("train") or {}
     saved = {"global_batch_size": meta.get("global_batch_size"),
              **{key: saved_train.get(key) for key in ("micro_batch_size", "seq_length")}}
-    now = {"global_batch_size": global_batch_size, "micro_batch_size": cfg["train"]["micro_batch_size"],
-           "seq_length": cfg["train"]["seq_length"]}
+    now = {"global_batch_size": global_batch_size, "micro_batch_size": cfg.train.micro_batch_size,
+           "seq_length": cfg.train.seq_length}
     return [f"saved with train.{key}={saved[key]}, resumed with {now[key]}: the data continues at the saved "
             f"sample, but the steps are not the saved run's (train.{key}={saved[key]} continues it exactly)"
             for key in now if saved[key] is not None and saved[key] != now[key]]

@@ -18,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from launch.affinity import usable_cores
 from launch.slurm import node_rank, wait_for_rank_files
 from recipes.analyze.logger import close_unfinished, usable_logger, write_identity
+from recipes.config import RunConfig, typed
 from recipes.errors import ConfigError
 from recipes.files import UnreadableFile, write_json_atomic, write_json_or_fallback
 from recipes.offload import option_of as offload_option_of
@@ -31,6 +32,7 @@ from recipes.validate import gpu_count, validate
 from recipes.validate.offload import host_memory_available, host_memory_problem
 from recipes.validate.parallel import validate_cores
 from recipes.validate.run import output_problem, peak_memory_problem
+from recipes.validate.values import check_bool_overrides
 
 #: Statuses that count as a complete result (a sweep re-run skips them unless rerun=true).
 COMPLETE = ("ok", "oom")
@@ -125,6 +127,19 @@ def changed_keys(stored: dict | None, current: dict) -> list[str]:
     return sorted(k for k in keys if stored.get(k) != current.get(k))
 
 
+def changed_values(stored: dict | None, current: dict, sections: list[str], limit: int = 4) -> str:
+    """``model.num_layers 2 -> 3, ...``: the settings of ``sections`` that differ, for a message."""
+    found = []
+    for section in sections:
+        old, new = (stored or {}).get(section), current.get(section)
+        if isinstance(old, dict) and isinstance(new, dict):
+            found += [f"{section}.{k} {old.get(k)} -> {new.get(k)}" for k in sorted(set(old) | set(new))
+                      if old.get(k) != new.get(k)]
+        else:
+            found.append(f"{section} {old} -> {new}")
+    return ", ".join(found[:limit]) + (f" and {len(found) - limit} more" if len(found) > limit else "")
+
+
 def run(cfg: DictConfig) -> dict:
     """One run (one sweep point), recorded in ``OUTCOMES`` for train.py's exit code (``exit_code``)."""
     result = _run(cfg)
@@ -159,29 +174,30 @@ def check_point(plain: dict, num_gpus: int | None = None, job_memory_gib: float 
     copies only against the job's memory (``job_memory_gib``) or ``offload.host_memory_gib`` where given."""
     num_gpus = gpu_count() if num_gpus is None else num_gpus
     validate(plain, num_gpus=num_gpus)  # the rules first: the estimator predicts only what passes them
-    if not submitting or job_memory_gib is not None or (plain.get("offload") or {}).get("host_memory_gib") is not None:
-        planned = planned_host_bytes(plain, "cuda" if submitting else "auto")
-        problem = host_memory_problem(plain, planned, job_memory_gib)
+    cfg = typed(plain)  # its keys checked: the typed config the estimator and the data checks take
+    if not submitting or job_memory_gib is not None or cfg.offload.host_memory_gib is not None:
+        planned = planned_host_bytes(cfg, "cuda" if submitting else "auto")
+        problem = host_memory_problem(cfg, planned, job_memory_gib)
         if problem:
             raise ConfigError(*problem)
     if not submitting and (single or not num_gpus):
-        problem = peak_memory_problem(plain, *_peak_and_capacity(plain, num_gpus))
+        problem = peak_memory_problem(cfg, *_peak_and_capacity(cfg, num_gpus))
         if problem:
             raise ConfigError(*problem)
     from recipes.data.indexed import validate_data  # lazy: numpy, once the rules passed
 
-    validate_data(plain)  # files, .idx header and .bin size, tokenizer sidecar (cheap)
+    validate_data(cfg)  # files, .idx header and .bin size, tokenizer sidecar (cheap)
 
 
-def _peak_and_capacity(plain: dict, num_gpus: int) -> tuple[int | None, int | None, str, int]:
+def _peak_and_capacity(cfg: RunConfig, num_gpus: int) -> tuple[int | None, int | None, str, int]:
     """The estimator's peak for one rank, what holds it (this GPU's memory, or on a CPU this host's
     available memory for all its ranks), its name, and the ranks sharing it."""
     try:
-        peak = predict(plain, "cuda" if num_gpus else "cpu")["peak_bytes"]
+        peak = predict(cfg, "cuda" if num_gpus else "cpu")["peak_bytes"]
     except Exception:  # a layout the estimator does not model: the run itself decides
         return None, None, "", 1
     if not num_gpus:
-        return peak, host_memory_available(), "this machine's available memory", plain["launcher"]["nproc_per_node"]
+        return peak, host_memory_available(), "this machine's available memory", cfg.launcher.nproc_per_node
     import torch  # a GPU machine: torch is loaded already (gpu_count)
 
     return peak, torch.cuda.get_device_properties(0).total_memory, f"this GPU's memory ({torch.cuda.get_device_name(0)})", 1
@@ -194,6 +210,12 @@ def _run(cfg: DictConfig) -> dict:
     ``refused`` point and the sweep goes on.
     """
     choices = multirun.hydra_choices()
+    check_bool_overrides(multirun.hydra_overrides())  # train.fused_adam=2: OmegaConf would read true
+    if missing := sorted(OmegaConf.missing_keys(cfg)):  # ~model: a deleted group leaves its values unset
+        group = missing[0].split(".")[0]
+        raise ConfigError(missing[0], f"has no value ({len(missing)} unset: {', '.join(missing[:4])}"
+                          f"{' ...' if len(missing) > 4 else ''})", f"select a {group} option ({group}=<option>; "
+                          f"python train.py --help lists them) or set {missing[0]}=<value>")
     plain, recipe_notes = apply_recipe(OmegaConf.to_container(cfg, resolve=True),  # recipe=: depth, layout
                                        overrides=multirun.hydra_overrides())
     for note in recipe_notes:
@@ -215,6 +237,10 @@ def _run(cfg: DictConfig) -> dict:
         validate_cores(plain, usable_cores())  # launcher.cpu_cores_per_rank on this machine
         if problem := output_problem(run_dir):
             raise ConfigError(*problem)
+        ck = plain["checkpoint"]  # a checkpoint.dir elsewhere: unwritable, the first save would stop the run
+        if ck["save"] and ck["dir"] and (problem := output_problem(os.path.expanduser(ck["dir"]))):
+            raise ConfigError("checkpoint.dir", problem[1], "set checkpoint.dir to a writable directory (null: "
+                              "RUN_DIR/checkpoints)")
     except ConfigError as err:
         if not multirun.in_multirun():
             raise
@@ -318,7 +344,8 @@ def _launch(cfg: DictConfig, plain: dict, name: str, choices: dict, run_dir: Pat
         continues = bool(plain["checkpoint"]["resume"]) and (previous.get("status") not in COMPLETE or extends)
         if changed and not multirun.in_multirun() and not continues:
             raise ConfigError("output_dir", f"{run_dir} holds a run with other {', '.join(changed)} "
-                              f"(status {previous.get('status')})", "choose another output_dir, or add rerun=true "
+                              f"({changed_values(previous.get('config'), plain, changed)}; status "
+                              f"{previous.get('status')})", "choose another output_dir, or add rerun=true "
                               "to replace that run (its result and checkpoints are deleted; training starts at step 0)")
         if previous.get("status") in COMPLETE and not extends:
             print(f"[rerun] {name}: the stored result was measured with other {', '.join(changed)}")

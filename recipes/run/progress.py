@@ -11,6 +11,7 @@ import torch
 from recipes.analyze.logger import NullRun, WandbRun, interval_metrics
 from recipes.build import compat
 from recipes.build.parallel import from_last_stage
+from recipes.config import typed
 from recipes.files import GIB, PROGRESS_FILE
 from recipes.measure.flops import step_flops
 from recipes.run.trainer import Trainer
@@ -32,13 +33,14 @@ class Progress:
 
     def __init__(self, cfg: dict, trainer: Trainer, first: int, run_dir: Path | None,
                  logger: WandbRun | NullRun | None = None):
-        train = cfg["train"]
-        self.interval, self.total = train["log_interval"], train["train_iters"]
+        cfg = typed(cfg)
+        train = cfg.train
+        self.interval, self.total = train.log_interval, train.train_iters
         self.rank0 = torch.distributed.get_rank() == 0
-        self.tokens = train["micro_batch_size"] * trainer.num_microbatches * trainer.dp_size * train["seq_length"]
+        self.tokens = train.micro_batch_size * trainer.num_microbatches * trainer.dp_size * train.seq_length
         flops = step_flops({**cfg, "_data_parallel_size": trainer.dp_size}, trainer.num_microbatches)
         self.flops_per_gpu = flops["model"] / torch.distributed.get_world_size()
-        self.peak = cfg["measure"]["peak_tflops"] * 1e12
+        self.peak = cfg.measure.peak_tflops * 1e12
         self.path = Path(run_dir) / PROGRESS_FILE if run_dir is not None and self.rank0 else None
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)

@@ -14,6 +14,7 @@ from recipes.build import compat
 from recipes.build.model import build_model, build_transformer_config, megatron_optimizer
 from recipes.build.offload import emulate_copy_streams_on_cpu, offload_paused, reset_offload_manager
 from recipes.build.parallel import from_last_stage, reduce_gradients_cpu
+from recipes.config import typed
 from recipes.data.datasets import batches, build_datasets
 from recipes.measure.labels import labels_disabled
 from recipes.measure.ledger import ActivationLedger, CheckpointCounter
@@ -26,6 +27,7 @@ class Trainer:
     """Model chunks, optimizer and one ``step()``: megatron's schedule, grads, optimizer."""
 
     def __init__(self, cfg: dict):
+        cfg = typed(cfg)
         from megatron.core import parallel_state as ps
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -42,24 +44,24 @@ class Trainer:
         self.config = build_transformer_config(cfg, self.on_gpu)
         self.chunks = build_model(cfg, self.config)
         self.dp_size = ps.get_data_parallel_world_size()
-        train = cfg["train"]
-        self.global_batch_size = gbs = train["global_batch_size"] or train["micro_batch_size"] * self.dp_size
-        self.num_microbatches = gbs // (train["micro_batch_size"] * self.dp_size)
+        train = cfg.train
+        self.global_batch_size = gbs = train.global_batch_size or train.micro_batch_size * self.dp_size
+        self.num_microbatches = gbs // (train.micro_batch_size * self.dp_size)
         self.optimizer_kind = self._build_optimizer()
         self.scheduler = build_scheduler(self.optimizer, train)
-        samples = train["train_iters"] * gbs
-        eval_interval = cfg["data"]["eval_interval"]
+        samples = train.train_iters * gbs
+        eval_interval = cfg.data.eval_interval
         eval_samples = 0
         if eval_interval:
-            eval_samples = (train["train_iters"] // eval_interval + 1) * cfg["data"]["eval_iters"] * gbs
+            eval_samples = (train.train_iters // eval_interval + 1) * cfg.data.eval_iters * gbs
         datasets = build_datasets(cfg, [samples, eval_samples, 0])
-        self.data = batches(datasets[0], train["micro_batch_size"], compat.device())
+        self.data = batches(datasets[0], train.micro_batch_size, compat.device())
         self.valid_data = None
         if eval_interval and datasets[1] is not None:
-            self.valid_data = batches(datasets[1], train["micro_batch_size"], compat.device())
+            self.valid_data = batches(datasets[1], train.micro_batch_size, compat.device())
         self.forward_backward = get_forward_backward_func(
             pp_size=ps.get_pipeline_model_parallel_world_size(),
-            vp_size=cfg["parallel"]["virtual_pipeline_model_parallel_size"],
+            vp_size=cfg.parallel.virtual_pipeline_model_parallel_size,
         )
         self.counter = CheckpointCounter().install()
         self.ledger = ActivationLedger()  # one micro-batch through every model chunk of this rank
@@ -71,7 +73,7 @@ class Trainer:
         self._grad_norm: float | None = None
 
     def _build_optimizer(self) -> str:
-        train = self.cfg["train"]
+        train = self.cfg.train
         use_megatron = megatron_optimizer(self.cfg, self.on_gpu)
         if use_megatron:
             from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -85,20 +87,20 @@ class Trainer:
             ]
             opt_config = OptimizerConfig(
                 optimizer="adam",
-                lr=train["lr"],
-                min_lr=train["min_lr"],
-                weight_decay=train["weight_decay"],
+                lr=train.lr,
+                min_lr=train.min_lr,
+                weight_decay=train.weight_decay,
                 bf16=self.config.bf16,
                 params_dtype=self.config.params_dtype,
                 use_distributed_optimizer=True,
-                clip_grad=train["clip_grad"],
+                clip_grad=train.clip_grad,
             )
             self.optimizer = get_megatron_optimizer(opt_config, self.chunks)
-            fused = use_fused_adam(self.optimizer) if train["fused_adam"] else 0
+            fused = use_fused_adam(self.optimizer) if train.fused_adam else 0
             return "megatron DistributedOptimizer (adam" + (", fused kernel)" if fused else ")")
         params = [p for c in self.chunks for p in c.parameters()]
-        self.optimizer = torch.optim.AdamW(params, lr=train["lr"], weight_decay=train["weight_decay"])
-        if train["fused_adam"]:
+        self.optimizer = torch.optim.AdamW(params, lr=train.lr, weight_decay=train.weight_decay)
+        if train.fused_adam:
             use_fused_adam(self.optimizer)
         return "torch AdamW (CPU fallback)" if not self.on_gpu else "torch AdamW"
 
@@ -189,15 +191,15 @@ class Trainer:
 
     def _schedule(self, data, forward_only: bool) -> list[dict]:
         """megatron's forward-backward schedule over this step's micro-batches (all chunks)."""
-        train = self.cfg["train"]
-        vpp = self.cfg["parallel"]["virtual_pipeline_model_parallel_size"]
+        train = self.cfg.train
+        vpp = self.cfg.parallel.virtual_pipeline_model_parallel_size
         return self.forward_backward(
             forward_step_func=self._forward_step,
             data_iterator=[data] * len(self.chunks) if vpp else data,
             model=self.chunks if vpp else self.chunks[0],
             num_microbatches=self.num_microbatches,
-            seq_length=train["seq_length"],
-            micro_batch_size=train["micro_batch_size"],
+            seq_length=train.seq_length,
+            micro_batch_size=train.micro_batch_size,
             forward_only=forward_only,
         )
 
@@ -209,7 +211,7 @@ class Trainer:
             c.eval()
         values = []
         with torch.no_grad(), offload_paused(self.offloading):
-            for _ in range(self.cfg["data"]["eval_iters"]):
+            for _ in range(self.cfg.data.eval_iters):
                 losses = self._schedule(self.valid_data, forward_only=True)
                 values += [float(l["lm loss"]) for l in losses or []]
         for c in self.chunks:
@@ -224,7 +226,7 @@ class Trainer:
 
             finalize_model_grads(self.chunks)
             return
-        self._grad_norm = reduce_gradients_cpu(self.chunks, self.config, self.cfg["train"]["clip_grad"])
+        self._grad_norm = reduce_gradients_cpu(self.chunks, self.config, self.cfg.train.clip_grad)
 
 
 def use_fused_adam(optimizer) -> int:

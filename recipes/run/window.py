@@ -16,6 +16,7 @@ import torch
 
 from recipes.build import compat
 from recipes.build.parallel import pipeline_report
+from recipes.config import typed
 from recipes.files import GIB, write_json_atomic
 from recipes.measure.collections import window_record
 from recipes.measure.flops import step_flops
@@ -60,15 +61,16 @@ def measure_window(cfg: dict, first_step: int) -> tuple[int, int] | None:
     ``first_step``, or None when the run ends before it. ``measure.start_step`` and ``measure.steps``
     place it; a resumed process past that window measures nothing (its checkpoint carries the
     measurements), and one resumed inside it measures the same number of steps after its own first."""
-    train_iters, meas = cfg["train"]["train_iters"], cfg["measure"]
-    start, end = meas["start_step"], meas["start_step"] + meas["steps"] - 1
+    cfg = typed(cfg)
+    train_iters, meas = cfg.train.train_iters, cfg.measure
+    start, end = meas.start_step, meas.start_step + meas.steps - 1
     warm = warmup_steps(cfg)
     if first_step > 1 and first_step > end:
         return None
     if first_step == 1:  # a run shorter than the window measures its last step (validate refuses it)
         start = max(1 + warm, min(start, train_iters))
     if first_step + warm - 1 >= start:  # the first step of any process warms up (allocator, kernels, ledger)
-        start, end = first_step + warm, first_step + warm - 1 + meas["steps"]
+        start, end = first_step + warm, first_step + warm - 1 + meas.steps
     end = min(end, train_iters)
     return (start, end) if start <= end else None
 
@@ -79,7 +81,8 @@ def warmup_steps(cfg: dict) -> int:
     with activation offload a second, which records the ledger once megatron's offload manager has
     planned its groups in the first (its warm-up moves every group; later steps keep the last one of
     each module on the device)."""
-    return 2 if modules_of(cfg) and cfg["measure"]["ledger"] else 1
+    cfg = typed(cfg)
+    return 2 if modules_of(cfg) and cfg.measure.ledger else 1
 
 
 
@@ -101,6 +104,7 @@ class Window:
 
 def after_first_step(trainer: Trainer, cfg: dict, result: dict, t0: float) -> None:
     """The ledger of the first step (one micro-batch through every chunk) and the pipeline report."""
+    cfg = typed(cfg)
     sync()
     result["timeline"]["warmed_up"] = time.time()
     result["setup_s"] = time.perf_counter() - t0
@@ -112,6 +116,7 @@ def after_first_step(trainer: Trainer, cfg: dict, result: dict, t0: float) -> No
 def record_ledger(trainer: Trainer, cfg: dict, result: dict) -> None:
     """The ledger of one micro-batch through every chunk (the step that recorded it) and the pipeline
     report; with offload also what that forward copied to the host, and the manager's plan."""
+    cfg = typed(cfg)
     result["ledger"] = {
         "bytes_by_kind": trainer.ledger.bytes_by_kind,
         "total_bytes": trainer.ledger.total_bytes,
@@ -120,7 +125,7 @@ def record_ledger(trainer: Trainer, cfg: dict, result: dict) -> None:
         result["ledger"]["host_bytes_by_kind"] = trainer.ledger.host_bytes_by_kind
         result["ledger"]["host_total_bytes"] = trainer.ledger.host_total_bytes
         result["offload"] = {"modules": modules_of(cfg)}
-    chunk_bytes = [l.total_bytes for l in trainer.chunk_ledgers] if cfg["measure"]["ledger"] else []
+    chunk_bytes = [l.total_bytes for l in trainer.chunk_ledgers] if cfg.measure.ledger else []
     result["pipeline"] = pipeline_report(trainer.chunks, trainer.num_microbatches, trainer.config,
                                          chunk_bytes)
 
@@ -130,7 +135,8 @@ def record_window(trainer: Trainer, cfg: dict, result: dict, window: Window, lab
              run_dir: Path | None) -> None:
     """At the window's last step: timing, memory, checkpoint counts; then the profiled step and the
     in-run control ledgers (off the step count: see docs/training.md)."""
-    train, marks, times = cfg["train"], result["timeline"], window.times
+    cfg = typed(cfg)
+    train, marks, times = cfg.train, result["timeline"], window.times
     steps = len(times)
     result["checkpoints"] = {
         label: {k: v // max(steps, 1) for k, v in counts.items()}
@@ -140,8 +146,8 @@ def record_window(trainer: Trainer, cfg: dict, result: dict, window: Window, lab
     median = statistics.median(times)
     world = torch.distributed.get_world_size()
     flops = step_flops({**cfg, "_data_parallel_size": trainer.dp_size}, trainer.num_microbatches)
-    tokens = train["micro_batch_size"] * trainer.num_microbatches * trainer.dp_size * train["seq_length"]
-    peak = cfg["measure"]["peak_tflops"]
+    tokens = train.micro_batch_size * trainer.num_microbatches * trainer.dp_size * train.seq_length
+    peak = cfg.measure.peak_tflops
     result["timing"] = {
         "steps": steps,
         "step_time_s": median,
@@ -152,7 +158,7 @@ def record_window(trainer: Trainer, cfg: dict, result: dict, window: Window, lab
         "hardware_tflops_per_gpu": flops["hardware"] / median / world / 1e12,
         "mfu": flops["model"] / median / world / 1e12 / peak if compat.cuda_available() else None,
         "recompute_flops_fraction": flops["hardware"] / flops["model"] - 1.0,
-        "gc": window_record(window.collections, bool(train["manual_gc"])),
+        "gc": window_record(window.collections, bool(train.manual_gc)),
         **host_timing(window.host),
     }
     if compat.cuda_available():
@@ -172,23 +178,23 @@ def record_window(trainer: Trainer, cfg: dict, result: dict, window: Window, lab
         record_module_times(trainer, cfg, result, marks)
         # under pipeline parallelism the host also waits for its neighbours' sends, a margin this wait
         # does not see, so none is given there
-        if "host_wait_s" in result["timing"] and cfg["parallel"]["pipeline_model_parallel_size"] == 1:
+        if "host_wait_s" in result["timing"] and cfg.parallel.pipeline_model_parallel_size == 1:
             note_host_wait(result.get("module_times"), result["timing"]["host_wait_s"] * 1e3)
-    keep = trace_path(run_dir, torch.distributed.get_rank()) if cfg["measure"]["trace_step"] and run_dir else None
+    keep = trace_path(run_dir, torch.distributed.get_rank()) if cfg.measure.trace_step and run_dir else None
     if trainer.offloading:
         result.setdefault("offload", {"modules": modules_of(cfg)})
         result["offload"].update(offload_measurements(trainer, window, median, result, keep))
-    elif (cfg["measure"]["trace_step"] or cfg["measure"]["gpu_time"] is not False) and trainer.on_gpu:
+    elif (cfg.measure.trace_step or cfg.measure.gpu_time is not False) and trainer.on_gpu:
         try:  # one more step, off the step count; for the GPU's time alone, without the host's events
-            result["trace"] = trace_step(trainer.step, keep, host=bool(cfg["measure"]["trace_step"]))
+            result["trace"] = trace_step(trainer.step, keep, host=bool(cfg.measure.trace_step))
         except Exception as err:  # the profiler (CUPTI) unavailable, or an OOM in the extra step
             result["trace"] = failed_measurement(err)
         finally:
             trainer.optimizer.zero_grad()
-    if cfg["measure"]["profile"] != "none":
+    if cfg.measure.profile != "none":
         result["profile"] = profile_step(trainer, cfg, run_dir, step_time_s=median)
     marks["profile_done"] = time.time()
-    if labels and cfg["measure"]["ledger"]:
+    if labels and cfg.measure.ledger:
         result["_ledger_warnings"] = control_ledgers(trainer, labels, result, run_dir)
     marks["ledgers_done"] = time.time()
     if trainer.offloading:  # as measured: after the offload measurements' step
@@ -210,6 +216,7 @@ def host_timing(host: list[tuple[float, float]]) -> dict:
 
 def record_module_times(trainer: Trainer, cfg: dict, result: dict, marks: dict) -> None:
     """``result["module_times"]`` where the run times its modules (``times_modules``)."""
+    cfg = typed(cfg)
     if times_modules(cfg, trainer.on_gpu):
         try:
             result["module_times"] = time_modules(trainer, marks=prices_others(cfg))
@@ -221,14 +228,16 @@ def record_module_times(trainer: Trainer, cfg: dict, result: dict, marks: dict) 
 
 def times_modules(cfg: dict, on_gpu: bool) -> bool:
     """Whether the run times its layers' modules (``measure.module_times``; null: on a GPU, eager)."""
-    wanted = cfg["measure"]["module_times"]
-    return bool(wanted) if wanted is not None else on_gpu and cfg["model"]["compile"] == "none"
+    cfg = typed(cfg)
+    wanted = cfg.measure.module_times
+    return bool(wanted) if wanted is not None else on_gpu and cfg.model.compile == "none"
 
 
 
 def prices_others(cfg: dict) -> bool:
     """Whether the point is one the planner prices the others from (no replay, no offload): only its
     module times record the step's timeline (``recipes.measure.moduletime.timeline``: three more passes)."""
+    cfg = typed(cfg)
     return recompute_option(cfg) in ("none", "control") and not modules_of(cfg)
 
 

@@ -14,6 +14,8 @@ and the error, so the controller can always record the point.
 
 from __future__ import annotations
 
+from recipes.config import as_dict, typed
+
 if __name__ == "__main__":  # first, before torch's imports (seconds): die with torchrun or the controller
     from launch.process import die_with_parent
 
@@ -107,7 +109,7 @@ class StopSignal:
 STOP = StopSignal()
 
 
-def cap_allocator(measure: dict) -> None:
+def cap_allocator(measure: Any) -> None:
     """``measure.memory_fraction`` or ``measure.memory_budget_gib``: cap PyTorch's allocator (its
     reserved memory) on this GPU; past the cap it frees its cache and retries, then raises an OOM."""
     if measure["memory_fraction"]:
@@ -125,9 +127,10 @@ def train_and_measure(cfg: dict, result: dict, run_dir: Path | None = None,
                       logger: WandbRun | NullRun | None = None) -> Trainer:
     """Train ``train.train_iters`` steps; measure inside the window (``measure.*``); fill ``result``.
     ``logger`` (rank 0's W&B run) gets the progress metrics and the validation loss at their steps."""
-    train = cfg["train"]
+    cfg = typed(cfg)
+    train = cfg.train
     if compat.cuda_available():
-        cap_allocator(cfg["measure"])
+        cap_allocator(cfg.measure)
     t0 = time.perf_counter()
     marks = result.setdefault("timeline", {})
     check_tokenizer(cfg)  # data.tokenizer agrees with the data (vocabulary, eod) before any compute
@@ -156,20 +159,20 @@ def train_and_measure(cfg: dict, result: dict, run_dir: Path | None = None,
     result["first_step"] = first
     if window.span or "window" not in result:
         result["window"] = list(window.span) if window.span else None
-    ck = cfg["checkpoint"]
-    root = checkpoint_root(cfg, run_dir) if ck["save"] else None
+    ck = cfg.checkpoint
+    root = checkpoint_root(cfg, run_dir) if ck.save else None
     logger = logger or NullRun()
-    progress = Progress(cfg, trainer, first, run_dir, logger) if train["log_interval"] else None
-    exit_interval = train["exit_interval"]
+    progress = Progress(cfg, trainer, first, run_dir, logger) if train.log_interval else None
+    exit_interval = train.exit_interval
     result["phase"] = "before_window"
     losses: list = []  # device tensors (or None off the last stage) until the end: no host sync
     grad_norms: list = []
     lrs: list[float | None] = []  # the learning rate each step ran at
     evals: list[dict] = []
-    eval_interval = cfg["data"]["eval_interval"]
+    eval_interval = cfg.data.eval_interval
     collector = ManualCollection(train).start()  # train.manual_gc: no collector pauses inside the steps
     try:
-        for step in range(first, train["train_iters"] + 1):
+        for step in range(first, train.train_iters + 1):
             if step in window and step == window.span[0]:
                 sync()
                 window.static = memory_now()
@@ -184,7 +187,7 @@ def train_and_measure(cfg: dict, result: dict, run_dir: Path | None = None,
                 collected = collector.meter.snapshot()
                 started = time.perf_counter()
             lrs.append(current_lr(trainer.optimizer))
-            record = step == ledger_step and window.span is not None and cfg["measure"]["ledger"]
+            record = step == ledger_step and window.span is not None and cfg.measure.ledger
             with ItemWaits() if timed else contextlib.nullcontext() as waits:  # the host's wait at the grad-norm read
                 losses.append(trainer.train_step(record_ledger=record))
             returned = time.perf_counter()
@@ -203,17 +206,17 @@ def train_and_measure(cfg: dict, result: dict, run_dir: Path | None = None,
             if window.span and step == window.span[1]:
                 record_window(trainer, cfg, result, window, labels, run_dir)
                 # the recorder counts this process's steps from 0 (the ledger's is its first, with offload its second)
-                record_routing(routing, result, ledger_step - first if cfg["measure"]["ledger"] else None,
+                record_routing(routing, result, ledger_step - first if cfg.measure.ledger else None,
                                range(window.span[0] - first, window.span[1] - first + 1))
                 result["phase"] = "after_window"
             collector.after_step(step)
             if eval_interval and trainer.valid_data is not None and step % eval_interval == 0:
                 evals.append({"step": step, "loss": trainer.evaluate()})
                 logger.log({"val/loss": evals[-1]["loss"]}, step)  # evaluate() synchronized already
-            if progress is not None and (step % progress.interval == 0 or step == train["train_iters"]):
+            if progress is not None and (step % progress.interval == 0 or step == train.train_iters):
                 progress.log(step, losses[-1], lrs[-1], grad_norms[-1], evals[-1] if evals else None)
             stop = None
-            if step < train["train_iters"]:
+            if step < train.train_iters:
                 received = STOP.requested()
                 if received:
                     stop = "preempted"
@@ -222,7 +225,7 @@ def train_and_measure(cfg: dict, result: dict, run_dir: Path | None = None,
                         "saving a checkpoint, then stopping" if root is not None else "stopping (checkpoint.save=false)"))
                 elif exit_interval and step % exit_interval == 0:
                     stop = "stopped"
-            if root is not None and (stop or step == train["train_iters"] or (ck["interval"] and step % ck["interval"] == 0)):
+            if root is not None and (stop or step == train.train_iters or (ck.interval and step % ck.interval == 0)):
                 measured = {k: result[k] for k in MEASURED_KEYS if k in result} if "timing" in result else {}
                 path = save_checkpoint(trainer, cfg, root, measured)
                 result["checkpoint"] = {"path": str(path), "step": step}
@@ -254,12 +257,12 @@ def main(run_dir: str, exiting: bool = False) -> int:
     from omegaconf import OmegaConf
 
     run = Path(run_dir)
-    cfg = OmegaConf.to_container(OmegaConf.load(run / "config.yaml"), resolve=True)
+    cfg = typed(OmegaConf.load(run / "config.yaml"))  # the frozen config the controller wrote, typed once
     rank = int(os.environ.get("RANK", 0))
     result: dict[str, Any] = {"rank": rank, "status": "failed", "host": socket.gethostname()}
     result["device"] = torch.cuda.get_device_name() if compat.cuda_available() else "cpu"
     result["timeline"] = {"main_start": time.time()}
-    cores = pin_worker(cfg["launcher"].get("cpu_cores_per_rank"))  # before the threads it starts
+    cores = pin_worker(cfg.launcher.cpu_cores_per_rank)  # before the threads it starts
     if cores is not None:
         result["cpu_cores"] = cores
         torch.set_num_threads(len(cores))  # no more CPU threads than its cores, whatever OMP_NUM_THREADS says
@@ -318,6 +321,7 @@ def main(run_dir: str, exiting: bool = False) -> int:
 
 def resumes(cfg: dict, run_dir: Path) -> bool:
     """Whether this process will continue a checkpoint (then its W&B run continues the earlier one)."""
+    cfg = typed(cfg)
     try:
         return find_resume(cfg, run_dir, deep=False)[0] is not None
     except Exception:  # a bad checkpoint.resume is refused later, by train_and_measure
@@ -329,7 +333,7 @@ def run_summary(run_dir: Path, cfg: dict) -> dict:
     summary: every rank's memory, the worst rank's numbers, the status."""
     identity = read_identity(run_dir)
     meta = {"name": identity.get("name"), "choices": identity.get("choices") or {}, "run_dir": str(run_dir),
-            "config": cfg}
+            "config": as_dict(cfg)}
     return merge_result(run_dir, meta, 0, None)
 
 

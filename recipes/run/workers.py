@@ -16,6 +16,7 @@ from launch.forkserver import ForkServer, env_key
 from launch.process import PREEMPT_SIGNALS, end_group, start_group
 from launch.slurm import slurm_rendezvous
 from launch.torchrun import ONE_RANK_ENV, torchrun_command
+from recipes.config import typed
 from recipes.files import REPO_ROOT
 from recipes.run import multirun
 from recipes.validate import gpu_count
@@ -25,11 +26,12 @@ from recipes.validate.share_storage import share_storage_labels
 
 def worker_command(cfg: dict, run_dir: Path) -> list[str]:
     """torchrun for several processes; a single process is started directly (same environment)."""
-    launch = cfg["launcher"]
-    if launch["nproc_per_node"] * launch["nnodes"] == 1:
+    cfg = typed(cfg)
+    launch = cfg.launcher
+    if launch.nproc_per_node * launch.nnodes == 1:
         return [sys.executable, "-m", "recipes.run.worker", str(run_dir)]
     program = ["-m", "recipes.run.worker", str(run_dir)]
-    if launch["name"] == "slurm":  # this node's torchrun; every node of the Slurm job starts one
+    if launch.name == "slurm":  # this node's torchrun; every node of the Slurm job starts one
         return torchrun_command(launch, program, slurm_rendezvous(launch))
     return torchrun_command(launch, program)
 
@@ -48,9 +50,10 @@ FORK_SERVER: dict = {"server": None, "failed": None}
 
 def uses_fork_server(cfg: dict) -> bool:
     """Sweep points of one process on this machine fork from the server (``fork_server``, default on)."""
-    launch = cfg["launcher"]
-    return (bool(cfg.get("fork_server")) and multirun.in_multirun() and launch["name"] == "local"
-            and launch["nproc_per_node"] * launch["nnodes"] == 1 and FORK_SERVER["failed"] is None)
+    cfg = typed(cfg)
+    launch = cfg.launcher
+    return (bool(cfg.get("fork_server")) and multirun.in_multirun() and launch.name == "local"
+            and launch.nproc_per_node * launch.nnodes == 1 and FORK_SERVER["failed"] is None)
 
 
 def fork_server(env: dict[str, str]) -> ForkServer | None:
@@ -74,23 +77,24 @@ def fork_server(env: dict[str, str]) -> ForkServer | None:
 
 
 def worker_environment(cfg: dict) -> dict[str, str]:
+    cfg = typed(cfg)
     env = dict(os.environ)
     # each point's W&B run gets its own service process: not the one this controller may have started
     # (a killed worker's run would stay open in it, and the controller could not close it)
     env.pop("WANDB_SERVICE", None)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-    if cfg["parallel"]["tensor_model_parallel_size"] > 1:
+    if cfg.parallel.tensor_model_parallel_size > 1:
         # megatron's tensor-parallel layers rely on one hardware queue to order their async all-gather
         # and reduce-scatter before the gradient GEMMs. Not set otherwise: one queue makes every stream
         # wait behind the others' work (activation offload's copies then stall compute: docs/offload.md)
         env.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // cfg["launcher"]["nproc_per_node"])))
-    if cfg["measure"]["expandable_segments"]:
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // cfg.launcher.nproc_per_node)))
+    if cfg.measure.expandable_segments:
         env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
-    if cfg["train"].get("deterministic"):  # read once, as CUDA, cuBLAS and NCCL start (validate refused other values)
+    if cfg.train.deterministic:  # read once, as CUDA, cuBLAS and NCCL start (validate refused other values)
         for key, value in DETERMINISTIC_ENV.items():
             env.setdefault(key, value)
-    if env.get("RANK") is None and cfg["launcher"]["nproc_per_node"] * cfg["launcher"]["nnodes"] == 1:
+    if env.get("RANK") is None and cfg.launcher.nproc_per_node * cfg.launcher.nnodes == 1:
         env.update(ONE_RANK_ENV)  # its port 0: the worker's store binds a free one itself
     return env
 

@@ -14,6 +14,7 @@ import torch
 
 from launch.torchrun import set_one_rank_env
 from recipes.build import compat, upstream
+from recipes.config import typed
 from recipes.errors import ConfigError
 from recipes.run.trainer import Trainer
 from recipes.validate.run import DETERMINISTIC_ENV, deterministic_env_problem
@@ -25,6 +26,7 @@ def init_distributed(cfg: dict, marks: dict | None = None) -> None:
     ``marks`` (the rank's timeline) gets when each part ended: on the H200 this "init" phase took
     8-14 s of a sweep point's 18-25 s, the largest fixed cost, so it is split to show which part.
     """
+    cfg = typed(cfg)
     marks = {} if marks is None else marks
     use_deterministic(cfg)  # before CUDA, cuBLAS and NCCL start: they read its environment once
     # lazy: megatron's import is timed as its own phase (megatron_imported); the console shows it
@@ -41,14 +43,14 @@ def init_distributed(cfg: dict, marks: dict | None = None) -> None:
         backend = "nccl" if compat.cuda_available() else "gloo"
         torch.distributed.init_process_group(backend=backend)
     marks["process_group_ready"] = time.time()
-    par = cfg["parallel"]
+    par = cfg.parallel
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=par["tensor_model_parallel_size"],
-        pipeline_model_parallel_size=par["pipeline_model_parallel_size"],
-        virtual_pipeline_model_parallel_size=par["virtual_pipeline_model_parallel_size"],
-        context_parallel_size=par["context_parallel_size"],
-        expert_model_parallel_size=par["expert_model_parallel_size"],
-        expert_tensor_parallel_size=par["expert_tensor_parallel_size"],
+        tensor_model_parallel_size=par.tensor_model_parallel_size,
+        pipeline_model_parallel_size=par.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=par.virtual_pipeline_model_parallel_size,
+        context_parallel_size=par.context_parallel_size,
+        expert_model_parallel_size=par.expert_model_parallel_size,
+        expert_tensor_parallel_size=par.expert_tensor_parallel_size,
     )
     _seed(cfg)
 
@@ -58,12 +60,13 @@ def _seed(cfg: dict) -> None:
     its own weights (seed + 100 * pp rank); megatron's local CUDA graphs need graph-safe generators."""
     from megatron.core import parallel_state
 
-    compat.seed_model_parallel_rng(cfg["train"]["seed"] + 100 * parallel_state.get_pipeline_model_parallel_rank(),
-                                   cudagraphable=cfg["model"].get("cuda_graph_impl", "none") == "local")
+    compat.seed_model_parallel_rng(cfg.train.seed + 100 * parallel_state.get_pipeline_model_parallel_rank(),
+                                   cudagraphable=False)  # no CUDA graphs in the schema (model.cuda_graph_impl)
 
 
 def init_one_rank(cfg: dict) -> None:
     """A one-rank world in this process, for benchmarks and tests that build a Trainer without a launcher."""
+    cfg = typed(cfg)
     set_one_rank_env()
     init_distributed(cfg)
 
@@ -73,6 +76,7 @@ def reseed(cfg: dict) -> None:
     seeds them, so equal seeds give equal weights, and a fresh MoE metrics tracker: megatron's is a
     process global sized by the first MoE model's layer count, which a later, deeper one would index
     past (moe_logging.py). A run builds one model and needs neither again."""
+    cfg = typed(cfg)
     from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
 
     destroy_moe_metrics_tracker()
@@ -93,7 +97,8 @@ def use_deterministic(cfg: dict) -> bool:
     by time. The workers' environment (``recipes.run.workers``) carries cuBLAS's fixed workspace and one NCCL
     algorithm; a process started otherwise (benchmarks, tests) gets them here, before CUDA starts, unless
     they are already set to values that would break it (refused, as the controller refuses them)."""
-    on = bool(cfg["train"].get("deterministic"))
+    cfg = typed(cfg)
+    on = bool(cfg.train.deterministic)
     if on:
         problem = deterministic_env_problem(os.environ)
         if problem:
@@ -110,6 +115,7 @@ def use_deterministic(cfg: dict) -> bool:
 
 def fresh_trainer(cfg: dict) -> Trainer:
     """The worker's ``Trainer`` for ``cfg``, reseeded (``reseed``), in a process ``init_one_rank`` set up."""
+    cfg = typed(cfg)
     reseed(cfg)
     return Trainer(cfg)
 

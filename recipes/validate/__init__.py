@@ -13,6 +13,7 @@ import importlib.util
 import os
 from typing import Any
 
+from recipes.config import typed
 from recipes.errors import check
 from recipes.validate.model import check_attention, check_model
 from recipes.validate.offload import check_offload
@@ -55,37 +56,38 @@ def validate(cfg: Any, num_gpus: int | None = None, te_available: bool | None = 
         num_gpus = gpu_count()
     if te_available is None:
         te_available = transformer_engine_importable()
-    check_keys(cfg)
+    check_keys(cfg)  # a plain dict's keys, before it becomes the typed config that has no others
+    cfg = typed(cfg)
     check_values(cfg)
     check_model(cfg)
     check_attention(cfg, te_available)
     check_recompute(cfg)
     check_without_output_build(cfg, num_gpus)
     check_offload(cfg, num_gpus, te_available)
-    check(num_gpus or not cfg["measure"]["trace_step"], "measure.trace_step", "it traces GPU kernels, copies and "
+    check(num_gpus or not cfg.measure.trace_step, "measure.trace_step", "it traces GPU kernels, copies and "
            "idle time; this machine has no GPU", "run it on a GPU, or leave measure.trace_step=false")
-    check(num_gpus or cfg["measure"]["gpu_time"] is not True, "measure.gpu_time", "it times the GPU's busy time "
+    check(num_gpus or cfg.measure.gpu_time is not True, "measure.gpu_time", "it times the GPU's busy time "
            "in a profiled step; this machine has no GPU", "run it on a GPU, or set measure.gpu_time=null (on where "
            "there is a GPU) or false")
-    check(not cfg["measure"]["module_times"] or cfg["model"]["compile"] == "none", "measure.module_times",
-           f"forward hooks inside a layer compiled with model.compile={cfg['model']['compile']} would break "
+    check(not cfg.measure.module_times or cfg.model.compile == "none", "measure.module_times",
+           f"forward hooks inside a layer compiled with model.compile={cfg.model.compile} would break "
            "its graph and time other code than the compiled run's", "leave measure.module_times=null (off when "
            "compiled) or set model.compile=none")
-    check(not cfg["model"]["gradient_accumulation_fusion"] or (num_gpus and cfg["train"]["optimizer"] == "auto"),
+    check(not cfg.model.gradient_accumulation_fusion or (num_gpus and cfg.train.optimizer == "auto"),
            "model.gradient_accumulation_fusion", "it accumulates weight gradients into the fp32 main_grad buffers "
            "of megatron's DistributedOptimizer, which a CPU run or train.optimizer=adamw does not have",
            "leave model.gradient_accumulation_fusion=null (auto: on where it applies) or set it false")
-    check(not cfg["model"]["apply_rope_fusion"] or num_gpus, "model.apply_rope_fusion",
+    check(not cfg.model.apply_rope_fusion or num_gpus, "model.apply_rope_fusion",
            "the fused RoPE is a Triton kernel on the GPU; this machine has no GPU, so megatron's unfused RoPE "
            "would run anyway", "leave model.apply_rope_fusion=null (auto: fused on a GPU) or set it false")
-    check(not cfg["model"]["apply_rope_fusion"] or cfg["model"]["position_embedding_type"] == "rope",
-           "model.apply_rope_fusion", f"position_embedding_type={cfg['model']['position_embedding_type']} has "
+    check(not cfg.model.apply_rope_fusion or cfg.model.position_embedding_type == "rope",
+           "model.apply_rope_fusion", f"position_embedding_type={cfg.model.position_embedding_type} has "
            "no rotary embedding to fuse", "leave model.apply_rope_fusion=null or set it false")
-    check(not cfg["model"]["apply_rope_fusion"] or cfg["model"]["compile"] == "none", "model.apply_rope_fusion",
-           f"model.compile={cfg['model']['compile']} fuses RoPE itself; the Triton kernels inside its graphs were not "
+    check(not cfg.model.apply_rope_fusion or cfg.model.compile == "none", "model.apply_rope_fusion",
+           f"model.compile={cfg.model.compile} fuses RoPE itself; the Triton kernels inside its graphs were not "
            "checked", "leave model.apply_rope_fusion=null (auto: off when compiled) or set model.compile=none")
     for cap in ("memory_fraction", "memory_budget_gib"):
-        check(num_gpus or cfg["measure"].get(cap) is None, f"measure.{cap}", "it caps a GPU's allocator; "
+        check(num_gpus or getattr(cfg.measure, cap) is None, f"measure.{cap}", "it caps a GPU's allocator; "
                "this machine has no GPU, so the cap would do nothing", f"run it on a GPU, or set measure.{cap}=null")
     check_parallel(cfg, num_gpus)
     check_run(cfg)

@@ -5,35 +5,37 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
+from recipes.config import typed
 from recipes.errors import check
 from recipes.recompute import ATTENTION_KIND
 
 
 def check_run(cfg) -> None:
-    t, meas, log, data = cfg["train"], cfg["measure"], cfg["logger"], cfg["data"]
-    check(t["train_iters"] >= 2, "train.train_iters", "need at least 2 steps (warm-up + measured)",
+    cfg = typed(cfg)
+    t, meas, log, data = cfg.train, cfg.measure, cfg.logger, cfg.data
+    check(t.train_iters >= 2, "train.train_iters", "need at least 2 steps (warm-up + measured)",
            "set train.train_iters>=2")
-    start = meas["start_step"]
-    check(2 <= start <= t["train_iters"], "measure.start_step",
-           f"the measured window starts at step {start}, outside 2..{t['train_iters']} (step 1 warms up "
-           "and records the ledger)", f"set measure.start_step between 2 and train.train_iters={t['train_iters']}")
-    check(meas["steps"] >= 1, "measure.steps", f"{meas['steps']} steps measure nothing",
+    start = meas.start_step
+    check(2 <= start <= t.train_iters, "measure.start_step",
+           f"the measured window starts at step {start}, outside 2..{t.train_iters} (step 1 warms up "
+           "and records the ledger)", f"set measure.start_step between 2 and train.train_iters={t.train_iters}")
+    check(meas.steps >= 1, "measure.steps", f"{meas.steps} steps measure nothing",
            "set measure.steps>=1")
     check_schedule(t)
-    check(t["precision"] in ("auto", "bf16", "fp32"), "train.precision",
-           f"unknown precision {t['precision']!r}", "use auto, bf16 or fp32")
-    check(t["optimizer"] in ("auto", "adamw"), "train.optimizer",
-           f"unknown optimizer {t['optimizer']!r}", "use auto or adamw")
-    check(log["name"] in ("none", "wandb"), "logger", f"unknown logger {log['name']!r}",
+    check(t.precision in ("auto", "bf16", "fp32"), "train.precision",
+           f"unknown precision {t.precision!r}", "use auto, bf16 or fp32")
+    check(t.optimizer in ("auto", "adamw"), "train.optimizer",
+           f"unknown optimizer {t.optimizer!r}", "use auto or adamw")
+    check(log.name in ("none", "wandb"), "logger", f"unknown logger {log.name!r}",
            "use logger=none or logger=wandb")
-    check(log["mode"] in ("offline", "online", "disabled"), "logger.mode",
-           f"unknown W&B mode {log['mode']!r}", "use offline, online or disabled")
-    check(meas["profile"] in ("none", "peak"), "measure.profile",
-           f"unknown profile {meas['profile']!r}", "use measure.profile=none or peak")
+    check(log.mode in ("offline", "online", "disabled"), "logger.mode",
+           f"unknown W&B mode {log.mode!r}", "use offline, online or disabled")
+    check(meas.profile in ("none", "peak"), "measure.profile",
+           f"unknown profile {meas.profile!r}", "use measure.profile=none or peak")
     # the ranges of measure.* and estimate.* are recipes.validate.values.RANGES'
-    check(meas.get("memory_budget_gib") is None or meas["memory_fraction"] is None, "measure.memory_budget_gib",
+    check(meas.memory_budget_gib is None or meas.memory_fraction is None, "measure.memory_budget_gib",
            "both it and measure.memory_fraction cap the allocator", "set one of them, the other null")
-    check(data["name"] in ("mock", "indexed"), "data", f"unknown data {data['name']!r}",
+    check(data.name in ("mock", "indexed"), "data", f"unknown data {data.name!r}",
            "use data=mock or data=indexed")
     check_deterministic(cfg)
 
@@ -63,9 +65,10 @@ def deterministic_env_problem(environ: Mapping[str, str]) -> tuple[str, str] | N
 def check_deterministic(cfg, environ: Mapping[str, str] | None = None) -> None:
     """``train.deterministic``: refused where bit-identical runs cannot be promised (see
     ``recipes.run.world.use_deterministic`` for what it switches on)."""
-    if not cfg["train"].get("deterministic"):
+    cfg = typed(cfg)
+    if not cfg.train.deterministic:
         return
-    family = cfg["model"]["family"]
+    family = cfg.model.family
     check(ATTENTION_KIND[family] != "gdn", "train.deterministic",
           f"model={family}'s GatedDeltaNet layers run fla's Triton kernels, which pick their tile sizes by timing "
           "them in each process (autotune), so two runs may sum in different orders; megatron's deterministic "
@@ -82,28 +85,28 @@ LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 
 def check_schedule(t) -> None:
     """The LR and weight-decay schedule: what OptimizerParamScheduler would assert, said as a fix."""
-    style, warmup = t["lr_decay_style"], t["lr_warmup_iters"]
-    decay = t["lr_decay_iters"] or t["train_iters"]
+    style, warmup = t.lr_decay_style, t.lr_warmup_iters
+    decay = t.lr_decay_iters or t.train_iters
     check(style in LR_DECAY_STYLES, "train.lr_decay_style", f"unknown decay style {style!r}",
            f"use one of {', '.join(LR_DECAY_STYLES)}")
     check(0 <= warmup < decay, "train.lr_warmup_iters",
            f"{warmup} warm-up steps do not end before the decay ends (step {decay})",
            "set train.lr_warmup_iters below train.lr_decay_iters (default: train.train_iters)")
-    check(0 <= t["min_lr"] <= t["lr"], "train.min_lr", f"min_lr {t['min_lr']} is not in 0..lr={t['lr']}",
+    check(0 <= t.min_lr <= t.lr, "train.min_lr", f"min_lr {t.min_lr} is not in 0..lr={t.lr}",
            "set train.min_lr between 0 and train.lr")
-    check(0 <= t["lr_warmup_init"] <= t["lr"], "train.lr_warmup_init",
-           f"{t['lr_warmup_init']} is not in 0..lr={t['lr']}", "set train.lr_warmup_init between 0 and train.lr")
+    check(0 <= t.lr_warmup_init <= t.lr, "train.lr_warmup_init",
+           f"{t.lr_warmup_init} is not in 0..lr={t.lr}", "set train.lr_warmup_init between 0 and train.lr")
     if style == "WSD":
-        wsd = t["lr_wsd_decay_iters"]
+        wsd = t.lr_wsd_decay_iters
         check(wsd is not None and 0 < wsd <= decay - warmup, "train.lr_wsd_decay_iters",
                f"WSD needs its anneal length within the decay ({decay - warmup} steps), got {wsd}",
                "set train.lr_wsd_decay_iters, e.g. a tenth of train.lr_decay_iters")
-        check(t["lr_wsd_decay_style"] in ("linear", "cosine", "exponential", "minus_sqrt"),
-               "train.lr_wsd_decay_style", f"unknown style {t['lr_wsd_decay_style']!r}",
+        check(t.lr_wsd_decay_style in ("linear", "cosine", "exponential", "minus_sqrt"),
+               "train.lr_wsd_decay_style", f"unknown style {t.lr_wsd_decay_style!r}",
                "use linear, cosine, exponential or minus_sqrt")
-    start = t["weight_decay"] if t["start_weight_decay"] is None else t["start_weight_decay"]
-    end = t["weight_decay"] if t["end_weight_decay"] is None else t["end_weight_decay"]
-    incr = t["weight_decay_incr_style"]
+    start = t.weight_decay if t.start_weight_decay is None else t.start_weight_decay
+    end = t.weight_decay if t.end_weight_decay is None else t.end_weight_decay
+    incr = t.weight_decay_incr_style
     check(incr in ("constant", "linear", "cosine"), "train.weight_decay_incr_style",
            f"unknown style {incr!r}", "use constant, linear or cosine")
     check(0 <= start <= end, "train.end_weight_decay", f"weight decay goes from {start} to {end}",
@@ -119,9 +122,10 @@ def peak_memory_problem(cfg, predicted_peak_bytes: int | None, capacity_bytes: i
     (``recipes.predict.estimate.predict``) do not fit ``capacity_bytes`` (``where``: this GPU, or this
     host for a CPU run's ranks), unless ``allow_over_memory``; else None. A cap the user set on purpose
     (``measure.memory_fraction``, ``measure.memory_budget_gib``) is a measurement of running out: not refused."""
-    meas = cfg["measure"]
+    cfg = typed(cfg)
+    meas = cfg.measure
     if (not predicted_peak_bytes or not capacity_bytes or cfg.get("allow_over_memory")
-            or meas.get("memory_fraction") is not None or meas.get("memory_budget_gib") is not None):
+            or meas.memory_fraction is not None or meas.memory_budget_gib is not None):
         return None
     need = predicted_peak_bytes * ranks
     if need <= capacity_bytes:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import os
 
+from recipes.config import typed
 from recipes.recompute import labels_of, replays_without_output
 
 
@@ -36,8 +37,9 @@ def share_storage_labels(cfg, num_gpus: int) -> list[str]:
     """The labels of ``cfg`` that replay through megatron's ``CheckpointWithoutOutput`` and so need its
     ``share_storage`` extension on this machine ([] on a CPU, where ``recipes.build.upstream`` hands
     the memory over in Python wherever torch can swap storages)."""
-    rc = cfg["recompute"]
-    if rc["recompute_granularity"] != "selective" or (not num_gpus and torch_swaps_storages()):
+    cfg = typed(cfg)
+    rc = cfg.recompute
+    if rc.recompute_granularity != "selective" or (not num_gpus and torch_swaps_storages()):
         return []
     return [label for label in labels_of(cfg) if replays_without_output(label, rc)]
 

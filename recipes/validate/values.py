@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 
-from recipes.config import RecipeConfig
+from recipes.config import RecipeConfig, typed
 from recipes.errors import ConfigError, check
 
 
@@ -22,6 +22,22 @@ def check_keys(cfg) -> None:
             for key in value:
                 if key not in known:
                     _unknown(f"{section}.{key}", known)
+
+
+def check_bool_overrides(overrides: list[str]) -> None:
+    """A switch given a number or a word OmegaConf still converts (``train.fused_adam=2`` reads as true):
+    only true/false (or yes/no, on/off, 1/0)."""
+    sections = {f.name: f.default_factory for f in dataclasses.fields(RecipeConfig)
+                if f.default_factory is not dataclasses.MISSING}
+    for item in overrides:
+        key, _, value = item.lstrip("+").partition("=")
+        section, _, name = key.partition(".")
+        schema = sections.get(section) if name else None
+        field = next((f for f in dataclasses.fields(schema) if f.name == name), None) if schema else None
+        if field is None or str(field.type).replace("Optional[bool]", "bool") != "bool" or "," in value:
+            continue  # not a switch, or a sweep's list (each point's value comes here on its own)
+        check(value.strip().lower() in ("true", "false", "yes", "no", "on", "off", "1", "0", "null", "none"), key,
+              f"{value!r} is not true or false", f"set {key}=true or {key}=false")
 
 
 def _unknown(key: str, known: list[str]) -> None:
@@ -47,6 +63,7 @@ POSITIVE = {
                  "num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage"),
     "data": ("eval_iters",),
     "launcher": ("nproc_per_node", "nnodes", "cpu_cores_per_rank"),
+    "cluster": ("gpus_per_node", "nodes"),
 }
 #: The domain of every other number: (section, key, lowest, highest, whether the lowest is allowed, whether
 #: the highest is, the fix's example). Section None: a top-level key. None passes where the schema allows it
@@ -78,6 +95,7 @@ RANGES = (
     ("offload", "activation_offload_fraction", 0.0, 1.0, False, True, "1.0"),
     ("offload", "cpu_offloading_num_layers", 0, INF, True, False, "0"),
     ("offload", "host_memory_gib", 0.0, INF, False, False, "512 (or null: this machine's available memory)"),
+    ("cluster", "host_memory_gib", 0.0, INF, False, False, "512 (or null: offload's, else the GPU profile's node)"),
     ("checkpoint", "interval", 0, INF, True, False, "0 (only at the end and on a signal) or 500"),
     ("checkpoint", "keep_last", 0, INF, True, False, "3 (0: keep all)"),
     ("estimate", "moe_imbalance", 1.0, INF, True, False, "1.5"),
@@ -96,18 +114,16 @@ RANGES = (
 def check_values(cfg) -> None:
     """Each value on its own: positive sizes and counts, numbers inside their range (before any rule
     divides by them: ``num_attention_heads=0`` must be refused, not raise ZeroDivisionError)."""
+    cfg = typed(cfg)
     for section, keys in POSITIVE.items():
         for key in keys:
-            value = cfg[section].get(key)
+            value = getattr(getattr(cfg, section), key)
             check(value is None or value >= 1, f"{section}.{key}", f"{value} is not a size or count (it must be "
                    "at least 1)", f"set {section}.{key} to a positive number"
                    + (", or null" if value is not None and _optional(section, key) else ""))
     for section, key, low, high, low_ok, high_ok, example in RANGES:
         name = f"{section}.{key}" if section else key
-        where = cfg.get(section) if section else cfg
-        if not where or key not in where:  # a stored config of an older schema: the tool upgrades it
-            continue
-        value = where[key]
+        value = getattr(getattr(cfg, section) if section else cfg, key)
         if value is None and section and _optional(section, key):
             continue
         number = isinstance(value, (int, float)) and not isinstance(value, bool)
@@ -119,8 +135,12 @@ def check_values(cfg) -> None:
         finite = not number or value - value == 0  # NaN and infinity are not
         check(inside, name, f"{value} is not {'a finite number ' if not finite else ''}{bounds}",
               f"set {name}={example}; it must be {bounds}")
-    check_split(cfg["data"]["split"])
-    pos = cfg["model"]["position_embedding_type"]
+    check_split(cfg.data.split)
+    if cfg.cluster.gpu:  # a typo'd profile: refused here too, not only by the planner
+        from recipes.hardware import load_profile
+
+        load_profile(cfg.cluster.gpu)
+    pos = cfg.model.position_embedding_type
     check(pos in ("rope", "learned_absolute", "none"), "model.position_embedding_type",
            f"unknown position embedding {pos!r}", "use rope, learned_absolute or none")
 
