@@ -12,6 +12,7 @@ from recipes import recompute
 #: Lower layers never import higher ones: run -> analyze -> predict -> measure -> build/data -> base.
 LAYERS = {
     "recipes": 0, "recipes.errors": 0, "recipes.files": 0, "recipes.recompute": 1, "recipes.config": 1, "recipes.offload": 1,
+    "recipes.hardware": 1,
     "recipes.validate": 2, "recipes.results": 2, "recipes.recipe": 2,
     "launch": 3, "recipes.build": 3, "recipes.data": 3,
     "recipes.measure": 4, "recipes.predict": 5, "recipes.analyze": 6, "recipes.run": 7, "recipes.__main__": 8,

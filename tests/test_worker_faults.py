@@ -10,6 +10,7 @@ import torch
 from conftest import compose
 from omegaconf import OmegaConf
 
+from recipes.config import typed
 from recipes.results import merge_result
 from recipes.run import worker, world
 from recipes.run.trainer import use_fused_adam
@@ -183,7 +184,7 @@ def test_a_one_rank_world_takes_a_port_of_its_own(monkeypatch):
     monkeypatch.setattr(world, "init_distributed", lambda cfg, marks=None: seen.append(cfg))
     cfg = compose()
     world.init_one_rank(cfg)
-    assert seen == [cfg]
+    assert seen == [typed(cfg)]  # the typed run config
     env = {k: os.environ[k] for k in ("MASTER_ADDR", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
     assert env == {"MASTER_ADDR": "127.0.0.1", "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
     assert os.environ["MASTER_PORT"] != "1"
