@@ -40,16 +40,22 @@ TOY_LABEL = Label(
     advice_kind="embedding", advice="toy advice: the throwaway label answers the embedding's peak")
 
 
+def conf_with(tmp_path, monkeypatch, owner, option: str, text: str) -> None:
+    """A copy of conf/ with one more option file (``option``, e.g. ``offload/x.yaml``), read by ``owner``
+    (the module whose ``conf_options`` lists the group) and by Hydra's composition."""
+    conf = tmp_path / "conf"
+    shutil.copytree(REPO / "conf", conf)
+    (conf / option).write_text(text)
+    monkeypatch.setattr(owner, "CONF_DIR", conf)
+    monkeypatch.setattr(config_module, "CONF_DIR", conf)
+    owner.conf_options.cache_clear()
+
+
 @pytest.fixture
 def toy(tmp_path, monkeypatch):
     """The throwaway label in one place: its record in ``LABELS`` and its YAML in a copy of conf/."""
-    conf = tmp_path / "conf"
-    shutil.copytree(REPO / "conf", conf)
-    (conf / "recompute" / "selective" / f"{TOY}.yaml").write_text(
-        f"recompute_granularity: selective\nrecompute_modules: [{TOY}]\n")
-    monkeypatch.setattr(recompute, "CONF_DIR", conf)
-    monkeypatch.setattr(config_module, "CONF_DIR", conf)
-    recompute.conf_options.cache_clear()
+    conf_with(tmp_path, monkeypatch, recompute, f"recompute/selective/{TOY}.yaml",
+              f"recompute_granularity: selective\nrecompute_modules: [{TOY}]\n")
     monkeypatch.setitem(LABELS, TOY, TOY_LABEL)
     yield TOY_LABEL
     recompute.conf_options.cache_clear()
@@ -162,13 +168,8 @@ EMULATED = ("offload.emulate_on_cpu=true", "offload.min_offloaded_tensor_size=0"
 @pytest.fixture
 def toy_offload(tmp_path, monkeypatch):
     """The throwaway offload module in one place: its record in ``MODULES`` and its YAML in a copy of conf/."""
-    conf = tmp_path / "conf"
-    shutil.copytree(REPO / "conf", conf)
-    (conf / "offload" / f"{TOY_MODULE}.yaml").write_text(
-        f"fine_grained_activation_offloading: true\noffload_modules: [{TOY_MODULE}]\n")
-    monkeypatch.setattr(offload_module, "CONF_DIR", conf)
-    monkeypatch.setattr(config_module, "CONF_DIR", conf)
-    offload_module.conf_options.cache_clear()
+    conf_with(tmp_path, monkeypatch, offload_module, f"offload/{TOY_MODULE}.yaml",
+              f"fine_grained_activation_offloading: true\noffload_modules: [{TOY_MODULE}]\n")
     monkeypatch.setitem(MODULES, TOY_MODULE, TOY_OFFLOAD)
     yield TOY_OFFLOAD
     offload_module.conf_options.cache_clear()
