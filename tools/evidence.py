@@ -205,13 +205,19 @@ def compare_section(ev: Evidence) -> list[str]:
     return [*out, ""]
 
 
-def mfu_section(ev: Evidence, tmp: Path) -> list[str]:
-    """MFU per family (benchmarks/bench_mfu.py --results over the label sweeps and the realistic size)."""
+def _benchmark(name: str):
+    """``benchmarks/<name>.py`` as a module (benchmarks/ is scripts, not a package)."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("bench_mfu", ROOT / "benchmarks" / "bench_mfu.py")
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
+    return bench
+
+
+def mfu_section(ev: Evidence, tmp: Path) -> list[str]:
+    """MFU per family (benchmarks/bench_mfu.py --results over the label sweeps and the realistic size)."""
+    bench = _benchmark("bench_mfu")
     sweeps = [s for s in ev.sweeps() if s.startswith("sweep_") or s == "long_standard_attn"]
     root = ev.unpack(tmp / "mfu", sweeps)
     return ["## mfu_per_family", "", f"`python benchmarks/bench_mfu.py --results {' '.join(sweeps)}`", "",
@@ -267,11 +273,8 @@ def determinism_section(ev: Evidence, tmp: Path) -> list[str]:
     ``straight``), the resumed ones (sweep ``resume``, one point ``resume_<family>`` each) and, when
     recorded, the label comparison (a ``labels.json`` record)."""
     import contextlib
-    import importlib.util
 
-    spec = importlib.util.spec_from_file_location("determinism", ROOT / "benchmarks" / "determinism.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = _benchmark("determinism")
     root = ev.unpack(tmp / "determinism")
     for point in (root / "resume").glob("resume_*"):
         point.rename(root / point.name)
