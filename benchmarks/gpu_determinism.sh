@@ -12,7 +12,9 @@
 #   bash benchmarks/gpu_determinism.sh              # about 6 minutes on one H100
 # Settings (environment): PY (default .venv/bin/python, else python3), FAMILIES (standard_attn,mla,moe),
 # SIZE (h200), LAYERS (2), ITERS (12 steps a run), INTERVAL (4: checkpoint steps), OUT (results/determinism),
-# EXTRA (more overrides for every run). A CPU smoke run: SIZE=tiny FAMILIES=standard_attn.
+# EXTRA (more overrides for every run), PHASES (a b c: which parts run; (d) comes from (a)'s runs). OUT is
+# emptied only when (a) runs, so a later call can add (b) or (c) beside it. A CPU smoke run: SIZE=tiny
+# FAMILIES=standard_attn.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 WANDB_MODE=offline
@@ -20,23 +22,28 @@ if [ -z "${PY:-}" ]; then if [ -x .venv/bin/python ]; then PY=.venv/bin/python; 
 FAMILIES=${FAMILIES:-standard_attn,mla,moe}
 SIZE=${SIZE:-h200}; LAYERS=${LAYERS:-2}; ITERS=${ITERS:-12}; INTERVAL=${INTERVAL:-4}
 OUT=${OUT:-results/determinism}
+PHASES=${PHASES:-a b c}
 # the measured window is the last 4 steps: what a run measures after it (profiled step, module times,
 # control ledgers: passes that draw batches or update) comes after every compared step; all three off anyway
 COMMON="size=$SIZE model.num_layers=$LAYERS train.train_iters=$ITERS measure.start_step=$((ITERS - 3)) measure.steps=4
   profile=none measure.module_times=false measure.ledger=false train.log_interval=1 ${EXTRA:-}"
 stamp() { echo "== $(date -u +%FT%TZ) $*"; }
 quiet() { grep --line-buffered -v "Warning\|warn(\|warnings.warn\|^ *\"\"\"\|DEPRECATED\|path_to_cache" | tail -"$1"; }
-rm -rf "$OUT" && mkdir -p "$OUT"
+run() { case " $PHASES " in *" $1 "*) return 0;; *) return 1;; esac; }
+if run a; then rm -rf "$OUT"; fi; mkdir -p "$OUT"
 t0=$SECONDS
 
 stamp "env"; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null
 $PY -c "import torch, megatron.core as m; print('torch', torch.__version__, 'megatron-core', m.__version__)" 2>/dev/null
 
-stamp "(a) and (d): straight runs, deterministic and not, two processes each"
-$PY train.py -m model=$FAMILIES train.deterministic=true,false measure.repeat=0,1 $COMMON \
-  hydra.sweep.dir=$OUT/straight 2>&1 | quiet 20
+if run a; then
+  stamp "(a) and (d): straight runs, deterministic and not, two processes each"
+  $PY train.py -m model=$FAMILIES train.deterministic=true,false measure.repeat=0,1 $COMMON \
+    hydra.sweep.dir=$OUT/straight 2>&1 | quiet 20
+fi
 
 for family in ${FAMILIES//,/ }; do
+  run b || break
   dir=$OUT/resume_$family
   args="model=$family train.deterministic=true $COMMON checkpoint=default checkpoint.interval=$INTERVAL output_dir=$dir"
   stamp "(b) $family: killed with -9 after its step-$INTERVAL checkpoint, then resumed"
@@ -52,9 +59,11 @@ for family in ${FAMILIES//,/ }; do
   grep "\[checkpoint\] resum\|resumed\|^.*result" "$OUT/resume_$family-resumed.log" | quiet 3
 done
 
-stamp "(c) each selective label against none, one step's gradients, one process"
-$PY benchmarks/determinism.py labels --families $FAMILIES "$OUT/labels.json" size=$SIZE model.num_layers=$LAYERS \
-  ${EXTRA:-} 2>&1 | grep --line-buffered "regions replayed\|Error\|error"
+if run c; then
+  stamp "(c) each selective label against none, one step's gradients, one process"
+  $PY benchmarks/determinism.py labels --families $FAMILIES "$OUT/labels.json" size=$SIZE model.num_layers=$LAYERS \
+    ${EXTRA:-} 2>&1 | grep --line-buffered "regions replayed\|Error\|error"
+fi
 
 stamp "table ($((SECONDS - t0)) s in all)"
 $PY benchmarks/determinism.py table "$OUT"

@@ -253,6 +253,14 @@ def test_calibrate_refuses_on_a_cpu_in_one_line(capsys):
     assert err.count("\n") == 1 and "profiles are for GPUs" in err and "Traceback" not in err
 
 
+def test_calibrate_times_the_matmuls_of_the_model_its_overrides_name():
+    """The shapes calibrate times come from the typed config (a plain dict here broke it on the GPU)."""
+    from recipes.measure.calibrate import model_shapes
+
+    assert model_shapes([]) == (2048, 8192, 16384)  # the h200_long size: hidden 2048, FFN 8192, 16k tokens
+    assert model_shapes(["size=h200"]) == (2048, 8192, 4096)
+
+
 def test_an_offload_runner_up_goes_behind_a_recompute_point_within_its_uncertainty():
     """The H100's MLA question: the offload plan ranked ahead of a recompute plan it led by less than its
     copies' uncertainty ran 9% slower than it; such a plan now ranks behind it, wherever it stands."""

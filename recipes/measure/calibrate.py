@@ -122,9 +122,9 @@ def host_memory_gib() -> float | None:
 
 def model_shapes(overrides: list[str]) -> tuple[int, int, int]:
     """(hidden, FFN width, sequence length) of the model the overrides name (default size=h200_long)."""
-    from recipes.config import compose_config
+    from recipes.config import compose_config, typed
 
-    cfg = compose_config(overrides or ["size=h200_long"])
+    cfg = typed(compose_config(overrides or ["size=h200_long"]))
     m = cfg.model
     return m.hidden_size, m.ffn_hidden_size, cfg.train.seq_length
 
