@@ -286,3 +286,19 @@ def test_a_calibrated_profile_is_named_by_its_path_and_its_gpu_confirms_its_swee
     assert p.efficiency(16384) == pytest.approx(700 / 720)
     assert plan(cfg, 19.0)["host_link_gb_s"] == 41.5  # the planner prices copies at the measured link
     assert same_gpu("NVIDIA H100 80GB HBM3", p.gpu) and not same_gpu("NVIDIA H200", p.gpu)
+
+
+def test_advise_compares_a_plan_whose_top_three_differ_in_micro_batch(tmp_path, capsys):
+    """The H200's dense_short sweep: its three points are three micro-batch sizes, which advise answers
+    as three families; the plan's comparison must still follow them (it was dropped before)."""
+    from recipes.analyze import advise
+    from tools.evidence import load
+
+    ev = load("planner-h200")
+    root = ev.unpack(tmp_path)
+    sweep = root / "dense_short"
+    (sweep / "plan.json").write_text((root / "dense_short.plan.json").read_text())
+    assert advise.main([str(sweep), "--budget-gib", "30"]) == 0
+    out = capsys.readouterr().out
+    assert "This sweep holds 3 families" in out and "Against the plan" in out
+    assert "measured order p1 < p2 < p3: as predicted" in out

@@ -277,28 +277,31 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: no result.json under {args.sweep_dir}: run a sweep first (python train.py -m sweep=moe)",
               file=sys.stderr)
         return 2
+    try:  # a sweep `python -m recipes plan` wrote: its predicted order beside the measured one
+        confirmed = compare(args.sweep_dir)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     candidates = measured_candidates(args.sweep_dir) + predicted_candidates(args.sweep_dir, args.budget_gib)
     groups = family_groups(candidates)
-    if len(groups) > 1:
-        return _advise_groups(args.sweep_dir, groups, args.budget_gib, args.json)
+    if len(groups) > 1:  # e.g. a plan's top three at several micro-batch sizes: the plan still compares them all
+        return _advise_groups(args.sweep_dir, groups, args.budget_gib, args.json, confirmed)
     advice = advise(candidates, args.budget_gib)
     advice["sweep_dir"] = str(args.sweep_dir)
     advice["plan"] = sweep_plan(args.sweep_dir, args.budget_gib)
     advice["drives"] = what_drives_the_peak(args.sweep_dir)
     advice["predicted_vs_measured"] = predicted_next_to_measured(args.sweep_dir)
-    try:  # a sweep `python -m recipes plan` wrote: its predicted order beside the measured one
-        advice["confirm"] = compare(args.sweep_dir)
-    except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    advice["confirm"] = confirmed
     advice["text"] = "\n".join([explain(advice, str(args.sweep_dir)), *explain_confirm(advice["confirm"])])
     print(json.dumps(advice, indent=2, default=str) if args.json else advice["text"])
     return 0
 
 
-def _advise_groups(sweep_dir: Path, groups: list[tuple[str, list[dict]]], budget_gib: float, as_json: bool) -> int:
+def _advise_groups(sweep_dir: Path, groups: list[tuple[str, list[dict]]], budget_gib: float, as_json: bool,
+                   confirmed: dict | None = None) -> int:
     """One answer per family of a sweep (``family_groups``). The planner's predictions price one base
-    point, so they are left to ``--predict`` with each family's overrides."""
+    point, so they are left to ``--predict`` with each family's overrides; a plan's comparison
+    (``confirmed``) spans the families, so it follows them once."""
     pairs = predicted_next_to_measured(sweep_dir)
     drives = what_drives_the_peak(sweep_dir)
     out = []
@@ -314,9 +317,10 @@ def _advise_groups(sweep_dir: Path, groups: list[tuple[str, list[dict]]], budget
             "on its own points. For the planner's prediction of one: python -m recipes advise --budget-gib "
             f"{budget_gib:g} --predict <its overrides>.")
     if as_json:
-        print(json.dumps({"sweep_dir": str(sweep_dir), "budget_gib": budget_gib, "groups": out}, indent=2, default=str))
+        print(json.dumps({"sweep_dir": str(sweep_dir), "budget_gib": budget_gib, "groups": out, "confirm": confirmed},
+                         indent=2, default=str))
     else:
-        print("\n\n".join([head] + [a["text"] for a in out]))
+        print("\n\n".join([head] + [a["text"] for a in out] + ["\n".join(explain_confirm(confirmed))] * bool(confirmed)))
     return 0
 
 
