@@ -16,12 +16,15 @@
 # alone, selective/mlp at micro-batch 1), dense_long_offload (the same at 58: selective/mlp with attn_norm offload),
 # mla_long (mla h200_long 70: the question whose offload pick ran out of memory), moe_long (moe h200_long 75:
 # full/block), gdn_long (gdn h200_long 60: full), dense_short (standard_attn h200 30: micro-batch 4, no recompute),
-# moe_short (moe h200 40: micro-batch 4). Settings (environment): PY, QUESTIONS,
+# moe_short (moe h200 40: micro-batch 4). gdn_long needs Triton >= 3.7.1 on Hopper (fla issue 640): the installed
+# one, else .triton/ from benchmarks/pack_triton.sh (benchmarks/triton_path.sh). Settings (environment): PY, QUESTIONS,
 # STEPS (5), CALIBRATE (1), PROFILE (the profile plans use; default the calibrated one), EXTRA (overrides for
 # every plan and point), OUT (results/planner).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 WANDB_MODE=offline
+export TRITON_CACHE_AUTOTUNING=1  # fla's autotuned GDN kernels: tune once per machine, not per point
+. benchmarks/triton_path.sh  # triton_path: a PYTHONPATH with Triton >= 3.7.1 for gdn_long
 if [ -z "${PY:-}" ]; then if [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi; fi
 OUT=${OUT:-results/planner}
 QUESTIONS=${QUESTIONS:-dense_long dense_long_offload mla_long moe_long gdn_long dense_short moe_short}
@@ -57,14 +60,17 @@ for q in $QUESTIONS; do
   model=$1 size=$2 budget=$3
   dir="$OUT/$q"
   rm -rf "$dir"
+  pythonpath=${PYTHONPATH:-}
+  if [ "$model" = model=gdn ]; then pythonpath=$(triton_path) || continue; fi
   stamp "plan $q: $model $size, budget $budget GiB"
-  $PY -m recipes plan --budget-gib "$budget" --dir "$dir" $model $size cluster.gpu="$PROFILE" $ARGS 2>&1 | quiet \
+  PYTHONPATH=$pythonpath $PY -m recipes plan --budget-gib "$budget" --dir "$dir" $model $size \
+    cluster.gpu="$PROFILE" $ARGS 2>&1 | quiet \
     | tee "$dir.plan.txt"
   line=$(grep -m1 "python train.py -m --config-dir" "$dir.plan.txt" | sed 's/^ *//; s/^python /'"${PY//\//\\/}"' /')
   if [ -z "$line" ]; then echo "($q: nothing fits, no sweep)"; continue; fi
   stamp "confirm $q"
-  bash -c "$line" 2>&1 | quiet | grep -E "^\[point|oom|refused|error|fix:|ms/step|GiB" | tail -30
+  PYTHONPATH=$pythonpath bash -c "$line" 2>&1 | quiet | grep -E "^\[point|oom|refused|error|fix:|ms/step|GiB" | tail -30
   stamp "advise $q"
-  $PY -m recipes advise "$dir" --budget-gib "$budget" 2>&1 | quiet | tee "$dir.advise.txt" | tail -20
+  PYTHONPATH=$pythonpath $PY -m recipes advise "$dir" --budget-gib "$budget" 2>&1 | quiet | tee "$dir.advise.txt" | tail -20
 done
 stamp done
