@@ -8,8 +8,9 @@ A run whose workers died without writing anything is still recorded, as ``failed
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import Any
 
 from omegaconf import MISSING
 
@@ -25,6 +26,135 @@ NOT_MEASURED = ("rerun", "dry_run", "name", "output_dir", "logger", "estimate", 
 #: Status severity: the run's status is its worst rank's. `stopped` (train.exit_interval) and
 #: `preempted` (a signal) saved a checkpoint and ended early: not complete, a re-run resumes.
 _SEVERITY = {"ok": 0, "stopped": 0.5, "preempted": 0.5, "oom": 1, "failed": 2, "refused": 3}
+
+
+@dataclass
+class RankResult:
+    """One rank's result: what the worker and the measured window (``recipes.run.window``) record, written
+    as ``ranks/rank<N>.json``. One field per key, so a misspelled one raises (``AttributeError``) where a
+    dict took it. A field is written once recorded: given to the constructor other than None, or
+    assigned (None too: ``window`` is null when the run measured nothing); the file lists them in the
+    order they were recorded, as the worker's dict always did. Sections the tools read by key (timing,
+    memory, ledger, ...) stay dicts: see docs/outputs.md for their keys."""
+
+    rank: int | None = None
+    status: str | None = None  # ok | stopped | preempted | oom | failed | refused (_SEVERITY)
+    host: str | None = None
+    device: str | None = None  # the GPU's name, or "cpu"
+    timeline: dict[str, float] | None = None  # when each phase of the worker ended (time.time())
+    cpu_cores: list[int] | None = None  # launcher.cpu_cores_per_rank: the cores it was pinned to
+    coords: dict[str, int] | None = None  # its place in the parallel layout
+    num_parameters: int | None = None
+    optimizer: str | None = None
+    precision: str | None = None
+    memory_after_init: dict[str, float] | None = None
+    labels: dict[str, dict] | None = None  # per recompute label: modules wrapped, regions, saved bytes
+    resumed_from: dict | None = None  # {"path", "step"} of the checkpoint it continued
+    checkpoint_notes: list[str] | None = None
+    first_step: int | None = None
+    window: list[int] | None = None  # [start, end] of the measured steps; null: none in this process
+    phase: str | None = None  # before_window | window | after_window: where a failure struck
+    setup_s: float | None = None
+    ledger: dict | None = None
+    offload: dict | None = None
+    pipeline: dict | None = None
+    checkpoints: dict[str, dict] | None = None  # checkpoint regions per step, by label
+    timing: dict | None = None
+    memory: dict[str, float] | None = None
+    module_times: dict | None = None
+    trace: dict | None = None
+    profile: dict | None = None
+    # the control ledger's warnings until the run's end (the checkpoint carries them): written only by
+    # a rank that failed before
+    ledger_warnings: list[str] | None = field(default=None, metadata={"key": "_ledger_warnings"})
+    control_abandoned: bool | None = None  # until main reads it (CONTROL_ABANDONED)
+    moe_routing: dict | None = None
+    signal: str | None = None  # the signal that preempted it
+    checkpoint: dict | None = None  # {"path", "step"} of the last checkpoint saved
+    stopped_at: int | None = None
+    stop_reason: str | None = None
+    loss: list[float | None] | None = None  # per step (None off the last pipeline stage)
+    grad_norm: list[float | None] | None = None  # before clipping
+    lr: list[float | None] | None = None
+    eval_loss: list[dict] | None = None
+    warnings: list[str] | None = None
+    error: str | None = None
+    memory_at_failure: dict[str, float] | None = None
+    traceback: str | None = None
+    #: keys of a file no field holds (written by another version), kept as read and written back last
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_recorded", {f.name: None for f in fields(self)
+                                               if f.name != "extra" and getattr(self, f.name) is not None})
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name not in self.__dataclass_fields__:
+            raise AttributeError(f"a rank result has no field {name!r} (fields: recipes.results.RankResult)")
+        object.__setattr__(self, name, value)
+        if "_recorded" in self.__dict__ and name != "extra":  # set after __init__: recorded
+            self._recorded[name] = None
+
+    def pop(self, name: str, default: Any = None) -> Any:
+        """A recorded field's value, no longer recorded (``default`` when it was not)."""
+        if name not in self._recorded:
+            getattr(self, name)  # a misspelled name raises
+            return default
+        value = getattr(self, name)
+        del self._recorded[name]
+        object.__setattr__(self, name, None)
+        return value
+
+    def record(self, values: dict) -> None:
+        """Record ``values`` by their keys in the file (a checkpoint's measurements, a file read back);
+        a key no field holds goes to ``extra``."""
+        for key, value in values.items():
+            name = _RANK_FIELD.get(key, key)
+            if name in self.__dataclass_fields__ and name != "extra":
+                setattr(self, name, value)
+            else:
+                self.extra[key] = value
+
+    @classmethod
+    def from_dict(cls, data: dict) -> RankResult:
+        """A rank file's content (of any version) as a ``RankResult``: ``as_dict`` gives it back."""
+        result = cls()
+        result.record(data)
+        return result
+
+    def as_dict(self) -> dict:
+        """The rank's JSON: its recorded fields, in the order recorded, by their keys in the file. Shallow:
+        the sections are this result's own."""
+        out = {_RANK_KEY.get(name, name): getattr(self, name) for name in self._recorded}
+        return {**out, **{k: v for k, v in self.extra.items() if k not in out}}
+
+    # read by key as well, as a rank dict is (``label_findings`` takes either; a recorded key only)
+    def __getitem__(self, key: str) -> Any:
+        name = _RANK_FIELD.get(key, key)
+        if name in self._recorded:
+            return getattr(self, name)
+        if key in self.extra:
+            return self.extra[key]
+        raise KeyError(key)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        try:
+            return self[key]
+        except KeyError:
+            return default
+
+    def __contains__(self, key: str) -> bool:
+        return _RANK_FIELD.get(key, key) in self._recorded or key in self.extra
+
+
+#: Field -> key in the file, where they differ (and back).
+_RANK_KEY = {f.name: f.metadata["key"] for f in fields(RankResult) if "key" in f.metadata}
+_RANK_FIELD = {key: name for name, key in _RANK_KEY.items()}
+
+
+def load_rank(path: Path) -> RankResult:
+    """A ``ranks/rank<N>.json`` file (of any version) as a ``RankResult``."""
+    return RankResult.from_dict(read_json(path))
 
 
 def read_ranks(run_dir: Path) -> list[dict]:

@@ -170,14 +170,15 @@ def build_trainer(cfg: dict):
 
 
 def train_in_process(cfg: dict) -> dict:
-    """Run the worker's measurement loop in this process; returns the rank result dict."""
+    """Run the worker's measurement loop in this process; returns the rank result dict (its JSON)."""
+    from recipes.results import RankResult
     from recipes.run.worker import train_and_measure
     from recipes.run.world import reseed
 
     reseed(cfg)
-    result: dict = {"rank": 0}
+    result = RankResult(rank=0)
     train_and_measure(cfg, result)
-    return result
+    return result.as_dict()
 
 
 def gradients(cfg: dict, record_ledger: bool = True, before=None):

@@ -19,14 +19,15 @@ OFFLOAD_EMULATED = ("offload.emulate_on_cpu=true", "offload.min_offloaded_tensor
 
 def train(cfg: dict, run_dir: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     """The worker's loop in this process: (rank result, parameters after the run)."""
+    from recipes.results import RankResult
     from recipes.run.worker import train_and_measure
     from recipes.run.world import reseed
 
     reseed(cfg)
-    result: dict = {"rank": 0}
+    result = RankResult(rank=0)
     trainer = train_and_measure(cfg, result, run_dir)
     params = {f"{i}.{n}": p.detach().clone() for i, c in enumerate(trainer.chunks) for n, p in c.named_parameters()}
-    return result, params
+    return result.as_dict(), params
 
 
 @pytest.mark.parametrize("family, extra", [

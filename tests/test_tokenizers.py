@@ -21,6 +21,7 @@ from conftest import compose
 from recipes.data.indexed import BYTE_TOKENIZER, check_tokenizer, validate_data
 from recipes.data.preprocess import PreprocessError, preprocess, preprocess_tokenizer
 from recipes.errors import ConfigError
+from recipes.results import RankResult
 
 TEXT = "the quick brown fox jumps over the lazy dog. héllo wörld\n"
 
@@ -121,7 +122,7 @@ def test_training_refuses_a_tokenizer_that_disagrees_with_the_data_before_the_mo
 
     monkeypatch.setattr(worker, "Trainer", no_model)
     with pytest.raises(ConfigError) as err:
-        worker.train_and_measure(cfg, {"rank": 0})
+        worker.train_and_measure(cfg, RankResult(rank=0))
     message = str(err.value)
     assert message.startswith("data.tokenizer") and "eod 256 here, 0 in the data" in message
     assert "re-run python -m recipes preprocess with --tokenizer byte" in message

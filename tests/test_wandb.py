@@ -22,6 +22,7 @@ from wandb_files import offline_runs
 
 from recipes.analyze import logger
 from recipes.files import write_json_atomic
+from recipes.results import RankResult
 from recipes.run import worker
 
 #: What every progress interval logs on a CPU (perf/mfu and mem/peak_allocated_gib need a GPU).
@@ -62,9 +63,9 @@ def test_a_run_streams_every_interval_and_validation_at_its_step(corpus, megatro
     logger.write_identity(tmp_path, cfg["logger"], "standard_attn sdpa none", {"model": "standard_attn"}, [], False)
     run = logger.open_run(cfg, tmp_path, rank=0)
     assert run, "the W&B run did not open"
-    result: dict = {"rank": 0}
+    result = RankResult(rank=0)
     worker.train_and_measure(cfg, result, tmp_path, logger=run)
-    write_json_atomic(tmp_path / "ranks" / "rank0.json", result)
+    write_json_atomic(tmp_path / "ranks" / "rank0.json", result.as_dict())
     run.finish(worker.run_summary(tmp_path, cfg))
 
     progress = [l for l in capsys.readouterr().out.splitlines() if l.startswith("[progress]")]

@@ -22,7 +22,7 @@ def _run(tmp_path, monkeypatch, error: BaseException) -> tuple[int, dict]:
     monkeypatch.setattr(worker, "rank_coordinates", lambda: {"rank": 0, "tp": 0, "pp": 0, "cp": 0, "ep": 0, "dp": 0})
 
     def measure(cfg, result, run_dir=None, logger=None):
-        result["phase"] = "steady"
+        result.phase = "steady"
         raise error
 
     monkeypatch.setattr(worker, "train_and_measure", measure)

@@ -28,10 +28,12 @@ from recipes.measure.routing import RoutingRecorder
 from recipes.measure.steptrace import trace_step
 from recipes.offload import modules_of
 from recipes.recompute import option_of as recompute_option
+from recipes.results import RankResult
 from recipes.run.trainer import Trainer
 
-#: What the measured window put into a rank's result: a checkpoint taken after the window carries
-#: it, so a run resumed past the window still writes the same result.json.
+#: What the measured window put into a rank's result (``RankResult``, by their keys in the file): a
+#: checkpoint taken after the window carries it, so a run resumed past the window still writes the
+#: same result.json.
 MEASURED_KEYS = ("window", "setup_s", "ledger", "pipeline", "checkpoints", "timing", "memory", "profile",
                  "trace", "offload", "module_times", "moe_routing", "_ledger_warnings")
 
@@ -102,43 +104,42 @@ class Window:
 
 
 
-def after_first_step(trainer: Trainer, cfg: dict, result: dict, t0: float) -> None:
+def after_first_step(trainer: Trainer, cfg: dict, result: RankResult, t0: float) -> None:
     """The ledger of the first step (one micro-batch through every chunk) and the pipeline report."""
     cfg = typed(cfg)
     sync()
-    result["timeline"]["warmed_up"] = time.time()
-    result["setup_s"] = time.perf_counter() - t0
+    result.timeline["warmed_up"] = time.time()
+    result.setup_s = time.perf_counter() - t0
     if warmup_steps(cfg) == 1:
         record_ledger(trainer, cfg, result)
 
 
 
-def record_ledger(trainer: Trainer, cfg: dict, result: dict) -> None:
+def record_ledger(trainer: Trainer, cfg: dict, result: RankResult) -> None:
     """The ledger of one micro-batch through every chunk (the step that recorded it) and the pipeline
     report; with offload also what that forward copied to the host, and the manager's plan."""
     cfg = typed(cfg)
-    result["ledger"] = {
+    result.ledger = {
         "bytes_by_kind": trainer.ledger.bytes_by_kind,
         "total_bytes": trainer.ledger.total_bytes,
     }
     if trainer.offloading:
-        result["ledger"]["host_bytes_by_kind"] = trainer.ledger.host_bytes_by_kind
-        result["ledger"]["host_total_bytes"] = trainer.ledger.host_total_bytes
-        result["offload"] = {"modules": modules_of(cfg)}
+        result.ledger["host_bytes_by_kind"] = trainer.ledger.host_bytes_by_kind
+        result.ledger["host_total_bytes"] = trainer.ledger.host_total_bytes
+        result.offload = {"modules": modules_of(cfg)}
     chunk_bytes = [l.total_bytes for l in trainer.chunk_ledgers] if cfg.measure.ledger else []
-    result["pipeline"] = pipeline_report(trainer.chunks, trainer.num_microbatches, trainer.config,
-                                         chunk_bytes)
+    result.pipeline = pipeline_report(trainer.chunks, trainer.num_microbatches, trainer.config, chunk_bytes)
 
 
 
-def record_window(trainer: Trainer, cfg: dict, result: dict, window: Window, labels: list[str],
+def record_window(trainer: Trainer, cfg: dict, result: RankResult, window: Window, labels: list[str],
              run_dir: Path | None) -> None:
     """At the window's last step: timing, memory, checkpoint counts; then the profiled step and the
     in-run control ledgers (off the step count: see docs/training.md)."""
     cfg = typed(cfg)
-    train, marks, times = cfg.train, result["timeline"], window.times
+    train, marks, times = cfg.train, result.timeline, window.times
     steps = len(times)
-    result["checkpoints"] = {
+    result.checkpoints = {
         label: {k: v // max(steps, 1) for k, v in counts.items()}
         for label, counts in trainer.counter.as_dict().items()
     }
@@ -148,7 +149,7 @@ def record_window(trainer: Trainer, cfg: dict, result: dict, window: Window, lab
     flops = step_flops({**cfg, "_data_parallel_size": trainer.dp_size}, trainer.num_microbatches)
     tokens = train.micro_batch_size * trainer.num_microbatches * trainer.dp_size * train.seq_length
     peak = cfg.measure.peak_tflops
-    result["timing"] = {
+    result.timing = {
         "steps": steps,
         "step_time_s": median,
         "step_time_min_s": min(times),
@@ -163,7 +164,7 @@ def record_window(trainer: Trainer, cfg: dict, result: dict, window: Window, lab
     }
     if compat.cuda_available():
         mem, static = memory_now(), window.static
-        result["memory"] = {
+        result.memory = {
             "peak_allocated_gib": mem["peak_allocated_gib"],
             "peak_reserved_gib": mem["peak_reserved_gib"],
             "static_allocated_gib": static["allocated_gib"],
@@ -178,24 +179,25 @@ def record_window(trainer: Trainer, cfg: dict, result: dict, window: Window, lab
         record_module_times(trainer, cfg, result, marks)
         # under pipeline parallelism the host also waits for its neighbours' sends, a margin this wait
         # does not see, so none is given there
-        if "host_wait_s" in result["timing"] and cfg.parallel.pipeline_model_parallel_size == 1:
-            note_host_wait(result.get("module_times"), result["timing"]["host_wait_s"] * 1e3)
+        if "host_wait_s" in result.timing and cfg.parallel.pipeline_model_parallel_size == 1:
+            note_host_wait(result.module_times, result.timing["host_wait_s"] * 1e3)
     keep = trace_path(run_dir, torch.distributed.get_rank()) if cfg.measure.trace_step and run_dir else None
     if trainer.offloading:
-        result.setdefault("offload", {"modules": modules_of(cfg)})
-        result["offload"].update(offload_measurements(trainer, window, median, result, keep))
+        if result.offload is None:
+            result.offload = {"modules": modules_of(cfg)}
+        result.offload.update(offload_measurements(trainer, window, median, result, keep))
     elif (cfg.measure.trace_step or cfg.measure.gpu_time is not False) and trainer.on_gpu:
         try:  # one more step, off the step count; for the GPU's time alone, without the host's events
-            result["trace"] = trace_step(trainer.step, keep, host=bool(cfg.measure.trace_step))
+            result.trace = trace_step(trainer.step, keep, host=bool(cfg.measure.trace_step))
         except Exception as err:  # the profiler (CUPTI) unavailable, or an OOM in the extra step
-            result["trace"] = failed_measurement(err)
+            result.trace = failed_measurement(err)
         finally:
             trainer.optimizer.zero_grad()
     if cfg.measure.profile != "none":
-        result["profile"] = profile_step(trainer, cfg, run_dir, step_time_s=median)
+        result.profile = profile_step(trainer, cfg, run_dir, step_time_s=median)
     marks["profile_done"] = time.time()
     if labels and cfg.measure.ledger:
-        result["_ledger_warnings"] = control_ledgers(trainer, labels, result, run_dir)
+        result.ledger_warnings = control_ledgers(trainer, labels, result, run_dir)
     marks["ledgers_done"] = time.time()
     if trainer.offloading:  # as measured: after the offload measurements' step
         record_module_times(trainer, cfg, result, marks)
@@ -214,14 +216,14 @@ def host_timing(host: list[tuple[float, float]]) -> dict:
 
 
 
-def record_module_times(trainer: Trainer, cfg: dict, result: dict, marks: dict) -> None:
-    """``result["module_times"]`` where the run times its modules (``times_modules``)."""
+def record_module_times(trainer: Trainer, cfg: dict, result: RankResult, marks: dict) -> None:
+    """``result.module_times`` where the run times its modules (``times_modules``)."""
     cfg = typed(cfg)
     if times_modules(cfg, trainer.on_gpu):
         try:
-            result["module_times"] = time_modules(trainer, marks=prices_others(cfg))
+            result.module_times = time_modules(trainer, marks=prices_others(cfg))
         except Exception as err:  # an OOM in the extra pass: the run's own measurements stand
-            result["module_times"] = failed_measurement(err)
+            result.module_times = failed_measurement(err)
         marks["modules_timed"] = time.time()
 
 
@@ -253,14 +255,14 @@ def trace_path(run_dir: Path, rank: int) -> Path:
 
 
 
-def offload_measurements(trainer: Trainer, window: Window, step_time_s: float, result: dict,
+def offload_measurements(trainer: Trainer, window: Window, step_time_s: float, result: RankResult,
                          keep: Path | None = None) -> dict:
     """What offload moved per measured step (the median step's counts: bytes and tensors each way, and
     the groups moved and kept per module, summed over the step's micro-batches) and, on a GPU, the host link's
     bandwidth, one extra step timing each group's copies and where compute waited for each reload
     (``CopyTimeline``: ``reload_wait_s``, the stall; ``copies``, the rate the copies ran at in the step)
     and one profiled for how much of the copying compute did not hide (its whole step summary into
-    ``result["trace"]``)."""
+    ``result.trace``)."""
     median = window.moved[len(window.moved) // 2] if window.moved else {}
     moved = dict(median)
     out = {"groups_moved": moved.pop("groups_moved", {}), "groups_kept": moved.pop("groups_kept", {}),
@@ -275,7 +277,7 @@ def offload_measurements(trainer: Trainer, window: Window, step_time_s: float, r
         finally:
             trainer.optimizer.zero_grad()
         try:  # first: the link test empties the allocator's cache, which the traced step would refill
-            overlap, result["trace"] = copy_overlap(trainer.step, keep)  # one more step, off the step count
+            overlap, result.trace = copy_overlap(trainer.step, keep)  # one more step, off the step count
             overlap["step_time_s"] = step_time_s
         except Exception as err:  # the profiler (CUPTI) unavailable, or an OOM in the extra step
             overlap = failed_measurement(err)
@@ -290,12 +292,12 @@ def offload_measurements(trainer: Trainer, window: Window, step_time_s: float, r
 
 
 
-def record_routing(routing: RoutingRecorder, result: dict, ledger_step: int | None, timed: range) -> None:
+def record_routing(routing: RoutingRecorder, result: RankResult, ledger_step: int | None, timed: range) -> None:
     """MoE: the rows routed to this rank's experts (``recipes.measure.routing``) at the ledger's
-    micro-batch (the run's first step) and per measured step (0-based), into ``result["moe_routing"]``;
+    micro-batch (the run's first step) and per measured step (0-based), into ``result.moe_routing``;
     then unhooked."""
     if routing:
-        result["moe_routing"] = routing.summary(ledger_step, timed)
+        result.moe_routing = routing.summary(ledger_step, timed)
     routing.close()
 
 
@@ -319,9 +321,9 @@ CONTROL_INTERRUPTED_WARNING = (
 
 
 
-def control_ledgers(trainer: Trainer, labels: list[str], result: dict, run_dir: Path | None = None) -> list[str]:
+def control_ledgers(trainer: Trainer, labels: list[str], result: RankResult, run_dir: Path | None = None) -> list[str]:
     """The matched control inside this run: the same micro-batch with the labels switched off (and,
-    for several labels, each one alone off), recorded into ``result["ledger"]``.
+    for several labels, each one alone off), recorded into ``result.ledger``.
 
     These passes run after the timed steps (and the profiled step), for two reasons: without
     recompute the step may not fit, which is often why the user recomputes (at ``size=h200_long``
@@ -344,20 +346,20 @@ def control_ledgers(trainer: Trainer, labels: list[str], result: dict, run_dir: 
     try:
         injected_control_oom()
         control = trainer.ledger_pass(labels)
-        result["ledger"]["control_bytes_by_kind"] = control
-        result["ledger"]["control_total_bytes"] = sum(control.values())
+        result.ledger["control_bytes_by_kind"] = control
+        result.ledger["control_total_bytes"] = sum(control.values())
         alone = {l: sum(trainer.ledger_pass([l]).values()) for l in labels} if len(labels) > 1 else {}
-        result["ledger"]["without_label_total_bytes"] = alone
+        result.ledger["without_label_total_bytes"] = alone
         return []
     except Exception as err:  # an OOM here; with several ranks also a peer lost in the pass's collectives
         if not is_oom(err) and world == 1:
             raise
-        result["control_abandoned"] = world > 1
+        result.control_abandoned = world > 1
         first = (str(err).splitlines() or [""])[0]
         if is_oom(err):
-            result["ledger"]["control_error"] = f"oom: {first}"
+            result.ledger["control_error"] = f"oom: {first}"
             return [CONTROL_OOM_WARNING]
-        result["ledger"]["control_error"] = f"interrupted: {type(err).__name__}: {first}"
+        result.ledger["control_error"] = f"interrupted: {type(err).__name__}: {first}"
         return [CONTROL_INTERRUPTED_WARNING]
     finally:
         trainer.optimizer.zero_grad()
@@ -366,15 +368,16 @@ def control_ledgers(trainer: Trainer, labels: list[str], result: dict, run_dir: 
 
 
 
-def provisional_result(result: dict, labels: list[str], run_dir: Path | None) -> None:
+def provisional_result(result: RankResult, labels: list[str], run_dir: Path | None) -> None:
     """This rank's result before the control pass, as it would be written if the pass never ends
     here (another rank's ran out of memory): ok, with its measurements and the warning that says so."""
     if run_dir is None:
         return
     rank = torch.distributed.get_rank()
-    ledger = {**result["ledger"], "control_error": "interrupted: another rank's control pass ran out of memory"}
-    draft = {**result, "ledger": ledger, "status": "ok",
-             "warnings": label_findings({**result, "ledger": ledger}, labels) + [CONTROL_INTERRUPTED_WARNING]}
+    ledger = {**result.ledger, "control_error": "interrupted: another rank's control pass ran out of memory"}
+    written = result.as_dict()
+    draft = {**written, "ledger": ledger, "status": "ok",
+             "warnings": label_findings({**written, "ledger": ledger}, labels) + [CONTROL_INTERRUPTED_WARNING]}
     write_json_atomic(Path(run_dir) / "ranks" / f"rank{rank}.json", draft)
 
 

@@ -46,7 +46,7 @@ from recipes.measure.labels import LabelError, check_resolved, label_findings, r
 from recipes.measure.routing import RoutingRecorder
 from recipes.measure.syncs import ItemWaits
 from recipes.recompute import labels_of
-from recipes.results import merge_result
+from recipes.results import RankResult, merge_result
 from recipes.run.checkpoint import checkpoint_root, find_resume, load_checkpoint, save_checkpoint
 from recipes.run.collector import ManualCollection
 from recipes.run.progress import Progress, say
@@ -123,7 +123,7 @@ def cap_allocator(measure: Any) -> None:
         torch.cuda.set_per_process_memory_fraction(budget / total)
 
 
-def train_and_measure(cfg: dict, result: dict, run_dir: Path | None = None,
+def train_and_measure(cfg: dict, result: RankResult, run_dir: Path | None = None,
                       logger: WandbRun | NullRun | None = None) -> Trainer:
     """Train ``train.train_iters`` steps; measure inside the window (``measure.*``); fill ``result``.
     ``logger`` (rank 0's W&B run) gets the progress metrics and the validation loss at their steps."""
@@ -132,39 +132,41 @@ def train_and_measure(cfg: dict, result: dict, run_dir: Path | None = None,
     if compat.cuda_available():
         cap_allocator(cfg.measure)
     t0 = time.perf_counter()
-    marks = result.setdefault("timeline", {})
+    if result.timeline is None:
+        result.timeline = {}
+    marks = result.timeline
     check_tokenizer(cfg)  # data.tokenizer agrees with the data (vocabulary, eod) before any compute
     trainer = Trainer(cfg)
     routing = RoutingRecorder(trainer.chunks, lambda: len(trainer.grad_norms))  # MoE: routed rows per rank
     marks["built"] = time.time()
-    result["num_parameters"] = num_parameters(trainer.chunks)
-    result["optimizer"] = trainer.optimizer_kind
-    result["precision"] = "bf16" if trainer.config.bf16 else "fp32"
-    result["memory_after_init"] = memory_now()
+    result.num_parameters = num_parameters(trainer.chunks)
+    result.optimizer = trainer.optimizer_kind
+    result.precision = "bf16" if trainer.config.bf16 else "fp32"
+    result.memory_after_init = memory_now()
     labels = labels_of(cfg)
-    result["labels"] = resolve_labels(trainer.chunks, labels)
-    check_resolved(result["labels"])  # a label that wraps nothing is refused before training
+    result.labels = resolve_labels(trainer.chunks, labels)
+    check_resolved(result.labels)  # a label that wraps nothing is refused before training
     resume, notes = find_resume(cfg, run_dir)
     if resume is not None:
         restored = load_checkpoint(trainer, cfg, resume, verified=True)
         notes += restored["notes"]
-        result["resumed_from"] = {"path": str(resume), "step": restored["step"]}
-        result.update(restored["measured"])
+        result.resumed_from = {"path": str(resume), "step": restored["step"]}
+        result.record(restored["measured"])
     for note in notes:
         say(f"[checkpoint] {note}")
-    result["checkpoint_notes"] = notes
+    result.checkpoint_notes = notes
     first = trainer.step_count + 1
     window = Window(measure_window(cfg, first))
     ledger_step = first + warmup_steps(cfg) - 1  # with offload, once the manager has planned
-    result["first_step"] = first
-    if window.span or "window" not in result:
-        result["window"] = list(window.span) if window.span else None
+    result.first_step = first
+    if window.span or "window" not in result:  # recorded: a checkpoint's (null too) stands
+        result.window = list(window.span) if window.span else None
     ck = cfg.checkpoint
     root = checkpoint_root(cfg, run_dir) if ck.save else None
     logger = logger or NullRun()
     progress = Progress(cfg, trainer, first, run_dir, logger) if train.log_interval else None
     exit_interval = train.exit_interval
-    result["phase"] = "before_window"
+    result.phase = "before_window"
     losses: list = []  # device tensors (or None off the last stage) until the end: no host sync
     grad_norms: list = []
     lrs: list[float | None] = []  # the learning rate each step ran at
@@ -179,7 +181,7 @@ def train_and_measure(cfg: dict, result: dict, run_dir: Path | None = None,
                 if compat.cuda_available():
                     torch.cuda.reset_peak_memory_stats()
                 trainer.counter.reset()
-                result["phase"] = "window"
+                result.phase = "window"
             timed = step in window
             if timed:
                 sync()
@@ -208,7 +210,7 @@ def train_and_measure(cfg: dict, result: dict, run_dir: Path | None = None,
                 # the recorder counts this process's steps from 0 (the ledger's is its first, with offload its second)
                 record_routing(routing, result, ledger_step - first if cfg.measure.ledger else None,
                                range(window.span[0] - first, window.span[1] - first + 1))
-                result["phase"] = "after_window"
+                result.phase = "after_window"
             collector.after_step(step)
             if eval_interval and trainer.valid_data is not None and step % eval_interval == 0:
                 evals.append({"step": step, "loss": trainer.evaluate()})
@@ -220,7 +222,7 @@ def train_and_measure(cfg: dict, result: dict, run_dir: Path | None = None,
                 received = STOP.requested()
                 if received:
                     stop = "preempted"
-                    result["signal"] = received
+                    result.signal = received
                     say(f"[signal] {received} at step {step}: " + (
                         "saving a checkpoint, then stopping" if root is not None else "stopping (checkpoint.save=false)"))
                 elif exit_interval and step % exit_interval == 0:
@@ -228,25 +230,25 @@ def train_and_measure(cfg: dict, result: dict, run_dir: Path | None = None,
             if root is not None and (stop or step == train.train_iters or (ck.interval and step % ck.interval == 0)):
                 measured = {k: result[k] for k in MEASURED_KEYS if k in result} if "timing" in result else {}
                 path = save_checkpoint(trainer, cfg, root, measured)
-                result["checkpoint"] = {"path": str(path), "step": step}
+                result.checkpoint = {"path": str(path), "step": step}
                 say(f"[checkpoint] saved step {step} to {path}")
             if stop:
-                result["stopped_at"], result["stop_reason"] = step, stop
+                result.stopped_at, result.stop_reason = step, stop
                 break
     finally:
         collector.stop()
     marks["trained"] = time.time()
-    result["loss"] = [None if l is None else float(l) for l in losses]
-    result["grad_norm"] = [None if g is None else float(g) for g in grad_norms]  # before clipping
-    result["lr"] = lrs
+    result.loss = [None if l is None else float(l) for l in losses]
+    result.grad_norm = [None if g is None else float(g) for g in grad_norms]  # before clipping
+    result.lr = lrs
     if evals:
-        result["eval_loss"] = evals
-    result["warnings"] = (label_findings(result, labels) + result.pop("_ledger_warnings", [])
-                          + collection_findings(result.get("timing")))
-    if "timing" not in result:
-        result["warnings"].append("nothing measured: this process started after the measured window and "
-                                  "its checkpoint carried no measurements")
-    result["status"] = result.get("stop_reason", "ok")
+        result.eval_loss = evals
+    result.warnings = (label_findings(result, labels) + result.pop("ledger_warnings", [])
+                       + collection_findings(result.timing))
+    if result.timing is None:
+        result.warnings.append("nothing measured: this process started after the measured window and "
+                               "its checkpoint carried no measurements")
+    result.status = result.stop_reason or "ok"
     trainer.close()
     return trainer
 
@@ -259,46 +261,46 @@ def main(run_dir: str, exiting: bool = False) -> int:
     run = Path(run_dir)
     cfg = typed(OmegaConf.load(run / "config.yaml"))  # the frozen config the controller wrote, typed once
     rank = int(os.environ.get("RANK", 0))
-    result: dict[str, Any] = {"rank": rank, "status": "failed", "host": socket.gethostname()}
-    result["device"] = torch.cuda.get_device_name() if compat.cuda_available() else "cpu"
-    result["timeline"] = {"main_start": time.time()}
+    result = RankResult(rank=rank, status="failed", host=socket.gethostname(),
+                        device=torch.cuda.get_device_name() if compat.cuda_available() else "cpu",
+                        timeline={"main_start": time.time()})
     cores = pin_worker(cfg.launcher.cpu_cores_per_rank)  # before the threads it starts
     if cores is not None:
-        result["cpu_cores"] = cores
+        result.cpu_cores = cores
         torch.set_num_threads(len(cores))  # no more CPU threads than its cores, whatever OMP_NUM_THREADS says
     exit_code = 0
     logger = open_run(cfg, run, rank, resuming=resumes(cfg, run))  # logger=wandb, rank 0; else a no-op twin
     if logger:
-        result["timeline"]["logger_ready"] = time.time()
+        result.timeline["logger_ready"] = time.time()
     try:
         STOP.install()  # before the slow part: a signal during start-up stops after the first step
-        init_distributed(cfg, result["timeline"])
+        init_distributed(cfg, result.timeline)
         STOP.connect()
-        result["timeline"]["distributed_ready"] = time.time()
-        result["coords"] = rank_coordinates()
+        result.timeline["distributed_ready"] = time.time()
+        result.coords = rank_coordinates()
         train_and_measure(cfg, result, run, logger=logger)
         if result.pop("control_abandoned", False):
             exit_code = CONTROL_ABANDONED  # ok, written below; the other ranks may wait in that pass
     except (LabelError, ConfigError) as err:  # a label that wraps nothing; a checkpoint of another model
-        result.update(status="refused", error=str(err))
+        result.status, result.error = "refused", str(err)
         exit_code = 2
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as err:  # recorded, never lost: the sweep goes on (torch's CheckpointException is a BaseException)
         if is_oom(err):
             first = next((l for l in str(err).splitlines() if "memory" in l or "calloc" in l), str(err))
-            result.update(status="oom", error=first.strip(), memory_at_failure=memory_now())
+            result.status, result.error, result.memory_at_failure = "oom", first.strip(), memory_now()
             exit_code = 3
         else:
-            result.update(status="failed", error=f"{type(err).__name__}: {err}")
-            result["traceback"] = traceback.format_exc(limit=20)
+            result.status, result.error = "failed", f"{type(err).__name__}: {err}"
+            result.traceback = traceback.format_exc(limit=20)
             exit_code = 1
     rank_file = run / "ranks" / f"rank{rank}.json"
     small = {k: result.get(k) for k in ("rank", "status", "error", "host", "device", "checkpoint", "stopped_at")}
-    if (err := write_json_or_fallback(rank_file, result, small)) is not None:  # a full disk: say what was kept
-        saved = result.get("checkpoint")
-        result.update(status="failed", error=f"{rank_file} could not be written ({type(err).__name__}: {err})")
-        print(f"[rank {rank}] {result['error']}; the run ended {small['status']}; kept: "
+    if (err := write_json_or_fallback(rank_file, result.as_dict(), small)) is not None:  # a full disk: say what was kept
+        saved = result.checkpoint
+        result.status, result.error = "failed", f"{rank_file} could not be written ({type(err).__name__}: {err})"
+        print(f"[rank {rank}] {result.error}; the run ended {small['status']}; kept: "
               + (f"the checkpoint of step {saved['step']} at {saved['path']}" if saved else "no checkpoint"),
               file=sys.stderr)
         exit_code = exit_code or 1
@@ -306,7 +308,7 @@ def main(run_dir: str, exiting: bool = False) -> int:
         print(f"[rank {rank}] ok, but its in-run control ledger ran out of memory: leaving now so that no rank "
               "waits in that pass (torchrun stops the others; their results are written)", file=sys.stderr)
     elif exit_code:
-        print(f"[rank {rank}] {result['status']}: {result.get('error')}", file=sys.stderr)
+        print(f"[rank {rank}] {result.status}: {result.error}", file=sys.stderr)
     if torch.distributed.is_initialized() and exit_code == 0:
         torch.distributed.barrier()  # every rank's file is written: rank 0's W&B summary has them all
         # NCCL's teardown of even a one-rank group took 1.5 s on the H200 (a sweep point's exit); with no
@@ -314,7 +316,7 @@ def main(run_dir: str, exiting: bool = False) -> int:
         if not (exiting and torch.distributed.get_world_size() == 1):
             torch.distributed.destroy_process_group()
     if logger:
-        ok = result["status"] in ("ok", "stopped", "preempted")
+        ok = result.status in ("ok", "stopped", "preempted")
         logger.finish(run_summary(run, cfg), 0 if ok else exit_code)
     return exit_code
 
