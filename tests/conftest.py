@@ -3,7 +3,8 @@
 ``compose(...)`` returns the resolved run config (a plain dict, exactly what a worker reads).
 ``megatron_world`` initializes a single-process gloo group once per session; ``train_in_process``
 and ``gradients`` build a fresh ``Trainer`` on it (same parallel sizes: 1), so tests avoid the
-seconds a subprocess start costs while running the same worker code.
+seconds a subprocess start costs while running the same worker code; ``measured`` is ``gradients``
+once a process per config, for the tests that share points.
 """
 
 from __future__ import annotations
@@ -136,11 +137,24 @@ def shared_runs(tmp_path_factory) -> SharedRuns:
     return SharedRuns((base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "shared")
 
 
-def compose(*overrides: str) -> dict:
-    """The resolved config for these overrides, as the worker would read it."""
-    from recipes.config import compose_config
+#: Composed configs of this process by overrides: Hydra's composition costs a few tenths of a second a
+#: call on two cores, and the suite composes the same few configs hundreds of times.
+_COMPOSED: dict[tuple[str, ...], dict] = {}
 
-    return compose_config(overrides)
+
+def compose(*overrides: str) -> dict:
+    """The resolved config for these overrides, as the worker would read it (a copy of its own: tests
+    edit what they get). Composed once a process from conf/; a test that points ``recipes.config`` at a
+    copy of conf/ composes afresh."""
+    import copy
+
+    from recipes import config
+
+    if Path(config.CONF_DIR) != Path(CONF):
+        return config.compose_config(overrides)
+    if overrides not in _COMPOSED:  # a refusal raises here each time: nothing kept
+        _COMPOSED[overrides] = config.compose_config(overrides)
+    return copy.deepcopy(_COMPOSED[overrides])
 
 
 @pytest.fixture(scope="session")
@@ -179,6 +193,26 @@ def train_in_process(cfg: dict) -> dict:
     result = RankResult(rank=0)
     train_and_measure(cfg, result)
     return result.as_dict()
+
+
+#: ``measured`` results of this process by resolved config.
+_MEASURED: dict[str, tuple] = {}
+
+
+def measured(cfg: dict) -> tuple:
+    """``gradients(cfg)``, measured once a process for each resolved config: the tests that compare
+    options against one reference (a family's ``recompute=none`` and ``control``) or measure the same
+    point (a label's ledger, its bit-exactness) share one forward-backward. A fresh Trainer gives the
+    same step for the same config (reseeded; tests/test_determinism.py holds it bit for bit), so a
+    shared result is the one a second build would measure. Read-only: the gradients are the cached
+    tensors."""
+    import json
+
+    key = json.dumps(cfg, sort_keys=True)
+    if key not in _MEASURED:
+        _MEASURED[key] = gradients(cfg)
+    loss, grads, ledger, counts = _MEASURED[key]
+    return loss, dict(grads), dict(ledger), {k: dict(v) for k, v in counts.items()}
 
 
 def gradients(cfg: dict, record_ledger: bool = True, before=None):

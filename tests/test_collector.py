@@ -20,41 +20,55 @@ TINY = ("size=tiny", "attention=unfused", "profile=none", "train.train_iters=3",
 
 #: Run in a fresh process, as a run's worker is: a model compiled earlier in the same process (the
 #: model.compile tests) leaves torch's compiled-function machinery building graphs in every eager step
-#: after it (seen on CPU, torch 2.14), garbage no training process of this project makes.
+#: after it (seen on CPU, torch 2.14), garbage no training process of this project makes. One process
+#: checks every case in turn (a trainer each, closed before the next): the start and imports once.
 CYCLE_CHECK = """
 import gc, sys
 sys.path.insert(0, {tests!r})
 from conftest import build_trainer, compose
 from recipes.run.world import init_one_rank
 init_one_rank(compose())
-trainer = build_trainer(compose(*{overrides!r}))
-trainer.train_step()
-gc.collect()
-gc.disable()
-gc.set_debug(gc.DEBUG_SAVEALL)
-trainer.train_step()
-trainer.train_step()
-found = gc.collect()
-print("FOUND", found, sorted({{type(o).__name__ for o in gc.garbage}})[:20])
-gc.set_debug(0)
-gc.garbage.clear()
-trainer.close()
+for case, overrides in {cases!r}:
+    trainer = build_trainer(compose(*overrides))
+    trainer.train_step()
+    gc.collect()
+    gc.disable()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    trainer.train_step()
+    trainer.train_step()
+    found = gc.collect()
+    print("FOUND", case, found, sorted({{type(o).__name__ for o in gc.garbage}})[:20], flush=True)
+    gc.set_debug(0)
+    gc.garbage.clear()
+    gc.enable()
+    trainer.close()
 """
 
+CYCLE_CASES = [("standard_attn", "none"), ("standard_attn", "full"), ("moe", "selective/moe_act"),
+               ("mla", "selective/mla_up_proj")]
 
-@pytest.mark.parametrize("model,recompute", [("standard_attn", "none"), ("standard_attn", "full"),
-                                             ("moe", "selective/moe_act"), ("mla", "selective/mla_up_proj")])
-def test_a_training_step_leaves_no_reference_cycles(model, recompute):
+
+@pytest.fixture(scope="module")
+def cycle_check() -> tuple[dict, str]:
+    """({"model/recompute": its FOUND line}, stderr) of one fresh process that checked every case."""
+    cases = [(f"{model}/{recompute}", (*TINY, f"model={model}", f"recompute={recompute}"))
+             for model, recompute in CYCLE_CASES]
+    code = CYCLE_CHECK.format(tests=str(Path(__file__).parent), cases=cases)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    lines = [x.split(" ", 2) for x in done.stdout.splitlines() if x.startswith("FOUND ")]
+    return {case: rest for _, case, rest in lines}, done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("model,recompute", CYCLE_CASES)
+def test_a_training_step_leaves_no_reference_cycles(cycle_check, model, recompute):
     """What makes the collector safe to turn off: after two more steps with it off, a collection finds
     nothing unreachable (no tensor held in a cycle that only it would free). Fails once a change to
     the step (ours or megatron's) builds cycles: manual_gc would then hold their memory until the next
     collection."""
-    overrides = (*TINY, f"model={model}", f"recompute={recompute}")
-    code = CYCLE_CHECK.format(tests=str(Path(__file__).parent), overrides=overrides)
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    line = next((x for x in done.stdout.splitlines() if x.startswith("FOUND ")), None)
-    assert line is not None, done.stderr[-2000:]
-    assert line.startswith("FOUND 0 "), line
+    found, stderr = cycle_check
+    line = found.get(f"{model}/{recompute}")
+    assert line is not None, stderr
+    assert line.startswith("0 "), line
 
 
 def test_manual_gc_keeps_the_collector_out_of_the_timed_steps_and_restores_it(megatron_world):

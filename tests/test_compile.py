@@ -11,13 +11,13 @@ from recipes.build.model import compile_layers
 def test_compiled_layers_replay_and_match_eager(megatron_world, label):
     from torch._dynamo.utils import counters
 
-    cfg = ("model=standard_attn", "model.num_layers=3", f"recompute=selective/{label}")
+    cfg = ("model=standard_attn", f"recompute=selective/{label}")  # tiny's two layers: each compiled, each replayed
     eager = gradients(compose(*cfg))
     counters.clear()
     compiled = gradients(compose(*cfg, "model.compile=layer"))
     assert counters["stats"]["unique_graphs"] > 0  # dynamo built graphs: the layers were compiled
     assert counters["stats"].get("calls_captured", 0) > 0
-    assert compiled[3] == eager[3] == {label: {"forward": 3, "recompute": 3}}
+    assert compiled[3] == eager[3] == {label: {"forward": 2, "recompute": 2}}
     assert float(compiled[0]) == pytest.approx(float(eager[0]), rel=1e-6)
     for name, grad in eager[1].items():
         torch.testing.assert_close(compiled[1][name], grad, rtol=1e-4, atol=1e-6, msg=name)

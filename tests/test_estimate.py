@@ -1,9 +1,10 @@
 """The activation-memory model against measurement, against the paper, and its refusals.
 
-Every family x applicable recompute label x {unfused, sdpa} is built on three shapes (the tiny
-size, MHA with dropout at another sequence length, GQA with LayerNorm/GELU/shared experts; GDN on
-two shapes of its own) and one micro-batch's saved-for-backward ledger is measured in this process
-(``gradients``); the prediction must be within 5% of it, in total and per module kind. (On the CPU
+Every family x applicable recompute label is built on three shapes (the tiny size, MHA with dropout
+at another sequence length, GQA with LayerNorm/GELU/shared experts; GDN on two shapes of its own),
+on the unfused path and, where the label changes what attention saves, on SDPA too, and one
+micro-batch's saved-for-backward ledger is measured in this process (``measured``); the prediction
+must be within 5% of it, in total and per module kind. (On the CPU
 it is exact today: the terms were read off this ledger, so a miss means the code that runs changed.
 For GDN, whose CPU terms are fla's naive reference, the test asserts it byte for byte.)
 """
@@ -15,7 +16,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO, compose, gradients
+from conftest import REPO, compose, measured
 
 from recipes.errors import ConfigError
 from recipes.predict.compare import compare_result
@@ -86,6 +87,20 @@ CASES = [(family, label, "tiny") for family, labels in LABELS.items() for label 
 CASES += [(family, label, shape) for shape, by_family in OTHER_SHAPES.items()
           for family, labels in by_family.items() for label in labels]
 
+
+def backend_matters(label: str) -> bool:
+    """Whether attention's saved tensors under ``label`` are not those of ``none``: the label recomputes
+    core attention (or the whole layer), or discards what feeds it (MLA's up-projections, which SDPA and
+    the unfused path keep in different shapes). Elsewhere the backend changes the ledger by what it
+    changes under ``none``."""
+    return label == "none" or label.startswith("full") or "core_attn" in label or "mla_up_proj" in label
+
+
+#: Each case on the unfused path; on SDPA too where ``backend_matters``. The other labels' SDPA
+#: predictions are held to their unfused ones by test_the_backend_changes_a_label_as_it_changes_none.
+MEASURED = [(*case, "unfused") for case in CASES]
+MEASURED += [(*case, "sdpa") for case in CASES if backend_matters(case[1])]
+
 def assert_close(predicted: dict, measured: dict, what: str, tol: float = 0.05) -> None:
     total_p, total_m = sum(predicted.values()), sum(measured.values())
     assert abs(total_p - total_m) <= tol * total_m, f"{what}: predicted {total_p}, measured {total_m}"
@@ -94,12 +109,18 @@ def assert_close(predicted: dict, measured: dict, what: str, tol: float = 0.05) 
         assert abs(p - m) <= max(tol * m, 0.01 * total_m), f"{what} [{kind}]: predicted {p}, measured {m}"
 
 
-@pytest.mark.parametrize("backend", ["unfused", "sdpa"])
-@pytest.mark.parametrize("family,label,shape", CASES, ids=lambda x: str(x))
+def _config(family: str, label: str, shape: str, backend: str) -> dict:
+    return compose(f"model={family}", f"attention={backend}", f"recompute={label}", *SHAPES[shape],
+                   *FAMILY_OVERRIDES.get(family, ()))
+
+
+#: One worker runs these with tests/test_recompute_exact.py and tests/test_models.py: the points they
+#: share (the tiny families' none, control, core_attn, mlp and full) are measured once (conftest.measured).
+@pytest.mark.xdist_group("measured")
+@pytest.mark.parametrize("family,label,shape,backend", MEASURED, ids=lambda x: str(x))
 def test_prediction_matches_the_measured_ledger(megatron_world, family, label, shape, backend):
-    cfg = compose(f"model={family}", f"attention={backend}", f"recompute={label}", *SHAPES[shape],
-                  *FAMILY_OVERRIDES.get(family, ()))
-    _, grads, ledger, _ = gradients(cfg)
+    cfg = _config(family, label, shape, backend)
+    _, grads, ledger, _ = measured(cfg)
     predicted = predict(cfg, device="auto")  # what this machine ran: fp32 on a CPU, bf16 on a GPU
     assert_close(predicted["activation_bytes_by_kind"], ledger, f"{family} {label} {shape} {backend}")
     if family == "gdn" and predicted["device"] == "cpu":  # byte for byte, every kind
@@ -107,6 +128,19 @@ def test_prediction_matches_the_measured_ledger(megatron_world, family, label, s
     assert sum(predicted["per_layer"][0].values()) > 0
     if label == "none" and predicted["device"] == "cpu":  # the count static memory is built on
         assert sum(num_parameters(cfg, 0)) == sum(g.numel() for g in grads.values())
+
+
+@pytest.mark.parametrize("family,label,shape", [c for c in CASES if not backend_matters(c[1])], ids=lambda x: str(x))
+def test_the_backend_changes_a_label_as_it_changes_none(family, label, shape):
+    """A label measured on the unfused path only: on SDPA its prediction moves, kind by kind, by what
+    SDPA moves ``none``'s (measured on both backends above), and nothing else changes."""
+    def by_kind(label, backend):
+        return predict(_config(family, label, shape, backend), device="cpu")["activation_bytes_by_kind"]
+
+    none_u, none_s, unfused, sdpa = (by_kind(*a) for a in (("none", "unfused"), ("none", "sdpa"),
+                                                           (label, "unfused"), (label, "sdpa")))
+    assert {k: sdpa[k] - unfused[k] for k in KINDS} == {k: none_s[k] - none_u[k] for k in KINDS}
+    assert any(none_s[k] != none_u[k] for k in KINDS)  # the backends differ here: the check can fail
 
 
 @pytest.mark.parametrize("t,sp", [(1, False), (2, False), (2, True), (8, True)])

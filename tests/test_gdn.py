@@ -12,7 +12,7 @@ import sys
 
 import pytest
 import torch
-from conftest import REPO, build_trainer, compose, gradients, train_in_process
+from conftest import REPO, build_trainer, compose, measured, train_in_process
 
 CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU reference ops")
 
@@ -61,11 +61,13 @@ def test_gdn_model_trains_and_the_profile_points_at_gdn_norm_out(megatron_world)
     assert label == "selective/gdn_norm_out", why
 
 
+#: These two share their GDN points (conftest.measured) in one worker.
+@pytest.mark.xdist_group("measured")
 def test_gdn_norm_out_recomputes_per_gdn_layer_and_drops_the_norm_output(megatron_world):
     cfg = _gdn_cfg("recompute=control")
-    _, _, control, counts = gradients(cfg)
+    _, _, control, counts = measured(cfg)
     assert counts == {}
-    _, _, ledger, counts = gradients(_gdn_cfg("recompute=selective/gdn_norm_out"))
+    _, _, ledger, counts = measured(_gdn_cfg("recompute=selective/gdn_norm_out"))
     assert counts == {"gdn_norm_out": {"forward": 2, "recompute": 2}}  # one per GDN layer
     assert {k: v for k, v in ledger.items() if k != "gdn"} == {k: v for k, v in control.items() if k != "gdn"}
     per_layer = (control["gdn"] - ledger["gdn"]) / 2
@@ -73,18 +75,19 @@ def test_gdn_norm_out_recomputes_per_gdn_layer_and_drops_the_norm_output(megatro
     # At least the norm output out_proj keeps; at most what the checkpointed function creates (norm
     # input copy, normalized, gate activation, gated output, out_proj input, fp32 rstd). Measured: 4x + rstd.
     assert norm_out <= per_layer <= 5 * norm_out + norm_out // 16, per_layer / norm_out
-    _, _, both, counts = gradients(_gdn_cfg("recompute=selective/gdn_norm_out-core_attn"))
+    _, _, both, counts = measured(_gdn_cfg("recompute=selective/gdn_norm_out-core_attn"))
     assert counts == {"gdn_norm_out": {"forward": 2, "recompute": 2}, "core_attn": {"forward": 2, "recompute": 2}}
     assert both["gdn"] == ledger["gdn"] and both["core_attn"] == 0 < control["core_attn"]
 
 
+@pytest.mark.xdist_group("measured")
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
 def test_gdn_norm_out_is_bit_exact(megatron_world, dropout):
     drop = [f"model.hidden_dropout={dropout}", f"model.attention_dropout={dropout}"]
-    loss0, grads0, _, _ = gradients(_gdn_cfg("recompute=none", *drop), record_ledger=False)
+    loss0, grads0, _, _ = measured(_gdn_cfg("recompute=none", *drop))
     assert any("self_attention.in_proj" in n for n in grads0) and any("linear_qkv" in n for n in grads0)
     for option in ("selective/gdn_norm_out", "selective/gdn_norm_out-core_attn"):
-        loss, grads, _, counts = gradients(_gdn_cfg(f"recompute={option}", *drop), record_ledger=False)
+        loss, grads, _, counts = measured(_gdn_cfg(f"recompute={option}", *drop))
         assert counts["gdn_norm_out"]["recompute"] == 2
         assert loss == loss0, option
         assert grads.keys() == grads0.keys()

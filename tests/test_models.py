@@ -12,13 +12,17 @@ import math
 
 import pytest
 import torch
-from conftest import compose, gradients, train_in_process
+from conftest import compose, measured, train_in_process
 
 from recipes.errors import ConfigError
 from recipes.predict.estimate import predict
 from recipes.predict.static import num_parameters
 from recipes.recompute import KINDS, LABELS, layer_kinds, options_for, parse_pattern
 from recipes.validate import validate
+
+#: One worker runs these with tests/test_recompute_exact.py's and tests/test_estimate.py's measurements
+#: (conftest.measured: a point they share is measured once).
+pytestmark = pytest.mark.xdist_group("measured")
 
 #: Tiny two-layer models with one dense and one MoE layer (and shared experts on MLA+MoE).
 NEW = {
@@ -95,26 +99,16 @@ def _cases():
     return out
 
 
-_REFERENCE: dict[str, tuple] = {}
-
-
-def _reference(family: str, base: list[str]) -> tuple:
-    """(loss, gradients) without recompute and the control's ledger, once per family."""
-    if family not in _REFERENCE:
-        loss0, grads0, _, _ = gradients(compose(*base, "recompute=none"))
-        _REFERENCE[family] = (loss0, grads0, gradients(compose(*base, "recompute=control"))[2])
-    return _REFERENCE[family]
-
-
 @pytest.mark.parametrize("family,option", _cases(), ids=lambda x: str(x))
 def test_every_applicable_option_is_bit_exact_and_predicted(megatron_world, family, option):
     """Loss and gradients equal no recompute (layernorm: to fp32 rounding, see test_recompute_exact),
     every label ran forward and replayed, the ledger is below the control's, and the estimator equals
     the ledger byte for byte on the CPU."""
     base = [*NEW[family], "attention=unfused"]
-    loss0, grads0, control = _reference(family, base)
+    loss0, grads0, _, _ = measured(compose(*base, "recompute=none"))
+    control = measured(compose(*base, "recompute=control"))[2]
     cfg = compose(*base, f"recompute={option}")
-    loss, grads, ledger, counts = gradients(cfg)
+    loss, grads, ledger, counts = measured(cfg)
     assert loss == loss0 and grads.keys() == grads0.keys()
     labels = ["full"] if option.startswith("full") else option.split("/", 1)[1].split("-")
     scale = max(g.abs().max() for g in grads0.values())  # rounding is relative to the gradients' scale
@@ -134,7 +128,7 @@ def test_every_applicable_option_is_bit_exact_and_predicted(megatron_world, fami
 @pytest.mark.parametrize("family", list(NEW))
 def test_parameter_count_per_layer_kind(megatron_world, family):
     cfg = compose(*NEW[family])
-    _, grads, ledger, _ = gradients(cfg)
+    _, grads, ledger, _ = measured(cfg)
     assert sum(num_parameters(cfg, 0)) == sum(g.numel() for g in grads.values())
     predicted = predict(cfg, device="auto")
     assert predicted["device"] != "cpu" or predicted["activation_bytes_by_kind"] == {k: ledger.get(k, 0) for k in KINDS}

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import compose, gradients
+from conftest import compose, gradients, measured
+
+#: One worker runs these with tests/test_estimate.py's and tests/test_models.py's measurements, so the
+#: points they share (a family's none and control, a label's step) are measured once (conftest.measured).
+pytestmark = pytest.mark.xdist_group("measured")
 
 FAMILIES = ["standard_attn", "mla", "moe"]
 BACKENDS = ["unfused", "sdpa"]
@@ -27,12 +31,12 @@ def _applies(family: str, option: str) -> bool:
 def test_recompute_is_bit_exact_and_counted(megatron_world, family, backend, dropout):
     base = [f"model={family}", f"attention={backend}", f"model.hidden_dropout={dropout}",
             f"model.attention_dropout={dropout}"]
-    loss0, grads0, ledger0, counts0 = gradients(compose(*base, "recompute=none"))
+    loss0, grads0, ledger0, counts0 = measured(compose(*base, "recompute=none"))
     assert counts0 == {}, "no recompute must run no checkpoint region"
     for option, label in OPTIONS:
         if not _applies(family, option):
             continue
-        loss, grads, ledger, counts = gradients(compose(*base, f"recompute={option}"))
+        loss, grads, ledger, counts = measured(compose(*base, f"recompute={option}"))
         assert loss == loss0, f"{option}: loss changed"
         assert grads.keys() == grads0.keys()
         for name in grads0:
@@ -49,11 +53,12 @@ def test_recompute_is_bit_exact_and_counted(megatron_world, family, backend, dro
 def test_core_attn_saves_scores_only_when_unfused(megatron_world):
     """The guide's point, measured: core_attn removes score/probability bytes with unfused
     attention; with SDPA (which never stores probabilities) it saves (almost) nothing."""
-    saved = {}
+    saved, totals = {}, {}
     for backend in BACKENDS:
-        _, _, control, _ = gradients(compose(f"attention={backend}", "recompute=control"))
-        _, _, core, _ = gradients(compose(f"attention={backend}", "recompute=selective/core_attn"))
+        _, _, control, _ = measured(compose(f"attention={backend}", "recompute=control"))
+        _, _, core, _ = measured(compose(f"attention={backend}", "recompute=selective/core_attn"))
         saved[backend] = control["core_attn"] - core["core_attn"]
+        totals[backend] = sum(control.values()) - sum(core.values())
         assert core["core_attn"] == 0, f"{backend}: core attention bytes remain under core_attn"
     cfg = compose("attention=unfused")
     t, m = cfg["train"], cfg["model"]
@@ -61,11 +66,6 @@ def test_core_attn_saves_scores_only_when_unfused(megatron_world):
     assert saved["unfused"] >= 2 * scores, "unfused: scores and probabilities must be removed"
     # SDPA's core-attention bytes are its inputs' views and its output: the checkpoint keeps q/k/v,
     # so the net change in total ledger bytes is far smaller than under unfused attention.
-    totals = {}
-    for backend in BACKENDS:
-        _, _, control, _ = gradients(compose(f"attention={backend}", "recompute=control"))
-        _, _, core, _ = gradients(compose(f"attention={backend}", "recompute=selective/core_attn"))
-        totals[backend] = sum(control.values()) - sum(core.values())
     assert totals["unfused"] > 4 * totals["sdpa"], totals
 
 
@@ -101,10 +101,10 @@ def test_every_label_is_bit_exact_recomputes_and_saves(megatron_world, family, o
     checkpoint regions forward and again in backward; the ledger holds fewer bytes than the control."""
     base = [f"model={family}", "attention=unfused", f"model.hidden_dropout={dropout}",
             f"model.attention_dropout={dropout}", *(e for e in extra if not e.startswith("recompute."))]
-    loss0, grads0, _, _ = gradients(compose(*base, "recompute=none"))
-    _, _, control, _ = gradients(compose(*base, "recompute=control"))
-    loss, grads, ledger, counts = gradients(compose(*base, f"recompute={option}",
-                                                    *(e for e in extra if e.startswith("recompute."))))
+    loss0, grads0, _, _ = measured(compose(*base, "recompute=none"))
+    _, _, control, _ = measured(compose(*base, "recompute=control"))
+    loss, grads, ledger, counts = measured(compose(*base, f"recompute={option}",
+                                                   *(e for e in extra if e.startswith("recompute."))))
     assert loss == loss0, f"{option}: loss changed"
     assert grads.keys() == grads0.keys()
     labels = ["full"] if option.startswith("full") else option.split("/", 1)[1].split("-")
@@ -169,7 +169,7 @@ def test_recompute_disabled_runs_the_model_as_built_without_it(megatron_world, f
     from recipes.measure.labels import recompute_disabled
 
     base = [f"model={family}", "attention=unfused"]
-    _, grads0, ledger0, _ = gradients(compose(*base, "recompute=none"))
+    _, grads0, ledger0, _ = measured(compose(*base, "recompute=none"))
     seen = {}
 
     def off_then_on(trainer):
