@@ -312,9 +312,9 @@ def test_slurm_without_sbatch_is_refused_before_submitting(tmp_path):
 
 # --- multi-rank runs through train.py ----------------------------------------------------------
 
-def train_subprocess(tmp_path: Path, *overrides: str, steps: tuple = QUICK) -> tuple[dict, str]:
+def train_subprocess(tmp_path: Path, *overrides: str, steps: tuple = QUICK, timeout: int = 240) -> tuple[dict, str]:
     """``python train.py <steps> <overrides>`` into tmp_path: (result.json, console output)."""
-    proc = run_train(*steps, f"output_dir={tmp_path}", *overrides)
+    proc = run_train(*steps, f"output_dir={tmp_path}", *overrides, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((tmp_path / "result.json").read_text())
     assert result["status"] == "ok", result.get("error")
@@ -330,7 +330,8 @@ GDN_INTERLEAVED = ("parallel=pp2_vpp2", "model=gdn", "model.num_layers=8", "mode
 
 def interleaved_gdn_run(shared_runs) -> dict:
     """``GDN_INTERLEAVED``'s result (``QUICK`` steps, two gloo processes), made once a session."""
-    path = shared_runs.get("gdn-pp2_vpp2", lambda path: train_subprocess(path, *GDN_INTERLEAVED))
+    # two tests wait on it, and GDN's CPU kernels make it the slowest two-rank run
+    path = shared_runs.get("gdn-pp2_vpp2", lambda path: train_subprocess(path, *GDN_INTERLEAVED, timeout=600))
     return json.loads((path / "result.json").read_text())
 
 
