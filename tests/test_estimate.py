@@ -248,16 +248,14 @@ def test_tensor_and_sequence_parallel_ranks_match(tmp_path):
 
 
 @pytest.mark.slow
-def test_gdn_layer_pattern_across_interleaved_pipeline_ranks(tmp_path):
-    """model=gdn under pp2_vpp2 in 2 gloo processes: which layers are GatedDeltaNet follows the global
-    layer index (rank 0 holds GDN, GDN | GDN, attention; rank 1 attention, GDN | GDN, GDN), per rank
-    byte for byte, parameters included."""
-    cmd = [sys.executable, "train.py", "model=gdn", "parallel=pp2_vpp2", "model.num_layers=8",
-           "model.linear_attention_freq=3", "recompute=selective/gdn_norm_out", "train.train_iters=2",
-           "measure.start_step=2", "measure.profile=none", f"output_dir={tmp_path}"]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    result = json.loads((tmp_path / "result.json").read_text())
+@pytest.mark.xdist_group("two-ranks-pp2_vpp2")
+def test_gdn_layer_pattern_across_interleaved_pipeline_ranks(shared_runs):
+    """model=gdn under pp2_vpp2 in 2 gloo processes (test_parallel's run, shared with its chunk
+    bookkeeping): which layers are GatedDeltaNet follows the global layer index (rank 0 holds GDN, GDN |
+    GDN, attention; rank 1 attention, GDN | GDN, GDN), per rank byte for byte, parameters included."""
+    from test_parallel import interleaved_gdn_run
+
+    result = interleaved_gdn_run(shared_runs)
     for rank in result["ranks"]:
         predicted = predict(result["config"], device="auto", stage=rank["coords"]["pp"])
         assert predicted["activation_bytes_by_kind"] == {k: rank["ledger"]["bytes_by_kind"].get(k, 0) for k in KINDS}

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import build_trainer, compose, train_in_process
+from test_parallel import two_ranks
 
 from recipes.errors import ConfigError
 
@@ -461,31 +462,32 @@ def test_a_sweep_with_offload_end_to_end_and_its_report(tmp_path):
     assert "| standard_attn sdpa none offload=core_attn-attn_proj | 0 | ok |" in report
 
 
-#: (layout overrides, offload option) run on two CPU ranks with gloo
+#: (layout, offload option) run on two CPU ranks with gloo, against test_parallel's run of the layout
 LAYOUTS = [
-    # 4 micro-batches over two stages: the ledger's micro-batch is the first to run backward, so it
-    # keeps the last group
-    (("parallel=pp2", "model.num_layers=4", "train.global_batch_size=8"), "offload=core_attn-attn_proj"),
+    # 4 micro-batches over two stages of two layers: the ledger's micro-batch is the first to run
+    # backward, so it keeps the last group
+    ("pp2", "offload=core_attn-attn_proj"),
     # sequence parallel: each rank moves its shard of core attention's heads
-    (("parallel=tp2",), "offload=core_attn-attn_proj"),
+    ("tp2", "offload=core_attn-attn_proj"),
     # expert parallel: each rank moves the tokens routed to its experts, which differ by rank
-    (("parallel=ep2", "model=moe"), "offload=expert_fc1-moe_act"),
+    ("ep2", "offload=expert_fc1-moe_act"),
 ]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("common,offload", LAYOUTS, ids=[c[0].split("=")[1] for c, _ in LAYOUTS])
-def test_parallel_offload_is_exact_and_predicted_per_rank(tmp_path, shared_runs, common, offload):
+@pytest.mark.parametrize("layout,offload", [pytest.param(*case, id=case[0], marks=two_ranks(case[0]))
+                                            for case in LAYOUTS])
+def test_parallel_offload_is_exact_and_predicted_per_rank(tmp_path, shared_runs, layout, offload):
     """Two ranks (gloo): the losses and gradient norms of every step equal the run without offload;
     each rank's device ledger and host bytes are what the estimator says for it (under expert
     parallel, for the tokens its experts were routed). The runs without offload are test_parallel's
-    (tp2, ep2), made once a session."""
-    from test_parallel import shared_train, train_subprocess
+    ``layout_run``, made once a session."""
+    from test_parallel import SCHEDULE, TWO_RANK_LAYOUTS, layout_result, train_subprocess
 
     from recipes.predict.compare import compare_result
 
-    plain, _ = shared_train(shared_runs, *common)
-    off, _ = train_subprocess(tmp_path / "off", *common, offload, *EMULATED)
+    plain, _ = layout_result(shared_runs, layout)
+    off, _ = train_subprocess(tmp_path / "off", *TWO_RANK_LAYOUTS[layout], offload, *EMULATED, steps=SCHEDULE)
     for a, b in zip(plain["ranks"], off["ranks"]):
         assert a["loss"] == b["loss"] and a["grad_norm"] == b["grad_norm"]
         assert b["offload"]["moved_per_step"]["d2h_bytes"] > 0

@@ -18,7 +18,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from conftest import CONF, REPO, compose, train_in_process
+from conftest import CONF, REPO, compose, subprocess_env, train_in_process
 
 #: Short runs: 1 warm-up step (records the ledger) + 2 timed steps; no profiled step.
 QUICK = ("train.train_iters=3", "measure.start_step=2", "measure.profile=none")
@@ -312,39 +312,86 @@ def test_slurm_without_sbatch_is_refused_before_submitting(tmp_path):
 
 # --- multi-rank runs through train.py ----------------------------------------------------------
 
-def train_subprocess(tmp_path: Path, *overrides: str) -> tuple[dict, str]:
-    """``python train.py <overrides>`` into tmp_path: (result.json, console output)."""
-    proc = run_train(*QUICK, f"output_dir={tmp_path}", *overrides)
+def train_subprocess(tmp_path: Path, *overrides: str, steps: tuple = QUICK, timeout: int = 240) -> tuple[dict, str]:
+    """``python train.py <steps> <overrides>`` into tmp_path: (result.json, console output)."""
+    proc = run_train(*steps, f"output_dir={tmp_path}", *overrides, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((tmp_path / "result.json").read_text())
     assert result["status"] == "ok", result.get("error")
     return result, proc.stdout
 
 
-def shared_train(shared_runs, *overrides: str) -> tuple[dict, str]:
-    """``train_subprocess`` made once a session for its resolved config: test_offload's run without
-    offload is one of this module's layouts, and each two-process run costs two processes' imports."""
-    import hashlib
+#: model=gdn over the interleaved pipeline, 8 layers (two a model chunk), GatedDeltaNet every third
+#: layer: one run a session that this module's chunk bookkeeping and test_estimate's per-rank GDN
+#: pattern both read (``interleaved_gdn_run``)
+GDN_INTERLEAVED = ("parallel=pp2_vpp2", "model=gdn", "model.num_layers=8", "model.linear_attention_freq=3",
+                   "recompute=selective/gdn_norm_out")
 
-    key = hashlib.sha256(json.dumps(compose(*QUICK, *overrides), sort_keys=True).encode()).hexdigest()[:16]
+
+def interleaved_gdn_run(shared_runs) -> dict:
+    """``GDN_INTERLEAVED``'s result (``QUICK`` steps, two gloo processes), made once a session."""
+    # two tests wait on it, and GDN's CPU kernels make it the slowest two-rank run
+    path = shared_runs.get("gdn-pp2_vpp2", lambda path: train_subprocess(path, *GDN_INTERLEAVED, timeout=600))
+    return json.loads((path / "result.json").read_text())
+
+
+def one_rank(megatron_world, *overrides: str, steps: tuple = QUICK) -> dict:
+    """The same run as a single rank in this process (TP=PP=EP=1)."""
+    return train_in_process(compose(*steps, *overrides))
+
+
+#: The two-process run a layout gets once a session (``layout_run``), which this module's tests,
+#: test_offload's and test_preemption's all read: 6 steps of a cosine schedule (1 warm-up step records
+#: the ledger, 5 timed), a checkpoint and a progress line at steps 3 and 6 (test_preemption resumes from
+#: step 3). Each launch costs two processes' imports of torch and megatron-core.
+SCHEDULE = ("train.train_iters=6", "measure.start_step=2", "measure.profile=none", "train.lr=1e-3",
+            "train.lr_decay_style=cosine", "train.lr_warmup_iters=2")
+SAVED = ("checkpoint=default", "checkpoint.interval=3", "train.log_interval=3")
+#: pp2 with 4 layers: two a stage, so test_offload's stages have a group to move besides the last layer
+TWO_RANK_LAYOUTS = {"tp2": ("parallel=tp2",), "pp2": ("parallel=pp2", "model.num_layers=4"),
+                    "ep2": ("parallel=ep2", "model=moe")}
+
+
+def model_of(layout: str) -> tuple[str, ...]:
+    """The layout's model overrides, without its parallel group: the same model on one process."""
+    return tuple(o for o in TWO_RANK_LAYOUTS[layout] if not o.startswith("parallel="))
+
+
+def two_ranks(layout: str):
+    """The mark that keeps a layout's tests on one pytest-xdist worker (``--dist loadgroup``): the
+    first makes ``layout_run`` and the rest read it, where another worker would wait on its lock."""
+    return pytest.mark.xdist_group(f"two-ranks-{layout}")
+
+
+def layout_run(shared_runs, layout: str) -> Path:
+    """The layout's ``SCHEDULE`` run in two gloo processes, made once a session: its directory (result.json,
+    console.txt, progress.jsonl, checkpoints/; tp2 and pp2 log to W&B as well, offline)."""
+    logged = ("logger=wandb",) if layout in ("tp2", "pp2") else ()
 
     def make(path: Path) -> None:
-        _, out = train_subprocess(path, *overrides)
-        (path / "console.txt").write_text(out)
+        run = path / "run"
+        proc = subprocess.run([sys.executable, str(REPO / "train.py"), *SCHEDULE, *SAVED, *TWO_RANK_LAYOUTS[layout],
+                               *logged, f"output_dir={run}"], cwd=path, env=subprocess_env(), capture_output=True,
+                              text=True, timeout=600)  # its layout's tests all wait on it
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        (run / "console.txt").write_text(proc.stdout)
 
-    path = shared_runs.get(f"train-{key}", make)
-    return json.loads((path / "result.json").read_text()), (path / "console.txt").read_text()
+    return shared_runs.get(f"layout-{layout}", make) / "run"
 
 
-def one_rank(megatron_world, *overrides: str) -> dict:
-    """The same run as a single rank in this process (TP=PP=EP=1)."""
-    return train_in_process(compose(*QUICK, *overrides))
+def layout_result(shared_runs, layout: str) -> tuple[dict, str]:
+    """``layout_run``'s (result.json, console output); the run succeeded."""
+    run = layout_run(shared_runs, layout)
+    result = json.loads((run / "result.json").read_text())
+    assert result["status"] == "ok", result.get("error")
+    return result, (run / "console.txt").read_text()
 
 
 @pytest.mark.slow
+@two_ranks("tp2")
 def test_tp2_with_sequence_parallel_takes_the_same_steps_as_tp1(shared_runs, megatron_world):
-    result, out = shared_train(shared_runs, "parallel=tp2")
-    ref = one_rank(megatron_world)
+    result, out = layout_result(shared_runs, "tp2")
+    ref = one_rank(megatron_world, steps=SCHEDULE)
     ranks = result["ranks"]
     assert [r["coords"]["tp"] for r in ranks] == [0, 1] and result["worst_rank"] in (0, 1)
     for r in ranks:  # weights split from the same CPU-initialized master weights, same data
@@ -357,9 +404,10 @@ def test_tp2_with_sequence_parallel_takes_the_same_steps_as_tp1(shared_runs, meg
 
 
 @pytest.mark.slow
-def test_pp2_stages_hold_their_share_and_the_first_holds_more(tmp_path, megatron_world):
-    result, out = train_subprocess(tmp_path, "parallel=pp2")
-    ref = one_rank(megatron_world, "train.global_batch_size=8")
+@two_ranks("pp2")
+def test_pp2_stages_hold_their_share_and_the_first_holds_more(shared_runs, megatron_world):
+    result, out = layout_result(shared_runs, "pp2")
+    ref = one_rank(megatron_world, *model_of("pp2"), "train.global_batch_size=8", steps=SCHEDULE)
     first, last = result["ranks"]
     assert (first["coords"]["pp"], last["coords"]["pp"]) == (0, 1)
     assert all(x is None for x in first["loss"]) and all(x > 5 for x in last["loss"])  # loss: last stage
@@ -374,21 +422,24 @@ def test_pp2_stages_hold_their_share_and_the_first_holds_more(tmp_path, megatron
 
 
 @pytest.mark.slow
-def test_pp2_vpp2_records_every_model_chunk(tmp_path, megatron_world):
-    result, _ = train_subprocess(tmp_path, "parallel=pp2_vpp2", "model.num_layers=4")
-    ref = one_rank(megatron_world, "model.num_layers=4", "train.global_batch_size=8")
+@pytest.mark.xdist_group("two-ranks-pp2_vpp2")
+def test_pp2_vpp2_records_every_model_chunk(shared_runs, megatron_world):
+    result = interleaved_gdn_run(shared_runs)
+    ref = one_rank(megatron_world, *(o for o in GDN_INTERLEAVED if not o.startswith("parallel=")),
+                   "train.global_batch_size=8")
     chunks = [r["pipeline"]["chunk_ledger_bytes"] for r in result["ranks"]]
     assert [len(c) for c in chunks] == [2, 2] and all(b > 0 for c in chunks for b in c)
     assert sum(map(sum, chunks)) == ref["ledger"]["total_bytes"]
     first = result["ranks"][0]["pipeline"]
-    assert first["schedule"] == "interleaved 1F1B" and first["layers_per_chunk"] == [1, 1]
+    assert first["schedule"] == "interleaved 1F1B" and first["layers_per_chunk"] == [2, 2]
     assert (first["in_flight_forwards"], first["chunk_order"]) == (5, [0, 0, 1, 1, 0])
     assert result["worst_rank"] == 0
 
 
 @pytest.mark.slow
+@two_ranks("ep2")
 def test_ep2_ranks_route_their_own_tokens(shared_runs):
-    result, out = shared_train(shared_runs, "parallel=ep2", "model=moe")
+    result, out = layout_result(shared_runs, "ep2")
     a, b = result["ranks"]
     assert (a["coords"]["ep"], b["coords"]["ep"]) == (0, 1) and (a["coords"]["dp"], b["coords"]["dp"]) == (0, 1)
     assert a["loss"] != b["loss"]  # each data-parallel rank reads its own micro-batches

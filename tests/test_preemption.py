@@ -10,7 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, start_train, subprocess_env
+from conftest import REPO, compose, start_train, subprocess_env, train_in_process
+from test_parallel import SAVED, SCHEDULE, TWO_RANK_LAYOUTS, layout_run, model_of, two_ranks
 from wandb_files import offline_runs
 
 from recipes.results import load_result
@@ -55,16 +56,6 @@ def test_sigterm_saves_and_exits_cleanly_then_resumes(tmp_path):
     assert resumed["ranks"][0]["timing"] == rank["timing"]
 
 
-#: Two gloo processes, 12 steps of a cosine schedule, a checkpoint at step 6 (and 12), a progress line
-#: at steps 6 and 12. One run a layout serves both tests below: the reference of the bit-exact resume
-#: and the checkpoint the one-process resume reshards (tp2 and pp2 log to W&B as well, offline).
-TWO_PROCESS = ["size=tiny", "measure.profile=none", "measure.start_step=2", "train.train_iters=12", "train.lr=1e-3",
-               "train.lr_decay_style=cosine", "train.lr_warmup_iters=2", "checkpoint=default", "checkpoint.interval=6",
-               "train.log_interval=6"]
-#: dp2 is not its own case: ep2 shards the dense parameters' optimizer over two data-parallel ranks
-LAYOUTS = {"tp2": ["parallel=tp2"], "pp2": ["parallel=pp2"], "ep2": ["parallel=ep2", "model=moe"]}
-
-
 def launch(cwd: Path, out: Path, *overrides: str) -> dict:
     """``train.py`` with ``overrides`` into ``out``: its result (the run must succeed)."""
     proc = subprocess.run([sys.executable, str(REPO / "train.py"), *overrides, f"output_dir={out}"], cwd=cwd,
@@ -73,51 +64,48 @@ def launch(cwd: Path, out: Path, *overrides: str) -> dict:
     return load_result(out)
 
 
-def straight(shared_runs, layout: str) -> Path:
-    """The layout's 12 steps in one go (shared by this module's tests): its run directory."""
-    logged = ["logger=wandb"] if layout in ("tp2", "pp2") else []
-    return shared_runs.get(f"preemption-{layout}",
-                           lambda path: launch(path, path / "run", *TWO_PROCESS, *LAYOUTS[layout], *logged)) / "run"
-
-
+#: dp2 is not its own case: ep2 shards the dense parameters' optimizer over two data-parallel ranks
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", [pytest.param(name, marks=two_ranks(name)) for name in TWO_RANK_LAYOUTS])
 def test_resume_is_bit_exact_under_two_gloo_processes(tmp_path, shared_runs, layout):
-    """Two gloo processes (tensor, pipeline or expert parallel): 12 steps straight == 6, a
-    checkpoint, a new process group, 6 more; losses and grad norms bit-identical on every rank."""
-    run = straight(shared_runs, layout)
+    """Two gloo processes (tensor, pipeline or expert parallel): 6 steps straight (test_parallel's
+    ``layout_run``, a checkpoint at step 3) == 3, a checkpoint, a new process group, 3 more; losses and
+    grad norms bit-identical on every rank."""
+    run = layout_run(shared_runs, layout)
     straight_result = load_result(run)
     assert straight_result["status"] == "ok"
-    second = launch(tmp_path, tmp_path / "resumed", *TWO_PROCESS, *LAYOUTS[layout],
-                    f"checkpoint.resume={run / 'checkpoints' / 'step_00000006'}")
+    second = launch(tmp_path, tmp_path / "resumed", *SCHEDULE, *SAVED, *TWO_RANK_LAYOUTS[layout],
+                    f"checkpoint.resume={run / 'checkpoints' / 'step_00000003'}")
     assert second["status"] == "ok"
     for rank in (0, 1):  # under pp2 the first stage has no loss (None), and both stages a grad norm
         ref, got = straight_result["ranks"][rank], second["ranks"][rank]
-        assert got["resumed_from"]["step"] == 6
-        assert got["loss"] == ref["loss"][6:] and got["grad_norm"] == ref["grad_norm"][6:], rank
+        assert got["resumed_from"]["step"] == 3
+        assert len(got["loss"]) == 3
+        assert got["loss"] == ref["loss"][3:] and got["grad_norm"] == ref["grad_norm"][3:], rank
         assert any(g is not None for g in got["grad_norm"]), rank
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("saved_under", ["tp2", "pp2"])
-def test_a_two_process_checkpoint_loads_on_one(tmp_path, shared_runs, saved_under):
+@pytest.mark.parametrize("saved_under", [pytest.param(name, marks=two_ranks(name)) for name in ("tp2", "pp2")])
+def test_a_two_process_checkpoint_loads_on_one(shared_runs, megatron_world, saved_under):
     """dist_checkpointing reshards: saved under tensor or pipeline parallel 2, resumed on one process
-    with the saved run's global batch (pp2's is 8), the next steps' losses equal the two-process run's
-    within fp32 rounding (model and AdamW moments resharded)."""
-    run = straight(shared_runs, saved_under)
-    tp2 = load_result(run)
-    saved = run / "checkpoints" / "step_00000006"
-    last_stage = next(r for r in tp2["ranks"] if r["loss"] and r["loss"][0] is not None)
+    (this one: the worker's loop, as conftest's ``train_in_process`` runs it) with the saved run's
+    global batch (pp2's is 8), the next steps' losses equal the two-process run's within fp32 rounding
+    (model and AdamW moments resharded)."""
+    run = layout_run(shared_runs, saved_under)
+    two = load_result(run)
+    saved = run / "checkpoints" / "step_00000003"
+    last_stage = next(r for r in two["ranks"] if r["loss"] and r["loss"][0] is not None)
     # rank 0 logs the loss even where only the last pipeline stage has it (pp2: rank 1)
     progress = [json.loads(l) for l in (run / "progress.jsonl").read_text().splitlines()]
-    assert [(p["step"], p["loss"]) for p in progress] == [(6, last_stage["loss"][5]), (12, last_stage["loss"][11])]
+    assert [(p["step"], p["loss"]) for p in progress] == [(3, last_stage["loss"][2]), (6, last_stage["loss"][5])]
     (wb,) = offline_runs(run)
-    assert [wb.history[s]["train/loss"] for s in (6, 12)] == [p["loss"] for p in progress]
+    assert [wb.history[s]["train/loss"] for s in (3, 6)] == [p["loss"] for p in progress]
     batch = read_meta(saved)["global_batch_size"]
-    tp1 = launch(tmp_path, tmp_path / "tp1", *TWO_PROCESS, "parallel=single", f"checkpoint.resume={saved}",
-                 f"train.global_batch_size={batch}", "checkpoint.save=false", "train.log_interval=0")
-    rank = tp1["ranks"][0]
-    assert rank["resumed_from"]["step"] == 6 and any("RNG states start from the seed" in n
+    rank = train_in_process(compose(*SCHEDULE, *SAVED, *model_of(saved_under), f"checkpoint.resume={saved}",
+                                    f"train.global_batch_size={batch}", "checkpoint.save=false",
+                                    "train.log_interval=0"))
+    assert rank["resumed_from"]["step"] == 3 and any("RNG states start from the seed" in n
                                                      for n in rank["checkpoint_notes"])
     assert not any("saved with train." in n for n in rank["checkpoint_notes"])  # the same batch shape
-    assert rank["loss"] == pytest.approx(last_stage["loss"][6:], rel=1e-5)
+    assert rank["loss"] == pytest.approx(last_stage["loss"][3:], rel=1e-5)
