@@ -15,6 +15,9 @@ pair and their median: on the H200 one MoE pair gave 1.122 and the next 0.979, b
 step time moves by several percent from one process to the next (its own steps agree within 1-3%),
 so a 2% claim needs the median over pairs.
 
+``--steps N`` and ``--warmup N`` (default 20 and 3) set how many steps each loop times and how many
+it runs first untimed (a test checks the pairs with a few).
+
 ``--kernels`` also profiles three bare-loop steps and prints the GPU kernel time per step by kind
 (GEMM, attention, norm, optimizer, loss, elementwise) and the top kernels: what limits MFU.
 ``--compile-rope`` also times the bare loop again with megatron's RoPE under ``torch.compile`` (issue
@@ -31,8 +34,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
@@ -43,6 +44,8 @@ def bare_loop(cfg: dict, steps: int, warmup: int, kernels: bool = False,
               compile_rope: bool = False) -> tuple[float, float]:
     """(median, fastest) step seconds of the plainest megatron-core training loop of this model (and, with
     ``kernels``, the GPU kernel time per step by kind, printed)."""
+    import torch
+
     from launch.torchrun import set_one_rank_env
 
     set_one_rank_env()
@@ -124,6 +127,7 @@ def compiled_rope_row(model, tokens, position_ids, timed, plain_s: float) -> str
     inductor's fusion of that function wins, and checks the loss is unchanged at the same weights;
     nothing in ``recipes/`` uses it unless it does.
     """
+    import torch
     from megatron.core.models.common.embeddings import rope_utils
 
     def loss() -> float:
@@ -161,6 +165,7 @@ def kernel_table(step, step_s: float, on_gpu: bool, repeats: int = 3, top: int =
     Busy = kernel time / wall step time: what is left is the GPU waiting on the host (launch and
     Python overhead) or on synchronization, the part no kernel tuning recovers.
     """
+    import torch
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
@@ -205,10 +210,10 @@ def entrypoint(overrides: list[str], steps: int, warmup: int) -> dict:
         return json.loads((Path(out) / "result.json").read_text())
 
 
-def bare_in_subprocess(overrides: list[str]) -> tuple[float, float]:
+def bare_in_subprocess(overrides: list[str], steps: int, warmup: int) -> tuple[float, float]:
     """The bare loop in a fresh process (``--bare-only``), as the entrypoint runs in one."""
-    proc = subprocess.run([sys.executable, __file__, "--bare-only", *overrides], check=True, cwd=REPO,
-                          capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, __file__, "--bare-only", "--steps", str(steps), "--warmup", str(warmup),
+                           *overrides], check=True, cwd=REPO, capture_output=True, text=True)
     median, fastest = json.loads(proc.stdout.strip().splitlines()[-1])
     return median, fastest
 
@@ -218,7 +223,7 @@ def repeated(overrides: list[str], repeats: int, steps: int, warmup: int) -> lis
     ratios = []
     for i in range(repeats):
         rank = entrypoint(overrides, steps, warmup)["ranks"][0]
-        bare, bare_min = bare_in_subprocess(overrides)
+        bare, bare_min = bare_in_subprocess(overrides, steps, warmup)
         ours, ours_min = rank["timing"]["step_time_s"], rank["timing"]["step_time_min_s"]
         print(f"| {i + 1} | {bare * 1e3:.2f} | {ours * 1e3:.2f} | {ours / bare:.3f} | {ours_min / bare_min:.3f} |",
               flush=True)
@@ -226,23 +231,30 @@ def repeated(overrides: list[str], repeats: int, steps: int, warmup: int) -> lis
     return ratios
 
 
+def count_option(args: list[str], flag: str, default: int, minimum: int, what: str) -> int:
+    """The whole number after ``flag`` (taken out of ``args``), else ``default``; exits naming the flag."""
+    if flag not in args:
+        return default
+    i = args.index(flag)
+    value = args[i + 1] if i + 1 < len(args) else ""
+    if not value.isdigit() or int(value) < minimum:
+        sys.exit(f"bench_entrypoint: {flag} needs {what} >= {minimum}, got {value!r} (e.g. {flag} 4)")
+    del args[i:i + 2]
+    return int(value)
+
+
 def main() -> None:
     args = sys.argv[1:]
     kernels, compile_rope, bare_only = (flag in args for flag in ("--kernels", "--compile-rope", "--bare-only"))
-    repeats = 1
-    if "--repeats" in args:
-        i = args.index("--repeats")
-        value = args[i + 1] if i + 1 < len(args) else ""
-        if not value.isdigit() or int(value) < 1:
-            sys.exit(f"bench_entrypoint: --repeats needs a whole number of process pairs >= 1, got {value!r} "
-                     "(e.g. --repeats 4)")
-        repeats = int(value)
-        del args[i:i + 2]
+    repeats = count_option(args, "--repeats", 1, 1, "a whole number of process pairs")
+    steps = count_option(args, "--steps", 20, 1, "a whole number of timed steps")
+    warmup = count_option(args, "--warmup", 3, 0, "a whole number of untimed steps")
     overrides = [a for a in args if a not in ("--kernels", "--compile-rope", "--bare-only")]
     if repeats > 1 and (kernels or compile_rope):
         sys.exit("bench_entrypoint: --repeats times fresh processes of the plain loops; --kernels and "
                  "--compile-rope change one bare loop in this process. Run them without --repeats.")
-    steps, warmup = 20, 3
+    import torch  # after the arguments: a refusal answers without it
+
     cfg = compose_config(overrides)
     if bare_only:  # one side of a --repeats pair: print (median, fastest) seconds as JSON
         print(json.dumps(bare_loop(cfg, steps, warmup)))

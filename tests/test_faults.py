@@ -129,27 +129,46 @@ def test_a_refused_point_refuses_the_sweep_before_any_point_runs(tmp_path):
     assert not list(sweep.rglob("config.yaml"))
 
 
+#: Forty overrides of one point: a sweep of them must get a short directory and complete.
+FORTY = {
+    "model.num_layers": 2, "model.hidden_size": 64, "model.ffn_hidden_size": 128, "model.num_attention_heads": 4,
+    "model.num_query_groups": 2, "model.vocab_size": 512, "model.normalization": "RMSNorm",
+    "model.gated_linear_unit": "true", "model.activation": "silu", "model.add_bias_linear": "false",
+    "model.position_embedding_type": "rope", "model.rotary_base": 10000, "model.hidden_dropout": 0.0,
+    "model.attention_dropout": 0.0, "model.attention_softmax_in_fp32": "false", "model.init_method_std": 0.02,
+    "model.untie_embeddings_and_output_weights": "true", "model.qk_layernorm": "false",
+    "model.bias_activation_fusion": "false", "model.q_lora_rank": 32, "model.kv_lora_rank": 32,
+    "model.qk_head_dim": 16, "model.qk_pos_emb_head_dim": 8, "model.v_head_dim": 16, "model.moe_router_topk": 2,
+    "model.moe_ffn_hidden_size": 64, "model.moe_aux_loss_coeff": 0.0, "train.seed": 1234, "train.train_iters": 2,
+    "measure.start_step": 2, "train.micro_batch_size": 2, "train.seq_length": 64, "train.lr": 0.0001,
+    "train.weight_decay": 0.01, "train.clip_grad": 1.0, "train.precision": "fp32", "train.optimizer": "auto",
+    "train.fused_adam": "true", "measure.ledger": "true", "measure.profile": "none",
+}
+
+
+def two_forty_override_sweeps(shared_runs) -> tuple[Path, list[dict]]:
+    """The same one-point sweep of forty overrides started twice at once in one directory (made once a
+    session: each start costs a fork server's imports), and each process's exit code and output. Two
+    tests read it: the sweep with forty overrides, and two identical sweeps at once."""
+    import json
+
+    def make(path: Path) -> None:
+        args = ["-m", "size=tiny", *(f"{k}={v}" for k, v in FORTY.items())]
+        procs = [start(args, path), start(args, path)]
+        outs = [p.communicate(timeout=300) for p in procs]
+        (path / "outs.json").write_text(json.dumps([{"returncode": p.returncode, "stdout": out, "stderr": err}
+                                                    for p, (out, err) in zip(procs, outs)]))
+
+    path = shared_runs.get("two-forty-override-sweeps", make)
+    return path, json.loads((path / "outs.json").read_text())
+
+
 @pytest.mark.slow
-def test_forty_overrides_make_a_short_directory_and_the_sweep_completes_and_reports(tmp_path):
-    values = {
-        "model.num_layers": 2, "model.hidden_size": 64, "model.ffn_hidden_size": 128, "model.num_attention_heads": 4,
-        "model.num_query_groups": 2, "model.vocab_size": 512, "model.normalization": "RMSNorm",
-        "model.gated_linear_unit": "true", "model.activation": "silu", "model.add_bias_linear": "false",
-        "model.position_embedding_type": "rope", "model.rotary_base": 10000, "model.hidden_dropout": 0.0,
-        "model.attention_dropout": 0.0, "model.attention_softmax_in_fp32": "false", "model.init_method_std": 0.02,
-        "model.untie_embeddings_and_output_weights": "true", "model.qk_layernorm": "false",
-        "model.bias_activation_fusion": "false", "model.q_lora_rank": 32, "model.kv_lora_rank": 32,
-        "model.qk_head_dim": 16, "model.qk_pos_emb_head_dim": 8, "model.v_head_dim": 16, "model.moe_router_topk": 2,
-        "model.moe_ffn_hidden_size": 64, "model.moe_aux_loss_coeff": 0.0, "train.seed": 1234, "train.train_iters": 2,
-        "measure.start_step": 2, "train.micro_batch_size": 2, "train.seq_length": 64, "train.lr": 0.0001,
-        "train.weight_decay": 0.01, "train.clip_grad": 1.0, "train.precision": "fp32", "train.optimizer": "auto",
-        "train.fused_adam": "true", "measure.ledger": "true", "measure.profile": "none",
-    }
-    overrides = [f"{k}={v}" for k, v in values.items()]
-    assert len(overrides) == 40
-    done = train(["-m", "size=tiny", *overrides], tmp_path, timeout=240)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    results = list(tmp_path.glob("multirun/adhoc/*/*/result.json"))
+def test_forty_overrides_make_a_short_directory_and_the_sweep_completes_and_reports(shared_runs):
+    assert len(FORTY) == 40
+    cwd, outs = two_forty_override_sweeps(shared_runs)
+    assert all(o["returncode"] == 0 for o in outs), [o["stdout"][-3000:] + o["stderr"][-3000:] for o in outs]
+    results = list(cwd.glob("multirun/adhoc/*/*/result.json"))
     assert len(results) == 1 and load_result(results[0])["status"] == "ok"
     assert all(len(p.name) <= 64 for p in results[0].parents[:2])  # short, whatever the overrides
     assert len(load_result(results[0])["overrides"]) == 41  # the full overrides are kept
@@ -291,14 +310,12 @@ def test_a_point_another_sweep_holds_is_waited_for_then_skipped_and_said(tmp_pat
 
 
 @pytest.mark.slow
-def test_two_identical_sweeps_at_once_run_each_point_once(tmp_path):
-    args = ["-m", "recompute=none", *TINY, f"hydra.sweep.dir={tmp_path / 'sweep'}"]
-    first, second = start(args, tmp_path), start(args, tmp_path)
-    outs = [p.communicate(timeout=180) for p in (first, second)]
-    assert first.returncode == 0 and second.returncode == 0, outs
-    stdout = outs[0][0] + outs[1][0]
+def test_two_identical_sweeps_at_once_run_each_point_once(shared_runs):
+    cwd, outs = two_forty_override_sweeps(shared_runs)
+    assert all(o["returncode"] == 0 for o in outs), outs
+    stdout = outs[0]["stdout"] + outs[1]["stdout"]
     assert stdout.count("[ok]") == 1 and stdout.count("[skip]") == 1 and stdout.count("[wait]") == 1
-    assert load_result(next((tmp_path / "sweep").glob("*/result.json")))["status"] == "ok"
+    assert [load_result(p)["status"] for p in cwd.glob("multirun/*/*/*/result.json")] == ["ok"]  # one directory
 
 
 # --- W&B: never costs a result or a report --------------------------------------------------------

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO
-from test_faults import TINY, alive, gone_within, train
+from test_faults import alive, gone_within, train
+from test_wandb import WANDB_POINT, wandb_sweep
 
 from launch.forkserver import ForkServer, env_key
 from launch.process import end_group
@@ -124,19 +125,21 @@ def test_a_server_is_reused_only_for_the_same_environment():
 
 
 @pytest.mark.slow
-def test_forked_points_measure_what_their_own_processes_do(tmp_path):
-    """A two-point sweep forked, its second point again in a process of its own: equal losses and
-    ledgers (a CPU is deterministic); forked, the second point starts without imports, and every point
-    says how it was started."""
+def test_forked_points_measure_what_their_own_processes_do(tmp_path, shared_runs):
+    """A two-point sweep forked (tests/test_wandb.py's, which logs to W&B: that touches none of the
+    numbers compared), its second point again in a process of its own: equal losses and ledgers (a CPU
+    is deterministic); forked, the second point starts without imports, and every point says how it
+    was started."""
+    sweep, done = wandb_sweep(shared_runs)
+    assert done["returncode"] == 0, done["stdout"] + done["stderr"]
+    alone = train(["-m", "recompute=full", *WANDB_POINT, "fork_server=false", f"hydra.sweep.dir={tmp_path / 'own'}"],
+                  tmp_path, timeout=300)
+    assert alone.returncode == 0, alone.stdout + alone.stderr
     results = {}
-    for flag, points in (("true", "none,selective/core_attn"), ("false", "selective/core_attn")):
-        sweep = tmp_path / flag
-        done = train(["-m", f"recompute={points}", *TINY, f"fork_server={flag}",
-                      f"hydra.sweep.dir={sweep}"], tmp_path, timeout=300)
-        assert done.returncode == 0, done.stdout + done.stderr
-        results[flag] = {r["name"]: r for r in (json.loads(p.read_text()) for p in sweep.glob("*/result.json"))}
-        assert not list(sweep.glob("*/worker.pid"))  # removed once the worker is done
-    assert len(results["true"]) == 2 and results["false"].keys() <= results["true"].keys()
+    for flag, path in (("true", sweep), ("false", tmp_path / "own")):
+        results[flag] = {r["name"]: r for r in (json.loads(p.read_text()) for p in path.glob("*/result.json"))}
+        assert not list(path.glob("*/worker.pid"))  # removed once the worker is done
+    assert len(results["true"]) == 2 and len(results["false"]) == 1 and results["false"].keys() <= results["true"].keys()
     for name, own in results["false"].items():
         forked = results["true"][name]
         assert forked["ranks"][0]["loss"] == own["ranks"][0]["loss"] and forked["ranks"][0]["grad_norm"] == own["ranks"][0]["grad_norm"]

@@ -215,14 +215,15 @@ def test_bench_entrypoint_repeats_alternate_fresh_processes():
     """`bench_entrypoint.py --repeats 2` (tiny, CPU): two pairs, each side a fresh process, and the
     median ratio (the H200 showed that one MoE pair is not enough to resolve 2%). The inherited
     MASTER_PORT is held by a live listener, as a test session's or torchrun's is: the bare loop must
-    not reuse it."""
+    not reuse it. A few steps each: the pairs and their processes are the point, not the ratio."""
     import socket
 
     held = socket.socket()
     held.bind(("127.0.0.1", 0))
     held.listen()
     env = {**subprocess_env(), "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "MASTER_PORT": str(held.getsockname()[1])}
-    proc = subprocess.run([sys.executable, "benchmarks/bench_entrypoint.py", "recompute=none", "--repeats", "2"],
+    proc = subprocess.run([sys.executable, "benchmarks/bench_entrypoint.py", "recompute=none", "--repeats", "2",
+                           "--steps", "2", "--warmup", "1"],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = [line for line in proc.stdout.splitlines() if line.startswith("| 1 |") or line.startswith("| 2 |")]
@@ -233,6 +234,7 @@ def test_bench_entrypoint_repeats_alternate_fresh_processes():
     (["--repeats", "2", "--kernels"], "without --repeats"),  # --kernels acts on one process's bare loop
     (["--repeats", "four"], "e.g. --repeats 4"),
     (["--repeats"], "e.g. --repeats 4"),
+    (["--steps", "0"], "e.g. --steps 4"),
 ])
 def test_bench_entrypoint_refuses_bad_arguments_by_name(args, says):
     proc = subprocess.run([sys.executable, "benchmarks/bench_entrypoint.py", *args],

@@ -238,19 +238,36 @@ def test_only_rank_0_opens_a_run(tmp_path):
     assert not list(tmp_path.glob("wandb"))
 
 
+#: What each point of ``wandb_sweep`` sets besides its recompute (none, full) and the logger.
+WANDB_POINT = ("size=tiny", "train.train_iters=3", "measure.start_step=2", "profile=none")
+
+
+def wandb_sweep(shared_runs) -> tuple[Path, dict]:
+    """A two-point sweep with logger=wandb in ``multirun/s`` of a directory made once a session, and its
+    exit code and output. Its points fork from the fork server (a sweep's default): tests/test_forkserver.py
+    compares them with a point run in a process of its own (a sweep costs a fork server's imports)."""
+
+    def make(path: Path) -> None:
+        env = {**_env(), "WANDB_MODE": "offline", "WANDB_SILENT": "true"}  # as the autouse fixture sets them
+        done = subprocess.run([sys.executable, str(REPO / "train.py"), "-m", "recompute=none,full", *WANDB_POINT,
+                               "logger=wandb", f"hydra.sweep.dir={path / 'multirun' / 's'}"], cwd=path, env=env,
+                              capture_output=True, text=True, timeout=300)
+        (path / "done.json").write_text(json.dumps({"returncode": done.returncode, "stdout": done.stdout,
+                                                    "stderr": done.stderr}))
+
+    path = shared_runs.get("wandb-sweep", make)
+    return path / "multirun" / "s", json.loads((path / "done.json").read_text())
+
+
 @pytest.mark.slow
-def test_two_sweep_points_are_two_runs_in_one_group_and_the_report_is_one(tmp_path):
+def test_two_sweep_points_are_two_runs_in_one_group_and_the_report_is_one(shared_runs):
     """A real ``-m`` sweep with logger=wandb: each point's worker logs its own run (distinct names, the
     sweep's group, job type point); the report's run keeps one id however often the report is re-run."""
     from recipes.analyze import report
 
-    sweep = tmp_path / "multirun" / "s"
-    done = subprocess.run([sys.executable, str(REPO / "train.py"), "-m", "recompute=none,full", "size=tiny",
-                           "train.train_iters=3", "measure.start_step=2", "profile=none", "logger=wandb",
-                           f"hydra.sweep.dir={sweep}"], cwd=tmp_path, env=_env(), capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert done.stdout.count("[progress] step 3/3") == 2  # the controller echoes each worker's line
+    sweep, done = wandb_sweep(shared_runs)
+    assert done["returncode"] == 0, done["stdout"] + done["stderr"]
+    assert done["stdout"].count("[progress] step 3/3") == 2  # the controller echoes each worker's line
     points = sorted(p.parent for p in sweep.glob("*/result.json"))
     runs = [offline_runs(p) for p in points]
     assert [len(r) for r in runs] == [1, 1], runs
