@@ -391,9 +391,11 @@ def _launch(cfg: DictConfig, plain: dict, name: str, choices: dict, run_dir: Pat
     if plain["launcher"]["nnodes"] > 1:  # the other nodes' rank files, over a shared file system
         wait_for_rank_files(run_dir, world)
     result = merge_result(run_dir, meta, world, launch_error)
-    from recipes.measure.profile import write_timeline_pngs  # lazy: torch, never on a refusal's path
+    if any((r.get("profile") or {}).get("timeline") for r in result.get("ranks") or []):
+        # lazy, and only to draw: the module imports torch (3.5 CPU-s a point), never on a refusal's path
+        from recipes.measure.profile import write_timeline_pngs
 
-    write_timeline_pngs(result, run_dir)
+        write_timeline_pngs(result, run_dir)
     if result["status"] == "failed" and not result.get("ranks"):
         result["log_tail"] = log_path.read_text()[-4000:]
     result = record(run_dir, result)
