@@ -17,9 +17,11 @@
 # mla_long (mla h200_long 70: the question whose offload pick ran out of memory), moe_long (moe h200_long 75:
 # full/block), gdn_long (gdn h200_long 60: full), dense_short (standard_attn h200 30: micro-batch 4, no recompute),
 # moe_short (moe h200 40: micro-batch 4). gdn_long needs Triton >= 3.7.1 on Hopper (fla issue 640): the installed
-# one, else .triton/ from benchmarks/pack_triton.sh (benchmarks/triton_path.sh). Settings (environment): PY, QUESTIONS,
-# STEPS (5), CALIBRATE (1), PROFILE (the profile plans use; default the calibrated one), EXTRA (overrides for
-# every plan and point), OUT (results/planner).
+# one, else .triton/ from benchmarks/pack_triton.sh (benchmarks/triton_path.sh).
+# 3. OVER=1: the points just past their budget (OVERS below: "over" by 0.5-0.7 GiB, and one "tight"), each run capped
+#    at its budget: `python -m recipes estimate --budget-gib B` gives the verdict, train.py must end as oom (exit 3).
+# Settings (environment): PY, QUESTIONS, STEPS (5), CALIBRATE (1), PROFILE (the profile plans use; default the
+# calibrated one), EXTRA (overrides for every plan and point), OVER (0), OUT (results/planner).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 WANDB_MODE=offline
@@ -73,4 +75,22 @@ for q in $QUESTIONS; do
   stamp "advise $q"
   PYTHONPATH=$pythonpath $PY -m recipes advise "$dir" --budget-gib "$budget" 2>&1 | quiet | tee "$dir.advise.txt" | tail -20
 done
+# name, budget GiB, overrides: the nearest points past a budget, for dense, MoE and an offload plan
+OVERS=(
+  "dense_mb4_over 25 model=standard_attn size=h200 train.micro_batch_size=4"
+  "dense_mb4_tight 26.5 model=standard_attn size=h200 train.micro_batch_size=4"
+  "moe_mb4_over 29.5 model=moe size=h200 train.micro_batch_size=4"
+  "dense_long_offload_over 52.5 model=standard_attn size=h200_long recompute=selective/mlp offload=attn_norm offload.activation_offload_fraction=0.5 measure.expandable_segments=true train.micro_batch_size=1 train.global_batch_size=8"
+)
+if [ "${OVER:-0}" = 1 ]; then
+  for spec in "${OVERS[@]}"; do
+    set -- $spec
+    name=$1 budget=$2; shift 2
+    stamp "over $name: budget $budget GiB: $*"
+    $PY -m recipes estimate --budget-gib "$budget" "$@" cluster.gpu="$PROFILE" 2>&1 | quiet | grep -E "^predicted peak|^budget"
+    $PY train.py "$@" cluster.gpu="$PROFILE" measure.memory_budget_gib="$budget" $ARGS output_dir="$OUT/over/$name" 2>&1 \
+      | quiet | grep -E "oom|OOM|GiB|error|fix:" | tail -6
+    echo "over $name: exit ${PIPESTATUS[0]} (3 is oom)"
+  done
+fi
 stamp done

@@ -69,7 +69,7 @@ def main() -> int:
     from recipes.run.world import init_one_rank, reseed
 
     init_one_rank(compose_config(common))
-    from recipes.measure.profile import first_label_to_try, plot_timelines, top_contributors, write_timeline_pngs
+    from recipes.measure.timeline import first_label_to_try, plot_timelines, top_contributors, write_timeline_pngs
     from recipes.recompute import GUIDE_FIRST_LABEL
 
     failures, results = [], []

@@ -1,9 +1,12 @@
 """A fork server: one process imports the workers' heavy modules once, then forks a fresh worker per run.
 
 A sweep point's worker spends most of its start importing torch and megatron-core (on the H200 8.5-14 s
-of megatron-core imports in an 18-25 s point, docs/evidence/h200.md). For single-process points the
-controller asks a server instead, started once per sweep, that has imported them (``preload``): it
-forks a child per point, which runs the worker's entry function (``target``, ``module:function``).
+of megatron-core imports in an 18-25 s point, docs/evidence/h200.md; on a 2-core CPU 13 of a two-rank
+run's 16 s a rank). The controller asks a server instead, started once per sweep, that has imported
+them (``preload``): it forks a child per point, which runs the worker's entry function (``target``,
+``module:function``). A point of several processes on one machine forks a *rank group*: one child that
+does what torchrun does for one node (``_rank_group``): it forks the ranks with torchrun's environment,
+hosts their rendezvous store, passes them the preemption signals and stops the rest when one fails.
 
 Each child is still a fresh process for what is measured. The server never initializes CUDA (it checks
 after its imports, and refuses to serve otherwise), so every child creates its own CUDA context and
@@ -15,12 +18,22 @@ The rules of ``launch.process`` hold: the server runs in its own session and die
 takes the server and the worker along; the controller ends a child's process group as any worker's
 (``end_group``) and forwards signals to it.
 
-Protocol (a SEQPACKET socket pair, one JSON message per packet): the server sends ``{"ready": pid}``
-(or ``{"error": text}``); each request ``{"target", "args", "env", "cwd"}`` carries the write end of the
-child's output pipe as a passed file descriptor; the server answers ``{"pid": child}``, then
-``{"exit": code}`` (``-N``: killed by signal N, as ``subprocess``) when the child ends.
+A *shared* server (``python -m launch.forkserver --listen PATH``, named to controllers by the
+``RECIPES_FORK_SERVER`` environment variable) serves every controller that connects with the environment
+it imported under: the test suite starts one per pytest worker, so its hundred train.py runs import
+megatron-core once. Each connection gets its own handler (a fork of the server); a controller that dies
+closes its connection, and the handler then kills the worker it forked (the worker dies with the
+handler, not the controller).
 
-    python -m launch.forkserver FD   # started by ForkServer, never by hand
+Protocol (a SEQPACKET socket, one JSON message per packet): the server sends ``{"ready": pid}`` (or
+``{"error": text}``) once it has imported ``{"preload": [...]}`` (a shared server: once it has compared
+the controller's ``{"env": {...}}`` with its own); each request ``{"target", "args", "env", "cwd",
+"nproc"}`` carries the write end of the child's output pipe as a passed file descriptor; the server
+answers ``{"pid": child}``, then ``{"exit": code}`` (``-N``: killed by signal N, as ``subprocess``)
+when the child ends.
+
+    python -m launch.forkserver FD             # started by ForkServer, never by hand
+    python -m launch.forkserver --listen PATH  # a shared server (tests/conftest.py starts one)
 """
 
 from __future__ import annotations
@@ -29,16 +42,32 @@ import importlib
 import io
 import json
 import os
+import select
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import time
 import traceback
 from collections import Counter
 from pathlib import Path
 
-#: Environment variables that differ from point to point without changing what the imports did.
-PER_POINT = ("MASTER_PORT",)
+#: Environment variables that differ from point to point without changing what the imports did: a rank's
+#: place in its world (read when the process group starts), the hardware queues CUDA reads as it starts,
+#: compile caches (read at each compile: torch/_inductor/runtime/cache_dir_utils.py) and the pointer
+#: inductor leaves for its own process's compiled code, pytest's name of the test that runs; and by
+#: prefix, W&B's settings (read by wandb.init), this project's own (read as a run goes), Transformer
+#: Engine's backend switches (megatron sets them as it builds), and cuBLAS's and NCCL's
+#: (``train.deterministic``'s: read as those libraries start, in the child).
+PER_POINT = ("MASTER_PORT", "MASTER_ADDR", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
+             "CUDA_DEVICE_MAX_CONNECTIONS", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR",
+             "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR", "PYTEST_CURRENT_TEST")
+PER_POINT_PREFIXES = ("WANDB_", "RECIPES_", "NVTE_", "CUBLAS_", "NCCL_")
+#: Names the socket of a shared server (``--listen``) that controllers fork their workers from.
+SHARED_SERVER_ENV = "RECIPES_FORK_SERVER"
+#: A rank group stops its other ranks when one fails: SIGTERM, then SIGKILL after this long (torchrun's 30 s)
+STOP_GRACE_S = 30.0
 _MAX_MESSAGE = 1 << 20
 
 
@@ -86,11 +115,12 @@ class ForkedProcess:
 
 
 class ForkServer:
-    """The controller's handle on a server that imported ``preload`` under ``env`` in ``cwd``.
+    """The controller's handle on a server that imported ``preload`` under ``env`` in ``cwd`` (started
+    for this controller), or on a shared one (``connect``).
 
     ``spawn`` starts one child at a time (a sweep runs its points one after another). Raises
     ``RuntimeError`` with the server's reason when it cannot serve (an import failed, CUDA was
-    initialized, a thread was started)."""
+    initialized, a thread was started, a shared server imported under another environment)."""
 
     def __init__(self, preload: list[str], env: dict[str, str], cwd: str, timeout: float = 600.0):
         from launch.process import start_group
@@ -105,23 +135,47 @@ class ForkServer:
         theirs.close()
         self.sock = ours
         _send(ours, {"preload": preload})
-        ours.settimeout(timeout)
+        self.pid = self._ready(timeout)
+
+    @classmethod
+    def connect(cls, path: str, env: dict[str, str], timeout: float = 30.0) -> ForkServer:
+        """A handle on the shared server listening at ``path``, if it imported under ``env``."""
+        self = cls.__new__(cls)
+        self.env_key, self.proc, self.log = env_key(env), None, None
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.sock.settimeout(timeout)
         try:
-            message, _ = _recv(ours)
+            self.sock.connect(path)
+        except OSError as err:
+            self.sock.close()
+            raise RuntimeError(f"no fork server at {path} ({err.strerror or err})") from None
+        self.sock.settimeout(None)
+        _send(self.sock, {"env": env})
+        self.pid = self._ready(timeout)
+        return self
+
+    def _ready(self, timeout: float) -> int:
+        self.sock.settimeout(timeout)
+        try:
+            message, _ = _recv(self.sock)
         except TimeoutError:
             message = {"error": f"not ready after {timeout:.0f} s"}
-        ours.settimeout(None)
+        self.sock.settimeout(None)
         if not message or "ready" not in message:
+            last = []
+            if self.log is not None:
+                self.log.seek(0)
+                last = self.log.read().decode(errors="replace").strip().splitlines()[-1:]
             self.close()
-            self.log.seek(0)
-            last = self.log.read().decode(errors="replace").strip().splitlines()[-1:]
             raise RuntimeError((message or {}).get("error") or (last[0] if last else "the server exited"))
+        return message["ready"]
 
-    def spawn(self, target: str, args: list[str], env: dict[str, str], cwd: str) -> ForkedProcess:
-        """Fork a child that runs ``target(*args)`` with ``env`` in ``cwd``, its output on a new pipe."""
+    def spawn(self, target: str, args: list[str], env: dict[str, str], cwd: str, nproc: int = 1) -> ForkedProcess:
+        """Fork a child that runs ``target(*args)`` with ``env`` in ``cwd``, its output on a new pipe;
+        with ``nproc`` above 1, a rank group of that many (``_rank_group``)."""
         read_fd, write_fd = os.pipe()
         try:
-            _send(self.sock, {"target": target, "args": args, "env": env, "cwd": cwd}, [write_fd])
+            _send(self.sock, {"target": target, "args": args, "env": env, "cwd": cwd, "nproc": nproc}, [write_fd])
         finally:
             os.close(write_fd)
         message, _ = _recv(self.sock)
@@ -131,8 +185,10 @@ class ForkServer:
         return ForkedProcess(self, message["pid"], os.fdopen(read_fd, "r", buffering=1, errors="replace"))
 
     def close(self) -> None:
-        """End the server (it exits when its socket closes; anything left is killed)."""
+        """End the server, or this controller's connection to a shared one (its handler exits)."""
         self.sock.close()
+        if self.proc is None:
+            return
         try:
             self.proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
@@ -141,8 +197,9 @@ class ForkServer:
 
 
 def env_key(env: dict[str, str]) -> tuple:
-    """What a server's imports may have read of its environment: all of it but ``PER_POINT``."""
-    return tuple(sorted((k, v) for k, v in env.items() if k not in PER_POINT))
+    """What a server's imports may have read of its environment: all of it but ``PER_POINT`` (names
+    and prefixes)."""
+    return tuple(sorted((k, v) for k, v in env.items() if k not in PER_POINT and not k.startswith(PER_POINT_PREFIXES)))
 
 
 # --- the server process -------------------------------------------------------------------------
@@ -199,7 +256,7 @@ def _unsafe(baseline: Counter) -> str | None:
 
 def _child(request: dict, out_fd: int, server: int) -> None:
     """In the forked child: own session, die with the server, output to the pipe, the point's
-    environment and directory, then the target. Never returns."""
+    environment and directory, then the target (or, for ``nproc`` above 1, a rank group). Never returns."""
     code = 1
     try:
         from launch.process import die_with_parent
@@ -220,38 +277,148 @@ def _child(request: dict, out_fd: int, server: int) -> None:
         sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=unbuffered)
         sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), line_buffering=True,
                                       errors="backslashreplace")
-        module, _, function = request["target"].partition(":")
-        sys.argv = [module, *request["args"]]
-        getattr(importlib.import_module(module), function)(*request["args"])
-        code = 0
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else 1
-    except BaseException:
-        traceback.print_exc()
+        code = _rank_group(request) if int(request.get("nproc") or 1) > 1 else _run_target(request)
     finally:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except Exception:
-                pass
+        _flush()
         os._exit(code)
 
 
-def serve(fd: int) -> None:
-    """The server's loop: preload, say ready, then fork one child per request and report its exit."""
+def _flush() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+
+
+def _run_target(request: dict) -> int:
+    """``target(*args)`` in this process: its exit code (a traceback printed for an exception)."""
+    try:
+        module, _, function = request["target"].partition(":")
+        sys.argv = [module, *request["args"]]
+        getattr(importlib.import_module(module), function)(*request["args"])
+        return 0
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else 1
+    except BaseException:
+        traceback.print_exc()
+        return 1
+
+
+#: The signals a rank group passes to its ranks (torchrun's ``--signals-to-handle`` of launch.torchrun).
+GROUP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
+
+
+def _rank_group(request: dict) -> int:
+    """What torchrun does for one node, in a forked child: fork ``nproc`` ranks with torchrun's
+    environment (RANK, LOCAL_RANK, WORLD_SIZE, ...), host their rendezvous store as torchrun's agent does
+    (``TORCHELASTIC_USE_AGENT_STORE``: every rank a client), pass ``GROUP_SIGNALS`` on to them, and
+    when one fails stop the others (SIGTERM, SIGKILL after ``STOP_GRACE_S``). Returns 0, or the first
+    failed rank's exit code (128 + N for signal N)."""
+    from launch.process import die_with_parent
+
+    nproc, leader = int(request["nproc"]), os.getpid()
+    ranks: dict[int, int] = {}  # pid: rank
+    port_pipes: list[int] = []
+    _flush()
+    for rank in range(nproc):
+        read_fd, write_fd = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # a rank: waits for the store's port, then runs the target
+            code = 1
+            try:
+                os.close(write_fd)
+                for fd in port_pipes:
+                    os.close(fd)
+                die_with_parent(leader)
+                port = os.read(read_fd, 16).decode()
+                os.close(read_fd)
+                if port:  # else the leader could not start the store: it says why
+                    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", ROLE_RANK=str(rank),
+                                      WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc), ROLE_WORLD_SIZE=str(nproc),
+                                      MASTER_ADDR="127.0.0.1", MASTER_PORT=port, TORCHELASTIC_USE_AGENT_STORE="True")
+                    code = _run_target(request)
+            finally:
+                _flush()
+                os._exit(code)
+        os.close(read_fd)
+        port_pipes.append(write_fd)
+        ranks[pid] = rank
+    live = dict(ranks)
+
+    def forward(signum, _frame):
+        for pid in live:
+            try:
+                os.kill(pid, signum)
+            except ProcessLookupError:
+                pass
+
+    for sig in GROUP_SIGNALS:
+        signal.signal(sig, forward)
+    try:  # after the forks: the store's thread is this process's own
+        from torch.distributed import TCPStore
+
+        store = TCPStore("127.0.0.1", 0, nproc, is_master=True, wait_for_workers=False)
+        port = str(store.port).encode()
+    except Exception as err:  # the ranks read an empty port and exit
+        print(f"[ranks] the rendezvous store did not start: {type(err).__name__}: {err}", file=sys.stderr)
+        port = b""
+    for fd in port_pipes:
+        if port:
+            os.write(fd, port)
+        os.close(fd)
+    failed, deadline = None, None
+    while live:
+        pid, status = os.waitpid(-1, os.WNOHANG if deadline else 0)
+        if pid == 0:  # stopping the rest: SIGKILL what outlives the grace
+            if time.time() > deadline:
+                forward(signal.SIGKILL, None)
+                deadline = None
+            else:
+                time.sleep(0.1)
+            continue
+        if pid not in live:
+            continue
+        rank, code = live.pop(pid), os.waitstatus_to_exitcode(status)
+        if code and failed is None:
+            failed = code if code > 0 else 128 - code
+            if live:
+                how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+                print(f"[ranks] rank {rank} (pid {pid}) ended with {how}: stopping the other {len(live)}",
+                      file=sys.stderr, flush=True)
+                forward(signal.SIGTERM, None)
+                deadline = time.time() + STOP_GRACE_S
+    return 0 if failed is None else failed if port else 1
+
+
+def _wait_child(pid: int, sock: socket.socket) -> int | None:
+    """The wait status of ``pid``; None if the controller closed the connection first (the child, and
+    its group, are killed: a shared server's children die with their controller's connection)."""
+    try:
+        pidfd = os.pidfd_open(pid)
+    except (AttributeError, OSError):  # no pidfd (not Linux >= 5.3): wait for the child alone
+        return os.waitpid(pid, 0)[1]
+    try:
+        while True:
+            ready, _, _ = select.select([sock, pidfd], [], [])
+            if pidfd in ready:
+                return os.waitpid(pid, 0)[1]
+            if not sock.recv(_MAX_MESSAGE, socket.MSG_PEEK):  # EOF: the controller is gone
+                try:
+                    os.killpg(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                os.waitpid(pid, 0)
+                return None
+            time.sleep(0.05)  # a message that is not an end: the next request waits for this exit
+    finally:
+        os.close(pidfd)
+
+
+def _serve_connection(sock: socket.socket, baseline: Counter) -> None:
+    """Fork one child per request of this connection and report its exit, until the connection closes."""
     import warnings
 
-    sock = socket.socket(fileno=fd)
-    message, _ = _recv(sock)
-    try:
-        baseline = _preload(message["preload"])
-        reason = _unsafe(baseline)
-    except BaseException as exc:
-        reason = f"preloading failed: {type(exc).__name__}: {exc}"
-    if reason:
-        _send(sock, {"error": reason})
-        return
-    _send(sock, {"ready": os.getpid()})
     # Python warns that fork() in a process with threads may deadlock: the one extra thread is the idle
     # BLAS pool `import torch` starts (checked above), which torch's DataLoader workers fork with too.
     warnings.filterwarnings("ignore", message=".*use of fork\\(\\) may lead to deadlocks", category=DeprecationWarning)
@@ -266,8 +433,7 @@ def serve(fd: int) -> None:
                 os.close(f)
             _send(sock, {"error": reason})
             continue
-        sys.stdout.flush()  # else a child would write the server's buffered output into its pipe
-        sys.stderr.flush()
+        _flush()  # else a child would write the server's buffered output into its pipe
         pid = os.fork()
         if pid == 0:
             sock.close()
@@ -275,14 +441,85 @@ def serve(fd: int) -> None:
         for f in fds:
             os.close(f)
         _send(sock, {"pid": pid})
-        _, status = os.waitpid(pid, 0)
+        status = _wait_child(pid, sock)
+        if status is None:
+            return
         _send(sock, {"exit": os.waitstatus_to_exitcode(status)})
 
 
-if __name__ == "__main__":  # started by ForkServer through launch.process.start_group (dies with it)
-    serve(int(sys.argv[1]))
+def serve(fd: int) -> None:
+    """A controller's own server: preload, say ready, then serve its one connection."""
+    sock = socket.socket(fileno=fd)
+    message, _ = _recv(sock)
+    try:
+        baseline = _preload(message["preload"])
+        reason = _unsafe(baseline)
+    except BaseException as exc:
+        reason = f"preloading failed: {type(exc).__name__}: {exc}"
+    if reason:
+        _send(sock, {"error": reason})
+        return
+    _send(sock, {"ready": os.getpid()})
+    _serve_connection(sock, baseline)
+
+
+def listen(path: str, preload: list[str]) -> None:
+    """A shared server: preload, listen at ``path`` (printing ``ready PID``), and give each connection a
+    handler (a fork of this process) that serves it if the controller's environment is the one this
+    server imported under (``env_key``), else says which variables differ."""
+    from launch.process import die_with_parent
+
+    own = env_key(dict(os.environ))
+    os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"  # is_available() without initializing CUDA
+    baseline = _preload(preload)
+    reason = _unsafe(baseline)
+    if reason:
+        sys.exit(f"[fork-server] cannot serve: {reason}")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(path)
+    listener.listen(64)
+    server = os.getpid()
+    print(f"ready {server}", flush=True)
+    while True:
+        conn, _ = listener.accept()
+        while True:  # reap the handlers that ended
+            try:
+                if os.waitpid(-1, os.WNOHANG)[0] == 0:
+                    break
+            except ChildProcessError:
+                break
+        _flush()
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                listener.close()
+                die_with_parent(server)
+                message, _ = _recv(conn)
+                theirs = env_key((message or {}).get("env") or {})
+                if theirs != own:
+                    differ = sorted({k for k, _ in set(theirs) ^ set(own)})
+                    print(f"[fork-server] not serving a controller whose environment differs in {', '.join(differ)}",
+                          file=sys.stderr, flush=True)
+                    _send(conn, {"error": f"imported under another environment ({', '.join(differ[:6])} differ)"})
+                else:
+                    _send(conn, {"ready": os.getpid()})
+                    _serve_connection(conn, baseline)
+                code = 0
+            except BaseException:
+                traceback.print_exc()
+            finally:
+                _flush()
+                os._exit(code)
+        conn.close()
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "--listen":  # python -m launch.forkserver --listen PATH [MODULE ...]
+        listen(sys.argv[2], sys.argv[3:])
+    else:  # started by ForkServer through launch.process.start_group (dies with it)
+        serve(int(sys.argv[1]))
     # nothing of the server's outlives its socket: skip the interpreter's teardown of torch and megatron
     # (the controller waits for this exit at the end of every sweep; 0.5 s on a two-core CPU machine)
-    sys.stdout.flush()
-    sys.stderr.flush()
+    _flush()
     os._exit(0)

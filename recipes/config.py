@@ -400,7 +400,7 @@ class RecipeConfig(Section):
     dry_run: bool = False  # validate and write the config, start no worker
     allow_over_memory: bool = False  # launch a single run the estimator predicts above this machine's memory
     lock_wait_s: float = 1800.0  # another run holds this point's directory: wait this long, then skip it
-    fork_server: bool = True  # sweep points of one process fork from a server that imported megatron once
+    fork_server: bool = True  # sweep points fork from a server that imported megatron once
 
 
 #: The run config every module takes: the schema's dataclasses, built once after composition

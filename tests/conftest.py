@@ -54,10 +54,19 @@ def pytest_collection_modifyitems(items: list) -> None:
                 item.add_marker(hidden, append=False)
 
 
+#: What this process's own tests leave in its environment that a train.py it starts must not inherit:
+#: the single-process world (RANK, MASTER_PORT...), and what libraries set in it as they run here
+#: (inductor's and Triton's cache directories and its tensor switch, W&B's service and silence, the
+#: Triton interpreter switch). A run that inherited them would start its own processes, not the shared fork server's.
+DRIFT = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+         "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "WANDB_SERVICE", "WANDB_SILENT", "TRITON_INTERPRET",
+         "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR")
+_BASE_ENV = dict(os.environ)
+
+
 def subprocess_env() -> dict:
-    """This environment without the single-process world other tests export (RANK, MASTER_PORT...)."""
-    drop = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-    return {k: v for k, v in os.environ.items() if k not in drop}
+    """This environment without ``DRIFT`` (unless it was there when the session started)."""
+    return {k: v for k, v in os.environ.items() if k not in DRIFT or _BASE_ENV.get(k) == v}
 
 
 #: The train.py processes ``start_train`` started; ``_no_train_left_behind`` ends them after each test.
@@ -102,6 +111,47 @@ def _no_train_left_behind():
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def shared_fork_server(tmp_path_factory):
+    """One fork server per pytest worker that the train.py runs of the tests fork their workers from
+    (``RECIPES_FORK_SERVER``, launch/forkserver.py): it imports torch and megatron-core once, where each
+    rank of each run would (9 CPU-s a rank on a 2-core machine: a two-rank run took 6.5 s with it,
+    19.7 s through torchrun). Started under the environment a controller gives its workers, so every run
+    with that environment uses it; a test that changes the environment, or needs processes of its own
+    (``own_processes``), starts them as a user's run does. ``RECIPES_TEST_FORK_SERVER=0``: none."""
+    if ON_GPU or os.environ.get("RECIPES_TEST_FORK_SERVER") == "0":
+        yield None
+        return
+    from launch.forkserver import SHARED_SERVER_ENV
+    from launch.process import start_group
+    from recipes.run.workers import WORKER_PRELOAD, worker_environment
+
+    path = tmp_path_factory.getbasetemp() / "fork-server.sock"
+    path.unlink(missing_ok=True)
+    os.environ[SHARED_SERVER_ENV] = str(path)
+    os.environ.setdefault("HYDRA_FULL_ERROR", "1")  # what train.py sets before it starts its workers
+    env = {k: v for k, v in worker_environment(compose()).items()
+           if k not in ONE_RANK_ENV and (k not in DRIFT or _BASE_ENV.get(k) == v)}
+    log = open(path.with_suffix(".log"), "w")
+    proc = start_group([sys.executable, "-m", "launch.forkserver", "--listen", str(path), *WORKER_PRELOAD],
+                       env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=log, text=True)
+    if not proc.stdout.readline().startswith("ready"):  # the runs start their own processes
+        os.environ.pop(SHARED_SERVER_ENV)
+    yield proc
+    os.environ.pop(SHARED_SERVER_ENV, None)
+    proc.kill()
+    proc.wait()
+    log.close()
+
+
+@pytest.fixture
+def own_processes(monkeypatch):
+    """No shared fork server for this test's runs: it checks the processes a user's run starts."""
+    from launch.forkserver import SHARED_SERVER_ENV
+
+    monkeypatch.delenv(SHARED_SERVER_ENV, raising=False)
 
 
 class SharedRuns:

@@ -217,7 +217,7 @@ def test_a_truncated_dataset_is_refused_before_launch(tmp_path):
 # --- processes: kill -9, Ctrl-C, two sweeps at once ----------------------------------------------
 
 @pytest.mark.slow
-def test_kill_9_of_the_controller_takes_its_worker_along(tmp_path):
+def test_kill_9_of_the_controller_takes_its_worker_along(tmp_path, own_processes):
     """The worker and the fork server it was forked from (a sweep point's default) die with it."""
     from test_forkserver import fork_servers_of
 
@@ -235,7 +235,7 @@ def test_kill_9_of_the_controller_takes_its_worker_along(tmp_path):
 
 
 @pytest.mark.slow
-def test_kill_9_of_one_worker_rank_fails_the_run_with_a_record(tmp_path):
+def test_kill_9_of_one_worker_rank_fails_the_run_with_a_record(tmp_path, own_processes):
     run = tmp_path / "run"
     proc = start([*TINY, "parallel=dp2", "train.train_iters=30", f"output_dir={run}"], tmp_path)
     pid = wait_for(lambda: rank_pid(run, 1), proc, timeout=120)
@@ -314,7 +314,9 @@ def test_two_identical_sweeps_at_once_run_each_point_once(shared_runs):
     cwd, outs = two_forty_override_sweeps(shared_runs)
     assert all(o["returncode"] == 0 for o in outs), outs
     stdout = outs[0]["stdout"] + outs[1]["stdout"]
-    assert stdout.count("[ok]") == 1 and stdout.count("[skip]") == 1 and stdout.count("[wait]") == 1
+    # one ran the point, the other skipped it: after waiting on its lock if it came while the point ran
+    # (test_a_point_another_sweep_holds_is_waited_for_then_skipped_and_said holds the lock to see that)
+    assert stdout.count("[ok]") == 1 and stdout.count("[skip]") == 1 and stdout.count("[wait]") <= 1
     assert [load_result(p)["status"] for p in cwd.glob("multirun/*/*/*/result.json")] == ["ok"]  # one directory
 
 

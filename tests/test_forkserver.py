@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 from pathlib import Path
 
@@ -14,7 +15,7 @@ from conftest import REPO
 from test_faults import alive, gone_within, train
 from test_wandb import WANDB_POINT, wandb_sweep
 
-from launch.forkserver import ForkServer, env_key
+from launch.forkserver import SHARED_SERVER_ENV, ForkServer, env_key
 from launch.process import end_group
 
 ENV = dict(os.environ, PYTHONPATH=os.pathsep.join(
@@ -119,8 +120,71 @@ def test_a_forked_child_uses_cuda_after_megatron_is_imported(tmp_path):
         server.close()
 
 
+def test_a_rank_group_runs_its_ranks_in_one_world_as_torchrun_would(server, tmp_path):
+    """nproc=3: three ranks with torchrun's environment meet at the group's store (a gloo all-reduce of
+    the ranks sums to 3); the group exits with the failing rank's code once all have ended."""
+    proc = server.spawn("forkserver_targets:all_reduce", ["2"], ENV, str(tmp_path), nproc=3)
+    out = proc.stdout.read()
+    assert proc.wait(timeout=60) == 7, out
+    assert sorted(line for line in out.splitlines() if line.startswith("rank ")) == [
+        f"rank {r}/3 local {r} sum 3" for r in range(3)]
+
+
+def test_a_failed_rank_stops_the_others_and_signals_reach_every_rank(server, tmp_path):
+    """As torchrun: one rank's failure (exit 5) ends the others with SIGTERM, and the group exits 5;
+    a SIGTERM to the group (the controller forwarding a preemption) reaches each rank."""
+    proc = server.spawn("forkserver_targets:wait_for_a_signal", ["1"], ENV, str(tmp_path), nproc=2)
+    out = proc.stdout.read()
+    assert proc.wait(timeout=60) == 5, out
+    assert "rank 0 got SIGTERM" in out and re.search(r"rank 1 \(pid \d+\) ended with exit code 5: stopping the other 1", out)
+    proc = server.spawn("forkserver_targets:wait_for_a_signal", ["none"], ENV, str(tmp_path), nproc=2)
+    assert [proc.stdout.readline().split()[2] for _ in range(2)] == ["ready"] * 2
+    proc.send_signal(signal.SIGTERM)
+    out = proc.stdout.read()
+    assert proc.wait(timeout=60) == 0 and "rank 0 got SIGTERM" in out and "rank 1 got SIGTERM" in out
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory):
+    """A shared server (--listen) as tests/conftest.py starts one, under ``ENV``."""
+    import subprocess
+    import sys
+
+    path = tmp_path_factory.mktemp("shared") / "s.sock"
+    proc = subprocess.Popen([sys.executable, "-m", "launch.forkserver", "--listen", str(path), "forkserver_targets"],
+                            env=ENV, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().startswith("ready"), proc.stderr.read()
+    yield path, proc
+    proc.kill()
+    proc.wait()
+
+
+def test_a_shared_server_serves_its_environment_and_names_what_differs(shared, tmp_path):
+    path, _ = shared
+    client = ForkServer.connect(str(path), dict(ENV, MASTER_PORT="1", WANDB_MODE="disabled"))
+    proc = client.spawn("forkserver_targets:hello", ["hi", "0"], dict(ENV, POINT="p1"), str(tmp_path))
+    assert "with p1" in proc.stdout.read() and proc.wait(timeout=30) == 0
+    client.close()
+    with pytest.raises(RuntimeError, match="imported under another environment .*OMP_NUM_THREADS"):
+        ForkServer.connect(str(path), dict(ENV, OMP_NUM_THREADS="7"))
+    with pytest.raises(RuntimeError, match="no fork server at"):
+        ForkServer.connect(str(tmp_path / "none.sock"), ENV)
+
+
+def test_a_shared_servers_child_dies_with_its_controllers_connection(shared, tmp_path):
+    """A shared server outlives its controllers: when one dies (its connection closes), the worker it
+    had forked is killed, as a controller's own server's would die with it."""
+    path, server = shared
+    client = ForkServer.connect(str(path), ENV)
+    proc = client.spawn("forkserver_targets:sleep_with_a_child", ["60"], ENV, str(tmp_path))
+    grandchild = int(proc.stdout.readline().split()[1])
+    client.sock.close()  # what the kernel does to a killed controller's socket
+    assert gone_within(proc.pid, 10) and gone_within(grandchild, 10)
+    assert server.poll() is None
+
+
 def test_a_server_is_reused_only_for_the_same_environment():
-    assert env_key(dict(ENV, MASTER_PORT="1")) == env_key(dict(ENV, MASTER_PORT="2"))
+    assert env_key(dict(ENV, MASTER_PORT="1")) == env_key(dict(ENV, MASTER_PORT="2", WANDB_MODE="disabled"))
     assert env_key(dict(ENV, PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True")) != env_key(ENV)
 
 
@@ -150,7 +214,9 @@ def test_forked_points_measure_what_their_own_processes_do(tmp_path, shared_runs
 
     starts = sorted(time_breakdown(r)["start+imports"] + time_breakdown(r)["megatron imports"]
                     for r in results["true"].values())
-    assert starts[0] < 1.0 < starts[1]  # the first point started the server; the second forked from it
+    assert starts[0] < 1.0  # forked
+    if not os.environ.get(SHARED_SERVER_ENV):  # else both forked from the test session's shared server
+        assert starts[1] > 1.0  # the first point started the controller's server
 
 
 def fork_servers_of(controller: int) -> list[int]:
@@ -175,6 +241,13 @@ def test_only_sweep_points_of_one_local_process_fork(monkeypatch):
     monkeypatch.setattr(multirun, "in_multirun", lambda: True)
     assert workers.uses_fork_server(compose())
     assert not workers.uses_fork_server(compose("fork_server=false"))
-    assert not workers.uses_fork_server(compose("parallel=dp2"))
+    assert workers.uses_fork_server(compose("parallel=dp2"))  # a rank group, on a CPU machine
+    monkeypatch.setattr(workers, "gpu_count", lambda: 8)
+    assert not workers.uses_fork_server(compose("parallel=dp2"))  # torchrun on GPUs
+    assert workers.uses_fork_server(compose())
     monkeypatch.setattr(multirun, "in_multirun", lambda: False)
+    monkeypatch.delenv(SHARED_SERVER_ENV, raising=False)
     assert not workers.uses_fork_server(compose())  # one run: nothing to share the imports with
+    monkeypatch.setenv(SHARED_SERVER_ENV, "/tmp/s.sock")
+    assert workers.uses_fork_server(compose())  # unless a shared server is named
+    assert not workers.uses_fork_server(compose("launcher=slurm"))

@@ -45,7 +45,7 @@ def test_layers_follow_megatrons_linear_attention_pattern(megatron_world):
 
 def test_gdn_model_trains_and_the_profile_points_at_gdn_norm_out(megatron_world):
     """A few steps with GDN and attention layers both present; loss finite and falling."""
-    from recipes.measure.profile import first_label_to_try
+    from recipes.measure.timeline import first_label_to_try
 
     cfg = compose("model=gdn", "attention=unfused", "recompute=selective/gdn_norm_out-core_attn",
                   "train.train_iters=6", "measure.start_step=3", "train.lr=3e-3")

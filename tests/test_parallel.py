@@ -109,6 +109,15 @@ def test_more_processes_than_gpus_is_refused():
 
 # --- pipeline bookkeeping ----------------------------------------------------------------------
 
+def test_schedule_table_is_megatrons():
+    from megatron.core.pipeline_parallel.schedules import get_schedule_table
+
+    from recipes.build.parallel import schedule_table
+
+    for m, chunks, group in [(1, 1, 1), (4, 2, 2), (8, 2, 4), (6, 3, 4), (5, 2, 2), (7, 4, 3), (8, 1, 8)]:
+        assert schedule_table(m, chunks, group) == get_schedule_table(m, chunks, group)
+
+
 @pytest.mark.parametrize("m,pp,vpp", [(4, 2, None), (1, 2, None), (8, 4, None), (4, 2, 2), (8, 4, 2),
                                       (6, 2, 3)])
 def test_pipeline_schedule_matches_megatron(monkeypatch, m, pp, vpp):

@@ -14,14 +14,8 @@ import torch
 from conftest import build_trainer, compose, train_in_process
 
 from recipes.measure.memtrace import BEFORE, TRANSIENT, Trace, allocator_trace
-from recipes.measure.profile import (
-    first_label_to_try,
-    plot_timelines,
-    profile_step,
-    replay,
-    top_contributors,
-    write_timeline_pngs,
-)
+from recipes.measure.profile import profile_step, replay
+from recipes.measure.timeline import first_label_to_try, plot_timelines, top_contributors, write_timeline_pngs
 from recipes.recompute import KINDS
 
 #: The saved-tensor path (what CI runs). On a GPU the allocator path runs instead: it also counts

@@ -115,7 +115,7 @@ def test_flops_count_its_replay(toy):
 
 
 def test_the_estimate_and_the_advice_follow_its_activations(toy):
-    from recipes.measure.profile import first_label_to_try
+    from recipes.measure.timeline import first_label_to_try
     from recipes.predict.estimate import predict, rank_options
 
     cfg, control = compose("model=standard_attn", f"recompute=selective/{TOY}"), compose("model=standard_attn", "recompute=control")

@@ -11,7 +11,7 @@ from recipes.analyze.report import rank_rows
 from recipes.analyze.sweep import find_results, merge_repeats
 from recipes.errors import ConfigError
 from recipes.files import GIB
-from recipes.measure.profile import first_label_to_try, top_contributors
+from recipes.measure.timeline import first_label_to_try, top_contributors
 from recipes.offload import offload_config
 from recipes.offload import option_of as offload_option_of
 from recipes.predict.compare import recorded_shares

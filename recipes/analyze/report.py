@@ -250,7 +250,7 @@ def write_report(sweep_dir: Path, wandb_logger: dict | None = None) -> str:
     png = plot_pareto(rows, sweep_dir / "report.png", f"{sweep_group(str(sweep_dir))}: memory vs step time")
     md = format_markdown(rows)
     notes = "\n".join(f"- {n}" for n in _notes(rows, results))
-    from recipes.measure.profile import plot_timelines  # lazy: torch; train.py loads this callback on every run
+    from recipes.measure.timeline import plot_timelines  # lazy: matplotlib; train.py loads this callback on every run
 
     timelines = plot_timelines(results, sweep_dir / "timelines.png")
     side_by_side = f"\n\n![memory over one step]({timelines.name})" if timelines else ""

@@ -3,7 +3,9 @@
 - ``pipeline_schedule``: how many micro-batches megatron's 1F1B (or interleaved 1F1B) schedule keeps
   in flight on this pipeline rank. That is why the first stage holds more activations than the
   last (Korthikanti et al. 2022: the first 1F1B stage holds p micro-batches' worth). It mirrors
-  ``megatron.core.pipeline_parallel.schedules.get_pp_rank_microbatches``; a test checks the two agree.
+  ``megatron.core.pipeline_parallel.schedules.get_pp_rank_microbatches`` and its ``get_schedule_table``
+  (``schedule_table``, here so that the estimator, and a controller that compares a pipelined run with
+  it, need not import megatron-core: 10 s on a 2-core machine); tests check they agree.
 - ``from_last_stage``: a value only the last pipeline stage has (the loss) on every stage, so that
   rank 0 logs it, as Megatron-LM's last-rank logging does.
 - ``reduce_gradients_cpu``: the CPU stand-in for megatron's DDP + ``finalize_model_grads`` + the
@@ -36,9 +38,6 @@ def pipeline_schedule(num_microbatches: int, pp_size: int, pp_rank: int,
         return {"schedule": "no pipelining", "num_microbatches": num_microbatches,
                 "num_model_chunks": 1, "warmup_forwards": 0, "in_flight_forwards": 1,
                 "in_flight_microbatches": 1, "chunk_order": [0]}
-    # lazy: megatron takes seconds to import; tools that never build a model skip it
-    from megatron.core.pipeline_parallel.schedules import get_schedule_table
-
     total = num_microbatches * num_model_chunks
     group = microbatch_group_size or pp_size
     if num_model_chunks == 1:
@@ -49,12 +48,22 @@ def pipeline_schedule(num_microbatches: int, pp_size: int, pp_rank: int,
     warmup = min(warmup, total)
     in_flight = min(warmup + 1, total)
     # (micro-batch, model chunk) of each forward, in megatron's order
-    table = get_schedule_table(num_microbatches, num_model_chunks, group)[:in_flight]
+    table = schedule_table(num_microbatches, num_model_chunks, group)[:in_flight]
     return {"schedule": schedule, "num_microbatches": num_microbatches,
             "num_model_chunks": num_model_chunks, "warmup_forwards": warmup,
             "in_flight_forwards": in_flight,
             "in_flight_microbatches": len({mb for mb, _ in table}),
             "chunk_order": [chunk for _, chunk in table]}
+
+
+def schedule_table(num_microbatches: int, num_model_chunks: int, group: int) -> list[tuple[int, int]]:
+    """(micro-batch, model chunk) of each forward in megatron's order: micro-batches in groups of
+    ``group``, each group through every chunk (megatron.core.pipeline_parallel.schedules.get_schedule_table)."""
+    table = []
+    for first in range(0, num_microbatches, group):
+        last = num_microbatches if first + group >= num_microbatches else first + group
+        table.extend((mb, chunk) for chunk in range(num_model_chunks) for mb in range(first, last))
+    return table
 
 
 def in_flight_bytes(schedule: dict, chunk_bytes: list[int]) -> int:

@@ -32,12 +32,9 @@ from pathlib import Path
 import torch
 
 from recipes.measure.ledger import module_kinds
+from recipes.measure.timeline import STATIC, TRANSIENT
 from recipes.recompute import KINDS
 
-STATIC = ("parameters", "gradients", "optimizer_state")
-TRANSIENT = "other/transient"
-#: Attribution buckets, in plot order (static memory at the bottom).
-BUCKETS = STATIC + KINDS + (TRANSIENT,)
 BEFORE = "before step"
 #: Allocator trace entries kept for the profiled step (a few hundred bytes each, host memory).
 MAX_ENTRIES = 2_000_000

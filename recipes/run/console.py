@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from recipes.measure.timeline import top_contributors
 from recipes.results import RankRow, result_rows, worst_row
 
 
@@ -42,8 +43,6 @@ def print_run(result: dict) -> None:
         hosts = len({r.host for r in rows}) > 1
         for r in rows:
             print(f"  {rank_line(r, hosts)}")
-    from recipes.measure.profile import top_contributors  # lazy: it imports torch; a refusal prints without it
-
     if line := top_contributors(result):  # profile=peak: what drives the peak
         print(f"  {line}")
     for r in result.get("ranks") or []:  # runs with validation (data.eval_interval): the loss curve

@@ -21,6 +21,7 @@ from recipes.analyze.logger import close_unfinished, usable_logger, write_identi
 from recipes.config import RunConfig, typed
 from recipes.errors import ConfigError
 from recipes.files import UnreadableFile, write_json_atomic, write_json_or_fallback
+from recipes.measure.timeline import write_timeline_pngs
 from recipes.offload import option_of as offload_option_of
 from recipes.predict.estimate import planned_host_bytes, predict
 from recipes.recipe import apply_recipe
@@ -368,7 +369,8 @@ def _launch(cfg: DictConfig, plain: dict, name: str, choices: dict, run_dir: Pat
     workers.build_share_storage_ahead(plain, env)
     server = workers.fork_server(env) if workers.uses_fork_server(plain) else None
     with open(log_path, "a" if plain["checkpoint"]["resume"] else "w") as log:
-        returncode = workers.run_workers(command, env, log, server, run_dir if node == 0 else None).returncode
+        returncode = workers.run_workers(command, env, log, server, run_dir if node == 0 else None,
+                                         nproc=plain["launcher"]["nproc_per_node"]).returncode
     if node:
         print(f"[node {node}] {name}: workers exited with code {returncode}; node 0 records {run_dir}")
         return {"status": "node", "node_rank": node, "name": name, "run_dir": str(run_dir)}
@@ -383,7 +385,7 @@ def _launch(cfg: DictConfig, plain: dict, name: str, choices: dict, run_dir: Pat
         "wall_s": time.time() - start,
         "launched": start,
         "launch_command": " ".join(command) if server is None else f"forked by the fork server (pid "
-                          f"{server.proc.pid}) as: {' '.join(command)}",
+                          f"{server.pid}) as: {' '.join(command)}",
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "config": plain,
     }
@@ -391,11 +393,7 @@ def _launch(cfg: DictConfig, plain: dict, name: str, choices: dict, run_dir: Pat
     if plain["launcher"]["nnodes"] > 1:  # the other nodes' rank files, over a shared file system
         wait_for_rank_files(run_dir, world)
     result = merge_result(run_dir, meta, world, launch_error)
-    if any((r.get("profile") or {}).get("timeline") for r in result.get("ranks") or []):
-        # lazy, and only to draw: the module imports torch (3.5 CPU-s a point), never on a refusal's path
-        from recipes.measure.profile import write_timeline_pngs
-
-        write_timeline_pngs(result, run_dir)
+    write_timeline_pngs(result, run_dir)  # the profiled ranks' (matplotlib loads only for one)
     if result["status"] == "failed" and not result.get("ranks"):
         result["log_tail"] = log_path.read_text()[-4000:]
     result = record(run_dir, result)

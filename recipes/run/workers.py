@@ -12,7 +12,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from launch.forkserver import ForkServer, env_key
+from launch.forkserver import SHARED_SERVER_ENV, ForkServer, env_key
 from launch.process import PREEMPT_SIGNALS, end_group, start_group
 from launch.slurm import slurm_rendezvous
 from launch.torchrun import ONE_RANK_ENV, torchrun_command
@@ -49,27 +49,43 @@ FORK_SERVER: dict = {"server": None, "failed": None}
 
 
 def uses_fork_server(cfg: dict) -> bool:
-    """Sweep points of one process on this machine fork from the server (``fork_server``, default on)."""
+    """Whether this point's workers fork from a fork server (``fork_server``, default on): a sweep's
+    points on this machine, and every run when a shared server is named (``RECIPES_FORK_SERVER``). A
+    point of several processes forks a rank group (``launch.forkserver``), on a CPU machine only: on GPUs
+    its ranks start through torchrun until a rank group's NCCL start is measured there."""
     cfg = typed(cfg)
     launch = cfg.launcher
-    return (bool(cfg.get("fork_server")) and multirun.in_multirun() and launch.name == "local"
-            and launch.nproc_per_node * launch.nnodes == 1 and FORK_SERVER["failed"] is None)
+    if not cfg.get("fork_server") or launch.name != "local" or launch.nnodes != 1:
+        return False
+    if launch.nproc_per_node > 1 and gpu_count():
+        return False
+    return multirun.in_multirun() or bool(os.environ.get(SHARED_SERVER_ENV))
 
 
 def fork_server(env: dict[str, str]) -> ForkServer | None:
-    """The fork server for ``env`` (a new one when the environment changed, e.g. a point with
-    ``measure.expandable_segments``), or None, said once, when it cannot serve."""
+    """The fork server for ``env``: the shared one ``RECIPES_FORK_SERVER`` names if it imported under
+    ``env``, else (in a sweep) this controller's own, a new one when the environment changed (e.g. a
+    point with ``measure.expandable_segments``); None, said once, when none can serve."""
     server = FORK_SERVER["server"]
     if server is not None and server.env_key != env_key(env):
         server.close()
         server = FORK_SERVER["server"] = None
-    if server is None:
+    if server is not None:
+        return server
+    shared = os.environ.get(SHARED_SERVER_ENV)
+    if shared and FORK_SERVER["failed"] is None:
+        try:
+            server = FORK_SERVER["server"] = ForkServer.connect(shared, env)
+        except (RuntimeError, OSError) as err:
+            print(f"[fork-server] {SHARED_SERVER_ENV}={shared} not used ({err})", flush=True)
+    if server is None and multirun.in_multirun() and FORK_SERVER["failed"] is None:
         try:
             server = FORK_SERVER["server"] = ForkServer(WORKER_PRELOAD, env, str(REPO_ROOT))
         except (RuntimeError, OSError) as err:
             FORK_SERVER["failed"] = str(err)
             print(f"[fork-server] not used ({err}): each point starts its own process", flush=True)
             return None
+    if server is not None:
         import atexit
 
         atexit.register(server.close)
@@ -111,8 +127,8 @@ ECHOED = ("[progress]", "[checkpoint]", "[signal]", "[eval]", "warning: W&B")
 
 
 def run_workers(command: list[str], env: dict[str, str], log, server: ForkServer | None = None,
-                run_dir: Path | None = None) -> subprocess.CompletedProcess:
-    """Start the workers (``command``, or with a fork ``server`` one worker forked for ``run_dir``), copy
+                run_dir: Path | None = None, nproc: int = 1) -> subprocess.CompletedProcess:
+    """Start the workers (``command``, or with a fork ``server`` the ``nproc`` ranks forked for ``run_dir``), copy
     their output into ``log``, echo the live progress lines, and forward ``PREEMPT_SIGNALS`` (SIGTERM,
     SIGUSR1, SIGUSR2: a preemption, Slurm's time-limit warning) to them: they save a checkpoint at the next step boundary and exit, and
     this controller records the run as ``preempted``."""
@@ -120,7 +136,7 @@ def run_workers(command: list[str], env: dict[str, str], log, server: ForkServer
 
     # its own process group, killed with the controller (launch.process): no orphaned workers
     if server is not None:
-        proc = server.spawn("recipes.run.worker:serve", [str(run_dir)], env, str(REPO_ROOT))
+        proc = server.spawn("recipes.run.worker:serve", [str(run_dir)], env, str(REPO_ROOT), nproc=nproc)
     else:
         proc = start_group(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
                            text=True, bufsize=1)
