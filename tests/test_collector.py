@@ -59,6 +59,7 @@ def cycle_check() -> tuple[dict, str]:
     return {case: rest for _, case, rest in lines}, done.stderr[-2000:]
 
 
+@pytest.mark.xdist_group("cycle-check")  # one worker makes the fresh process for every case (19 CPU-s)
 @pytest.mark.parametrize("model,recompute", CYCLE_CASES)
 def test_a_training_step_leaves_no_reference_cycles(cycle_check, model, recompute):
     """What makes the collector safe to turn off: after two more steps with it off, a collection finds
