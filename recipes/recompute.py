@@ -107,7 +107,7 @@ class Label:
     elementwise: tuple[int, int | None] | None = None
     #: (module, class, method) its replay runs where that is not a timed module (``recipes.measure.regions``).
     region_function: tuple[str, str, str] | None = None
-    #: Its advice for a peak (``recipes.measure.profile.first_label_to_try``): the ledger kind whose
+    #: Its advice for a peak (``recipes.measure.timeline.first_label_to_try``): the ledger kind whose
     #: activations it answers, when (given ``{"model", "attention"}`` of the run), and why.
     advice_kind: str = ""
     advice_when: Callable[[dict], bool] | None = None
