@@ -305,17 +305,13 @@ def _run_target(request: dict) -> int:
         return 1
 
 
-#: The signals a rank group passes to its ranks (torchrun's ``--signals-to-handle`` of launch.torchrun).
-GROUP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
-
-
 def _rank_group(request: dict) -> int:
     """What torchrun does for one node, in a forked child: fork ``nproc`` ranks with torchrun's
     environment (RANK, LOCAL_RANK, WORLD_SIZE, ...), host their rendezvous store as torchrun's agent does
-    (``TORCHELASTIC_USE_AGENT_STORE``: every rank a client), pass ``GROUP_SIGNALS`` on to them, and
+    (``TORCHELASTIC_USE_AGENT_STORE``: every rank a client), pass ``RANK_SIGNALS`` on to them, and
     when one fails stop the others (SIGTERM, SIGKILL after ``STOP_GRACE_S``). Returns 0, or the first
     failed rank's exit code (128 + N for signal N)."""
-    from launch.process import die_with_parent
+    from launch.process import RANK_SIGNALS, die_with_parent
 
     nproc, leader = int(request["nproc"]), os.getpid()
     ranks: dict[int, int] = {}  # pid: rank
@@ -353,7 +349,7 @@ def _rank_group(request: dict) -> int:
             except ProcessLookupError:
                 pass
 
-    for sig in GROUP_SIGNALS:
+    for sig in RANK_SIGNALS:
         signal.signal(sig, forward)
     try:  # after the forks: the store's thread is this process's own
         from torch.distributed import TCPStore

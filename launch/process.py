@@ -21,6 +21,9 @@ import sys
 #: ``sbatch --signal=USR1@120`` often asks for. The controller forwards them, torchrun passes them on,
 #: each worker saves on them (``recipes.run.worker.StopSignal``).
 PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+#: What the launcher of a run's ranks passes on to them: the signals that end a process and the
+#: preemption ones (torchrun's ``--signals-to-handle``, a fork server's rank group).
+RANK_SIGNALS = tuple(dict.fromkeys((signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, *PREEMPT_SIGNALS)))
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
 

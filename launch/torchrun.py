@@ -13,7 +13,7 @@ import os
 import sys
 from dataclasses import dataclass
 
-from launch.process import PREEMPT_SIGNALS
+from launch.process import RANK_SIGNALS
 
 
 @dataclass(frozen=True)
@@ -58,5 +58,4 @@ def torchrun_command(launcher: dict, program: list[str], rendezvous: Rendezvous 
         cmd += [f"--nnodes={rendezvous.nnodes}", f"--node-rank={rendezvous.node_rank}",
                 f"--master-addr={rendezvous.master_addr}", f"--master-port={rendezvous.master_port}"]
     # the preemption signals (Slurm's warning before the time limit) reach the workers too, which save and stop
-    handled = dict.fromkeys(["SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", *(s.name for s in PREEMPT_SIGNALS)])
-    return cmd + [f"--signals-to-handle={','.join(handled)}"] + program
+    return cmd + [f"--signals-to-handle={','.join(s.name for s in RANK_SIGNALS)}"] + program

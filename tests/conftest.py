@@ -54,19 +54,9 @@ def pytest_collection_modifyitems(items: list) -> None:
                 item.add_marker(hidden, append=False)
 
 
-#: What this process's own tests leave in its environment that a train.py it starts must not inherit:
-#: the single-process world (RANK, MASTER_PORT...), and what libraries set in it as they run here
-#: (inductor's and Triton's cache directories and its tensor switch, W&B's service and silence, the
-#: Triton interpreter switch). A run that inherited them would start its own processes, not the shared fork server's.
-DRIFT = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-         "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "WANDB_SERVICE", "WANDB_SILENT", "TRITON_INTERPRET",
-         "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR")
-_BASE_ENV = dict(os.environ)
-
-
 def subprocess_env() -> dict:
-    """This environment without ``DRIFT`` (unless it was there when the session started)."""
-    return {k: v for k, v in os.environ.items() if k not in DRIFT or _BASE_ENV.get(k) == v}
+    """This environment without the single-process world other tests export (RANK, MASTER_PORT...)."""
+    return {k: v for k, v in os.environ.items() if k not in ONE_RANK_ENV}
 
 
 #: The train.py processes ``start_train`` started; ``_no_train_left_behind`` ends them after each test.
@@ -132,8 +122,7 @@ def shared_fork_server(tmp_path_factory):
     path.unlink(missing_ok=True)
     os.environ[SHARED_SERVER_ENV] = str(path)
     os.environ.setdefault("HYDRA_FULL_ERROR", "1")  # what train.py sets before it starts its workers
-    env = {k: v for k, v in worker_environment(compose()).items()
-           if k not in ONE_RANK_ENV and (k not in DRIFT or _BASE_ENV.get(k) == v)}
+    env = {k: v for k, v in worker_environment(compose()).items() if k not in ONE_RANK_ENV}
     log = open(path.with_suffix(".log"), "w")
     proc = start_group([sys.executable, "-m", "launch.forkserver", "--listen", str(path), *WORKER_PRELOAD],
                        env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=log, text=True)
