@@ -58,12 +58,13 @@ from pathlib import Path
 #: compile caches (read at each compile: torch/_inductor/runtime/cache_dir_utils.py) and the pointer
 #: inductor leaves for its own process's compiled code, pytest's name of the test that runs; and by
 #: prefix, W&B's settings (read by wandb.init), this project's own (read as a run goes), Transformer
-#: Engine's backend switches (megatron sets them as it builds), and cuBLAS's and NCCL's
-#: (``train.deterministic``'s: read as those libraries start, in the child).
+#: Engine's backend switches (megatron sets them as it builds), cuBLAS's and NCCL's
+#: (``train.deterministic``'s: read as those libraries start, in the child), and submitit's job variables
+#: (read by ``submitit.JobEnvironment`` as the job runs).
 PER_POINT = ("MASTER_PORT", "MASTER_ADDR", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
              "CUDA_DEVICE_MAX_CONNECTIONS", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR",
              "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR", "PYTEST_CURRENT_TEST")
-PER_POINT_PREFIXES = ("WANDB_", "RECIPES_", "NVTE_", "CUBLAS_", "NCCL_")
+PER_POINT_PREFIXES = ("WANDB_", "RECIPES_", "NVTE_", "CUBLAS_", "NCCL_", "SUBMITIT_")
 #: Names the socket of a shared server (``--listen``) that controllers fork their workers from.
 SHARED_SERVER_ENV = "RECIPES_FORK_SERVER"
 #: A rank group stops its other ranks when one fails: SIGTERM, then SIGKILL after this long (torchrun's 30 s)

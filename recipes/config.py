@@ -599,8 +599,11 @@ def register_configs() -> None:
         # for ${now:}), so `${once:...}` keeps the sweep's value in each point (conf/config.yaml sweep.dir).
         OmegaConf.register_new_resolver("once", lambda value: value, use_cache=True)
     # The root schema types every section, so each group option (conf/<group>/*.yaml) is checked against its
-    # section's dataclass when composed; no per-group schema entry (it would be listed as an option in --help)
-    ConfigStore.instance().store(name="recipe_schema", node=RecipeConfig)
+    # section's dataclass when composed; no per-group schema entry (it would be listed as an option in --help).
+    # Stored once a process: OmegaConf.structured of the whole schema costs 0.1 s, and tools compose many configs
+    store = ConfigStore.instance()
+    if "recipe_schema.yaml" not in store.repo:
+        store.store(name="recipe_schema", node=RecipeConfig)
 
 
 def compose_config(overrides: list[str] = ()) -> dict:

@@ -209,10 +209,6 @@ def megatron_world():
 
     parallel_state.destroy_model_parallel()
     torch.distributed.destroy_process_group()
-    import multiprocessing
-
-    for child in multiprocessing.active_children():  # dist_checkpointing's result-queue manager
-        child.terminate()
 
 
 def build_trainer(cfg: dict):

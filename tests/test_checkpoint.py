@@ -138,6 +138,21 @@ def test_a_failed_save_stops_training_with_a_clear_error(megatron_world, tmp_pat
     assert not (blocker.parent / LATEST).exists()
 
 
+def test_a_save_starts_no_process(saved):
+    """megatron's write results come back through this process's own queue
+    (``recipes.build.upstream.write_checkpoint_results_through_a_thread_queue``), not a manager process
+    per rank; the saves above completed through it."""
+    import multiprocessing
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    from recipes.build.upstream import _ThisProcessResults
+
+    assert isinstance(filesystem_async._results_queue, _ThisProcessResults)
+    assert not [p for p in multiprocessing.active_children() if "Manager" in p.name]
+    assert sorted(p.name for p in saved.glob("checkpoints/step_*")) == ["step_00000002", "step_00000004"]
+
+
 # --- checkpoints that cannot lose or run code --------------------------------------------------------
 
 

@@ -303,3 +303,18 @@ def test_labels_that_need_megatrons_cpp_build_are_refused_without_a_compiler(tmp
     if torch_swaps_storages():
         validate(compose("recompute=selective/layernorm"), num_gpus=0, te_available=False)  # a CPU run
 
+
+def test_torchs_version_says_whether_it_swaps_storages(monkeypatch):
+    """A controller reads ``torch_swaps_storages`` from torch's version (it imports no torch); the answer
+    is what the loaded torch has."""
+    import sys
+
+    import torch
+
+    from recipes.validate.share_storage import torch_swaps_storages
+
+    monkeypatch.delitem(sys.modules, "torch")
+    from_version = torch_swaps_storages.__wrapped__()
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    assert from_version == hasattr(torch.UntypedStorage, "_swap_data_ptr_") == torch_swaps_storages.__wrapped__()
+

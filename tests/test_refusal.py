@@ -47,6 +47,10 @@ def test_the_validate_path_imports_no_torch_or_megatron():
     (["recompute=selective/moe_act"], "recompute=selective/moe_act"),  # a rule
     (["checkpoint.interval=-1"], "checkpoint.interval"),  # a domain
     (["train.seq_length=10000000"], "allow_over_memory"),  # the estimator's peak above this machine
+    # past the share_storage check (a CPU run: torch's version says whether it can share in Python) and
+    # the host-copy check (no GPU driver: the estimator's device is the CPU)
+    (["recompute=selective/mlp", "offload=attn_norm", "offload.emulate_on_cpu=true", "train.seq_length=10000000"],
+     "allow_over_memory"),
     (["model.hiden_size=3"], "model.hiden_size"),  # Hydra: a typo'd key
     (["model=mooe"], "model=mooe"),  # Hydra: an unknown option
     (["train.lr=x"], "train.lr"),  # Hydra: not a number

@@ -135,6 +135,24 @@ def test_checkpoint_writer_still_needs_psutil_to_log_memory():
         "megatron-core declares psutil now: delete the workaround and depend on it"
 
 
+def test_checkpoint_write_results_still_go_through_a_spawned_manager(monkeypatch):
+    """recipes.build.upstream.write_checkpoint_results_through_a_thread_queue: a process's first save makes
+    its results queue in a ``spawn`` Manager process, whether or not the save runs asynchronously."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    asked = []
+
+    class Context:
+        def Manager(self):  # noqa: N802  multiprocessing's name
+            asked.append("Manager")
+            return type("Manager", (), {"Queue": lambda self: "queue"})()
+
+    monkeypatch.setattr(filesystem_async, "_results_queue", None)
+    monkeypatch.setattr(filesystem_async.mp, "get_context", lambda mode: asked.append(mode) or Context())
+    assert filesystem_async.get_write_results_queue() == "queue"
+    assert asked == ["spawn", "Manager"], "upstream no longer starts a manager process: delete the workaround"
+
+
 def test_distributed_optimizer_state_dict_still_needs_a_step_without_te():
     """megatron's DistributedOptimizer.state_dict() still asserts one Adam step value across the
     state (without Apex/TE), so a fresh optimizer cannot build the state dict a checkpoint loads into

@@ -20,6 +20,7 @@ Bugs handled elsewhere (by design, not by patching):
 from __future__ import annotations
 
 import functools
+import queue
 import subprocess
 from collections.abc import Callable
 
@@ -163,6 +164,25 @@ def allow_checkpoint_save_without_psutil() -> bool | None:
             return 0
 
     filesystem_async._process_memory = _process_memory
+
+
+class _ThisProcessResults(queue.Queue):
+    """The write-results queue of a process whose checkpoint writes all run in it (threads)."""
+
+
+@_workaround("results_queue", without_te=False)
+def write_checkpoint_results_through_a_thread_queue() -> bool | None:
+    """``dist_checkpointing``'s file writer hands each save's write results over a queue that
+    ``get_write_results_queue`` (strategies/filesystem_async.py) makes at a process's first save as
+    ``multiprocessing.get_context("spawn").Manager().Queue()``, also for a synchronous save, whose writer
+    threads and reader are that process (``AsyncRequest.execute_sync``). The manager is a fresh Python
+    process per rank that imports torch to unpickle the results (5-9 CPU-s on two cores, at the first
+    save) and stays until the rank exits. This project saves synchronously (``recipes.run.checkpoint``),
+    so a thread queue carries the results. Returns True when applied."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = _ThisProcessResults()
 
 
 def prime_distributed_optimizer_for_loading(optimizer) -> int:
@@ -468,6 +488,7 @@ def apply_all() -> None:
     allow_fine_grained_offload_without_te()
     order_inline_reload_after_offload()
     allow_checkpoint_save_without_psutil()
+    write_checkpoint_results_through_a_thread_queue()
     load_reshardable_optimizer_with_torch_adam_step()
     build_mla_without_q_lora_on_local_spec()
     fix_checkpoint_without_output_fp8_default()

@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
-from recipes.config import typed
-
 
 class ByteTokenizer:
     """What ``data=mock`` tells megatron's ``MockGPTDataset``: a 257-token vocabulary whose end-of-document
@@ -23,15 +19,15 @@ class ByteTokenizer:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
 
-def gpt_dataset_config(cfg: Any, tokenizer, blend=None, split=None):
-    """megatron's GPTDatasetConfig for this run's sequence length and seed (mock when no blend)."""
-    cfg = typed(cfg)
+def gpt_dataset_config(seed: int, seq_length: int, tokenizer, blend=None, split=None):
+    """megatron's GPTDatasetConfig for a run's seed and sequence length (``train.seed``,
+    ``train.seq_length``; mock when no blend)."""
     # lazy: megatron takes seconds to import; tools that never build a model skip it
     from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
 
     return GPTDatasetConfig(
-        random_seed=cfg.train.seed,
-        sequence_length=cfg.train.seq_length,
+        random_seed=seed,
+        sequence_length=seq_length,
         blend=blend,
         split=split,
         tokenizer=tokenizer,

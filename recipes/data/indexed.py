@@ -367,7 +367,8 @@ def build_indexed_datasets(cfg: Any, num_samples: list[int]):
     from megatron.core.datasets.gpt_dataset import GPTDataset
 
     found = inspect_data(cfg)
-    config = gpt_dataset_config(cfg, DatasetTokenizer(check_tokenizer(cfg) or found["tokenizer"]),
+    tokenizer = DatasetTokenizer(check_tokenizer(cfg) or found["tokenizer"])
+    config = gpt_dataset_config(cfg.train.seed, cfg.train.seq_length, tokenizer,
                                 blend=(found["prefixes"], found["weights"]), split=cfg.data.split)
     cache_dir = cfg.data.cache_dir
     config.path_to_cache = resolve_prefix(cache_dir) if cache_dir else default_cache_dir()

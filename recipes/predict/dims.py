@@ -13,7 +13,7 @@ from recipes.build.resolve import resolve_precision, resolve_swiglu_fusion
 from recipes.config import ModelConfig, typed
 from recipes.errors import ConfigError
 from recipes.recompute import ATTENTION_KIND, FAMILIES, MLP_KIND, labels_of, mlp_replays_fc2
-from recipes.validate import validate
+from recipes.validate import gpu_count, validate
 
 
 @dataclass(frozen=True)
@@ -63,9 +63,7 @@ def validate_for(cfg: dict, device: str) -> None:
 
 def _resolve_device(device: str) -> str:
     if device == "auto":
-        import torch
-
-        return "cuda" if torch.cuda.is_available() else "cpu"
+        return "cuda" if gpu_count() else "cpu"  # imports torch only where a GPU driver is loaded
     if device not in ("cuda", "cpu"):
         raise ConfigError("--device", f"unknown device {device!r}", "use cuda, cpu or auto")
     return device

@@ -4,20 +4,33 @@ machine, and whether it can be loaded or built here."""
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 import os
+import re
+import sys
 
 from recipes.config import typed
 from recipes.recompute import labels_of, replays_without_output
+
+#: The first torch whose ``UntypedStorage`` has ``_swap_data_ptr_`` (pytorch PR 177449, March 2026)
+SWAP_SINCE = (2, 12)
 
 
 @functools.cache
 def torch_swaps_storages() -> bool:
     """Whether this torch can swap two storages' memory (``UntypedStorage._swap_data_ptr_``; torch 2.11
     cannot), which ``recipes.build.upstream`` needs to hand recomputed CPU outputs over without
-    megatron's C++ extension."""
-    import torch
-
-    return hasattr(torch.UntypedStorage, "_swap_data_ptr_")
+    megatron's C++ extension. Read from torch's version where torch is not loaded yet: a controller
+    checks it before its workers start and imports no torch (seconds)."""
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        return hasattr(torch.UntypedStorage, "_swap_data_ptr_")
+    try:
+        version = importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    major, minor = re.match(r"(\d+)\.(\d+)", version).groups()
+    return (int(major), int(minor)) >= SWAP_SINCE
 
 
 def share_storage_built() -> bool | None:
@@ -39,9 +52,10 @@ def share_storage_labels(cfg, num_gpus: int) -> list[str]:
     the memory over in Python wherever torch can swap storages)."""
     cfg = typed(cfg)
     rc = cfg.recompute
-    if rc.recompute_granularity != "selective" or (not num_gpus and torch_swaps_storages()):
+    if rc.recompute_granularity != "selective":
         return []
-    return [label for label in labels_of(cfg) if replays_without_output(label, rc)]
+    labels = [label for label in labels_of(cfg) if replays_without_output(label, rc)]
+    return [] if labels and not num_gpus and torch_swaps_storages() else labels
 
 
 def share_storage_build_problem() -> str | None:
