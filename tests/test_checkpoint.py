@@ -13,7 +13,7 @@ from recipes.run.checkpoint import LATEST, CheckpointError, find_resume, read_me
 from recipes.run.window import MEASURED_KEYS
 
 SCHEDULE = ("train.lr=1e-3", "train.min_lr=1e-4", "train.lr_warmup_iters=3", "train.lr_decay_style=cosine",
-            "train.train_iters=20", "measure.profile=none")
+            "train.train_iters=10", "measure.start_step=2", "measure.steps=2", "measure.profile=none")
 OFFLOAD_EMULATED = ("offload.emulate_on_cpu=true", "offload.min_offloaded_tensor_size=0")
 
 
@@ -38,19 +38,19 @@ def train(cfg: dict, run_dir: Path) -> tuple[dict, dict[str, torch.Tensor]]:
                          *OFFLOAD_EMULATED), id="moe-offload"),
 ])
 def test_resume_is_bit_exact(megatron_world, tmp_path, family, extra):
-    """20 steps straight == 10 steps, a checkpoint, a new process state, 10 more (losses, lr, weights)."""
+    """10 steps straight == 5 steps, a checkpoint, a new process state, 5 more (losses, lr, weights)."""
     base = (f"model={family}", *SCHEDULE, *extra)
     straight, weights = train(compose(*base), tmp_path / "straight")
     run = tmp_path / "resumed"
-    parts = (*base, "checkpoint=default", "checkpoint.interval=5", "train.exit_interval=10")
+    parts = (*base, "checkpoint=default", "checkpoint.interval=2", "train.exit_interval=5")
     first, _ = train(compose(*parts), run)
-    assert first["status"] == "stopped" and first["stopped_at"] == 10 and len(first["loss"]) == 10
+    assert first["status"] == "stopped" and first["stopped_at"] == 5 and len(first["loss"]) == 5
     assert "starting from step 0" in first["checkpoint_notes"][0]
-    assert (run / "checkpoints" / LATEST).read_text().strip() == "step_00000010"
+    assert (run / "checkpoints" / LATEST).read_text().strip() == "step_00000005"
     second, resumed_weights = train(compose(*parts), run)
-    assert second["resumed_from"]["step"] == 10 and second["first_step"] == 11
-    assert second["loss"] == straight["loss"][10:]
-    assert second["lr"] == straight["lr"][10:]
+    assert second["resumed_from"]["step"] == 5 and second["first_step"] == 6
+    assert second["loss"] == straight["loss"][5:]
+    assert second["lr"] == straight["lr"][5:]
     # the resumed process ran no window: what the first measured (offload's bytes, MoE's routing too)
     # comes from the checkpoint, so result.json reads the same
     assert set(first) - set(second) == {"stopped_at", "stop_reason"}, set(first) - set(second)
@@ -62,8 +62,8 @@ def test_resume_is_bit_exact(megatron_world, tmp_path, family, extra):
     for name in weights:
         assert torch.equal(weights[name], resumed_weights[name]), name
     complete = sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.startswith("step_"))
-    assert complete == ["step_00000010", "step_00000015", "step_00000020"]  # keep_last=3
-    assert read_meta(run / "checkpoints" / "step_00000020")["step"] == 20
+    assert complete == ["step_00000006", "step_00000008", "step_00000010"]  # keep_last=3 (2, 4 and 5 pruned)
+    assert read_meta(run / "checkpoints" / "step_00000010")["step"] == 10
 
 
 @pytest.fixture(scope="module")
