@@ -302,6 +302,12 @@ def test_labels_that_need_megatrons_cpp_build_are_refused_without_a_compiler(tmp
     (built / "share_storage_ext.so").unlink()
     if torch_swaps_storages():
         validate(compose("recompute=selective/layernorm"), num_gpus=0, te_available=False)  # a CPU run
+    from recipes.run.controller import check_point
+
+    # a Slurm submission: the node's controller checks its own compiler before its GPUs start
+    check_point(compose("recompute=selective/layernorm"), num_gpus=1, submitting=True)
+    with pytest.raises(ConfigError, match="no C\\+\\+ compiler"):
+        check_point(compose("recompute=selective/layernorm"), num_gpus=1)
 
 
 def test_torchs_version_says_whether_it_swaps_storages(monkeypatch):

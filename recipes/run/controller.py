@@ -174,7 +174,8 @@ def check_point(plain: dict, num_gpus: int | None = None, job_memory_gib: float 
     files. ``submitting``: checked on the machine that submits a Slurm job, not the node, so the host
     copies only against the job's memory (``job_memory_gib``) or ``offload.host_memory_gib`` where given."""
     num_gpus = gpu_count() if num_gpus is None else num_gpus
-    validate(plain, num_gpus=num_gpus)  # the rules first: the estimator predicts only what passes them
+    # the rules first: the estimator predicts only what passes them (a submission's node checks its own build)
+    validate(plain, num_gpus=num_gpus, this_machine=not submitting)
     cfg = typed(plain)  # its keys checked: the typed config the estimator and the data checks take
     if not submitting or job_memory_gib is not None or cfg.offload.host_memory_gib is not None:
         planned = planned_host_bytes(cfg, "cuda" if submitting else "auto")

@@ -48,10 +48,13 @@ def gpu_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def validate(cfg: Any, num_gpus: int | None = None, te_available: bool | None = None) -> None:
+def validate(cfg: Any, num_gpus: int | None = None, te_available: bool | None = None,
+             this_machine: bool = True) -> None:
     """Refuse configurations that would crash, silently do nothing, or measure the wrong thing. The
     host memory activation offload's copies need is checked after these, once the estimator can predict
-    it (``recipes.validate.offload.host_memory_problem``, which the controller's ``check_point`` runs)."""
+    it (``recipes.validate.offload.host_memory_problem``, which the controller's ``check_point`` runs).
+    ``this_machine=False``: another machine runs it (a Slurm node, whose controller checks it again before
+    its GPUs start), so what this one has installed (a C++ compiler for megatron's build) is not asked."""
     if num_gpus is None:
         num_gpus = gpu_count()
     if te_available is None:
@@ -62,7 +65,8 @@ def validate(cfg: Any, num_gpus: int | None = None, te_available: bool | None = 
     check_model(cfg)
     check_attention(cfg, te_available)
     check_recompute(cfg)
-    check_without_output_build(cfg, num_gpus)
+    if this_machine:
+        check_without_output_build(cfg, num_gpus)
     check_offload(cfg, num_gpus, te_available)
     check(num_gpus or not cfg.measure.trace_step, "measure.trace_step", "it traces GPU kernels, copies and "
            "idle time; this machine has no GPU", "run it on a GPU, or leave measure.trace_step=false")
