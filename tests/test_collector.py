@@ -48,7 +48,7 @@ CYCLE_CASES = [("standard_attn", "none"), ("standard_attn", "full"), ("moe", "se
                ("mla", "selective/mla_up_proj")]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # not module: pytest-xdist may run other modules' tests between the cases
 def cycle_check() -> tuple[dict, str]:
     """({"model/recompute": its FOUND line}, stderr) of one fresh process that checked every case."""
     cases = [(f"{model}/{recompute}", (*TINY, f"model={model}", f"recompute={recompute}"))
