@@ -32,9 +32,9 @@ def build_datasets(cfg: Any, num_samples: list[int]):
 @functools.lru_cache(maxsize=4)
 def _mock_datasets(seed: int, seq_length: int, num_samples: tuple[int, ...]):
     """megatron's mock datasets, a function of the seed, the sequence length and the sizes alone (their
-    samples are drawn by index; nothing in them changes as they are read): built once a process, as a
-    process that builds several trainers (the tests, a control ledger) would pay 0.15 s each time on two
-    CPU cores for three shuffled splits of a million samples."""
+    samples are drawn by index; nothing in them changes as they are read): built once a process, where a
+    process that builds several trainers (``recipes.run.world.fresh_trainer``: the tests, benchmarks) paid
+    0.15 s each time on two CPU cores for three shuffled splits of a million samples."""
     # lazy: megatron takes seconds to import; tools that never build a model skip it
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import MockGPTDataset
