@@ -68,8 +68,8 @@ def test_a_submitit_job_signalled_before_its_time_limit_saves_requeues_and_resum
     iters = 60  # a few steps: the signal comes at the first progress row, the save ends the first start
     proc = start_train(["-m", "hydra/launcher=submitit_local", "hydra.launcher.timeout_min=10", f"hydra.sweep.dir={sweep}",
                         "size=tiny", "measure.profile=none", "measure.start_step=2", "checkpoint=default",
-                        "checkpoint.interval=100000", f"train.train_iters={iters}", "train.log_interval=1",
-                        ], tmp_path, stderr=subprocess.STDOUT)
+                        "checkpoint.interval=100000", f"train.train_iters={iters}", "train.log_interval=1"],
+                       tmp_path, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 240
     run_dir = pid = None
     while time.monotonic() < deadline and proc.poll() is None:

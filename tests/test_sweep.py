@@ -211,7 +211,6 @@ def test_gpu_oom_is_recorded_and_the_sweep_goes_on(tmp_path):
     assert (tmp_path / "report.png").stat().st_size > 10_000
 
 
-@pytest.mark.slow
 def _bench_entrypoint():
     import importlib.util
 
@@ -238,6 +237,7 @@ def test_bench_entrypoint_repeats_alternate_fresh_processes(monkeypatch, capsys)
     assert "median ratio 1.100 over 2 pairs" in out
 
 
+@pytest.mark.slow
 def test_bench_entrypoint_sides_run_in_fresh_processes(monkeypatch):
     """Each side of a pair in its own process, timing its steps: train.py (its result's step times) and the
     bare loop (``--bare-only``). The inherited MASTER_PORT is held by a live listener, as a test session's
