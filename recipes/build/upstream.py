@@ -166,10 +166,6 @@ def allow_checkpoint_save_without_psutil() -> bool | None:
     filesystem_async._process_memory = _process_memory
 
 
-class _ThisProcessResults(queue.Queue):
-    """The write-results queue of a process whose checkpoint writes all run in it (threads)."""
-
-
 @_workaround("results_queue", without_te=False)
 def write_checkpoint_results_through_a_thread_queue() -> bool | None:
     """``dist_checkpointing``'s file writer hands each save's write results over a queue that
@@ -182,7 +178,7 @@ def write_checkpoint_results_through_a_thread_queue() -> bool | None:
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     if filesystem_async._results_queue is None:
-        filesystem_async._results_queue = _ThisProcessResults()
+        filesystem_async._results_queue = queue.Queue()  # the writer threads and the reader: this process
 
 
 def prime_distributed_optimizer_for_loading(optimizer) -> int:
