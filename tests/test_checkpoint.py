@@ -32,7 +32,9 @@ def train(cfg: dict, run_dir: Path) -> tuple[dict, dict[str, torch.Tensor]]:
 
 @pytest.mark.parametrize("family, extra", [
     *[pytest.param(f, (), id=f) for f in ("standard_attn", "moe", "mla", "gdn")],
-    pytest.param("standard_attn", ("model.compile=layer",), id="standard_attn-compiled", marks=pytest.mark.slow),
+    # attention, not layer: the same torch.compile of a forward, compiled in less time (the test: 14 s, not 23 s)
+    pytest.param("standard_attn", ("model.compile=attention",), id="standard_attn-compiled",
+                 marks=pytest.mark.slow),
     # the resumed process's offload manager plans again in its first step: the losses must not notice
     pytest.param("moe", ("offload=expert_fc1-moe_act", "offload.offload_modules=[core_attn,attn_proj,expert_fc1,moe_act]",
                          *OFFLOAD_EMULATED), id="moe-offload"),

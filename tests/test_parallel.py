@@ -22,6 +22,9 @@ from conftest import CONF, REPO, compose, subprocess_env, train_in_process
 
 #: Short runs: 1 warm-up step (records the ledger) + 2 timed steps; no profiled step.
 QUICK = ("train.train_iters=3", "measure.start_step=2", "measure.profile=none")
+#: One step past the first: the window's least (``GDN_INTERLEAVED``: GDN's CPU kernels make each step the
+#: slowest of the two-rank runs)
+ONE_MEASURED = ("train.train_iters=2", "measure.start_step=2", "measure.profile=none")
 
 
 def refusal(*overrides: str, num_gpus: int = 0, te: bool = False):
@@ -338,9 +341,9 @@ GDN_INTERLEAVED = ("parallel=pp2_vpp2", "model=gdn", "model.num_layers=8", "mode
 
 
 def interleaved_gdn_run(shared_runs) -> dict:
-    """``GDN_INTERLEAVED``'s result (``QUICK`` steps, two gloo processes), made once a session."""
-    # two tests wait on it, and GDN's CPU kernels make it the slowest two-rank run
-    path = shared_runs.get("gdn-pp2_vpp2", lambda path: train_subprocess(path, *GDN_INTERLEAVED, timeout=600))
+    """``GDN_INTERLEAVED``'s result (``ONE_MEASURED`` steps, two gloo processes), made once a session."""
+    path = shared_runs.get("gdn-pp2_vpp2", lambda path: train_subprocess(path, *GDN_INTERLEAVED, steps=ONE_MEASURED,
+                                                                         timeout=600))
     return json.loads((path / "result.json").read_text())
 
 
@@ -435,7 +438,7 @@ def test_pp2_stages_hold_their_share_and_the_first_holds_more(shared_runs, megat
 def test_pp2_vpp2_records_every_model_chunk(shared_runs, megatron_world):
     result = interleaved_gdn_run(shared_runs)
     ref = one_rank(megatron_world, *(o for o in GDN_INTERLEAVED if not o.startswith("parallel=")),
-                   "train.global_batch_size=8")
+                   "train.global_batch_size=8", steps=ONE_MEASURED)
     chunks = [r["pipeline"]["chunk_ledger_bytes"] for r in result["ranks"]]
     assert [len(c) for c in chunks] == [2, 2] and all(b > 0 for c in chunks for b in c)
     assert sum(map(sum, chunks)) == ref["ledger"]["total_bytes"]
