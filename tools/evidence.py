@@ -265,7 +265,38 @@ def plan_section(ev: Evidence, tmp: Path) -> list[str]:
             verdict = "the pick ran fastest" if fastest == 1 else (
                 f"#{fastest} ran fastest, {'within' if tied else 'outside'} the measured spread")
             out.append(f"| {question} | | | {verdict} | | | | | |")
-    return [*out, ""] if out else []
+    return [*out, "", *over_section(ev, tmp)] if out else over_section(ev, tmp)
+
+
+def over_section(ev: Evidence, tmp: Path) -> list[str]:
+    """The points just past their budget (sweep ``over``, gpu_planner.sh's OVER=1): each one's verdict, as
+    today's estimator gives it from the point's config and the calibrated profile (the ``gpu.yaml`` record),
+    beside how the run capped at that budget ended."""
+    from recipes.predict.estimate import predict
+    from recipes.predict.fit import OVER, verdict
+
+    points = ev.points("over")
+    profile = next((r["text"] for r in ev.records if r.get("file") == "gpu.yaml"), None)
+    if not points or profile is None:
+        return []
+    (tmp / "gpu.yaml").write_text(profile)
+    out = ["## over", "", "Each point capped at its budget (`measure.memory_budget_gib`): an `over` verdict must "
+           "end as `oom`.", "", "| point | budget GiB | peak GiB predicted | verdict | status | peak reserved GiB |",
+           "|---|---|---|---|---|---|"]
+    failed = []
+    for point in points:
+        res = point["result"]
+        cfg = {**res["config"], "cluster": {**res["config"]["cluster"], "gpu": str(tmp / "gpu.yaml")}}
+        budget, p = cfg["measure"]["memory_budget_gib"], predict(cfg, device="cuda")
+        said = verdict(p["peak_bytes"] / 2**30, budget, p["allocator_slack"])
+        mem = (res["ranks"][res.get("worst_rank") or 0].get("memory") or {}) if res["status"] == "ok" else {}
+        reserved = f"{mem['peak_reserved_gib']:.2f}" if mem else "-"
+        out.append(f"| {point['point']} | {budget:g} | {p['peak_bytes'] / 2**30:.2f} | {said} | {res['status']} | {reserved} |")
+        if said == OVER and res["status"] != "oom":
+            failed.append(point["point"])
+    out.append("")
+    out.append(f"An `over` that ran: {', '.join(failed)}." if failed else "Every `over` ran out of memory.")
+    return [*out, ""]
 
 
 def determinism_section(ev: Evidence, tmp: Path) -> list[str]:
@@ -286,7 +317,7 @@ def determinism_section(ev: Evidence, tmp: Path) -> list[str]:
 
 #: Tables an evidence file gets before its sweep reports, beyond the header.
 EXTRA_SECTIONS: dict[str, Callable[[Evidence, Path], list[str]]] = {
-    "h200": mfu_section, "planner-h100": plan_section, "planner-h200": plan_section,
+    "h200": mfu_section, "planner-h100": plan_section, "planner-h200": plan_section, "planner-h200-2": plan_section,
     "determinism-h100": determinism_section, "determinism-h200": determinism_section}
 
 

@@ -99,7 +99,7 @@ def budget_line(peak_gib: float, budget_gib: float, slack: float = ALLOCATOR_SLA
     need = with_slack(peak_gib, slack)
     head = f"budget {budget_gib:g} GiB (what PyTorch may reserve), needs {need:.1f} GiB with {slack:.1%} allocator slack: "
     return head + {FITS: f"fits ({budget_gib - need:.1f} GiB to spare)",
-                   TIGHT: f"TIGHT: fits only without the slack ({need - budget_gib:.1f} GiB short): expect an OOM",
+                   TIGHT: f"TIGHT: fits only without the slack ({need - budget_gib:.1f} GiB short): it may run out of memory",
                    OVER: f"does NOT fit ({peak_gib - budget_gib:.1f} GiB over)"}[verdict(peak_gib, budget_gib, slack)]
 
 

@@ -89,7 +89,7 @@ def fits(predicted_peak_gib: float, budget_gib: float, slack: float = ALLOCATOR_
 
 
 def verdict(predicted_peak_gib: float, budget_gib: float, slack: float = ALLOCATOR_SLACK) -> str:
-    """``fits`` (with slack), ``tight`` (only without it: expect an OOM), or ``over``."""
+    """``fits`` (with slack), ``tight`` (only without it: it may run out of memory), or ``over``."""
     if fits(predicted_peak_gib, budget_gib, slack):
         return FITS
     return TIGHT if predicted_peak_gib <= budget_gib else OVER
