@@ -302,3 +302,23 @@ def test_advise_compares_a_plan_whose_top_three_differ_in_micro_batch(tmp_path, 
     out = capsys.readouterr().out
     assert "This sweep holds 3 families" in out and "Against the plan" in out
     assert "measured order p1 < p2 < p3: as predicted" in out
+
+
+def test_each_moe_layer_adds_host_work_a_micro_batch(monkeypatch):
+    """8 MoE layers at the h200 size, global batch 8: a micro-batch of 1 pays 8 micro-batches x 8 layers
+    x 1 ms more than its FLOPs, a micro-batch of 4 pays 2 x 8 x 1 ms; a pipeline stage pays for its own
+    layers; a dense model pays nothing more."""
+    h200 = hardware.load_profile("h200")
+
+    def extra(*overrides):
+        cfg = compose_config(["size=h200", "train.global_batch_size=8", *overrides])
+        with_term = fr.bare_step_s(cfg, h200)
+        monkeypatch.setattr(fr, "MOE_LAYER_MICROBATCH_S", 0.0)
+        without = fr.bare_step_s(cfg, h200)
+        monkeypatch.undo()
+        return with_term - without
+
+    assert extra("model=moe", "train.micro_batch_size=1") == pytest.approx(0.064)
+    assert extra("model=moe", "train.micro_batch_size=4") == pytest.approx(0.016)
+    assert extra("model=moe", "train.micro_batch_size=1", "parallel=pp2") == pytest.approx(0.032)
+    assert extra("model=standard_attn", "train.micro_batch_size=1") == 0

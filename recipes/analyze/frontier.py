@@ -6,7 +6,7 @@ For a model, a layout and a budget, every micro-batch size that divides the data
 of the (fixed) global batch is planned over recompute x offload (``recipes.analyze.plan``), each point
 priced as a whole step: the bare step's FLOPs at the profile's bf16 rate (times ``STEP_MFU`` and the
 GEMM efficiency at the micro-batch's rows, ``Profile.efficiency``: a small micro-batch runs its matmuls
-slower), plus a fixed cost a micro-batch, plus the plan's replays (at the same efficiency) and offload's
+slower), plus a fixed cost a micro-batch (more for MoE layers), plus the plan's replays (at the same efficiency) and offload's
 exposed copies. The output: the frontier of predicted peak against step time (a table and a PNG), the
 fastest fitting point first, and the top three with one Hydra sweep line that runs exactly them (one
 config a point in ``DIR/points/point/``, selected by ``+point=``) under the budget's cap. ``DIR/plan.json``
@@ -35,6 +35,7 @@ from recipes.hardware import Profile, check_budget, cluster_of, resolve_profile
 from recipes.measure.flops import step_flops
 from recipes.predict.estimate import num_microbatches
 from recipes.predict.fit import allocator_overrides
+from recipes.recompute import moe_pattern
 from recipes.validate.run import output_problem
 
 #: The bare step's share of the bf16 peak at full GEMM rate (dense steps at the h200 size: 50.0% on an
@@ -43,6 +44,11 @@ STEP_MFU = 0.5
 #: What each micro-batch costs beyond its FLOPs (launches, the loss, the pipeline's per-micro-batch
 #: work), seconds: a larger micro-batch pays it fewer times.
 MICROBATCH_S = 0.002
+#: And each MoE layer a micro-batch, seconds: the router, the permutation and the experts' GEMMs one
+#: expert at a time are many small kernels. Fitted to the H200's MoE at the h200 size (2026-12-06 and
+#: -07: 7.5-9 ms more a micro-batch over 8 MoE layers, docs/evidence/planner-h200*.md); with it the
+#: H100's MoE long steps (not fitted) went from 11% to 6% under their measured time.
+MOE_LAYER_MICROBATCH_S = 0.001
 #: The share of an offload point's copy time its price may be off by (the H100's 22%, rounded up).
 OFFLOAD_UNCERTAINTY = 0.25
 TOP = 3
@@ -69,12 +75,14 @@ def gemm_rows(cfg: dict) -> int:
 
 def bare_step_s(cfg: dict, profile: Profile) -> float:
     """One rank's step with nothing recomputed or offloaded: its model FLOPs at ``STEP_MFU`` of the
-    profile's bf16 rate, at the GEMM efficiency of its micro-batch, plus ``MICROBATCH_S`` a micro-batch."""
+    profile's bf16 rate, at the GEMM efficiency of its micro-batch, plus ``MICROBATCH_S`` a micro-batch
+    and ``MOE_LAYER_MICROBATCH_S`` a micro-batch for each of the rank's MoE layers."""
     cfg = typed(cfg)
     m, par = num_microbatches(cfg), cfg.parallel
     flops = step_flops(cfg, m)["model"] / (par.tensor_model_parallel_size * par.pipeline_model_parallel_size)
     rate = profile.bf16_tflops * 1e12 * STEP_MFU * profile.efficiency(gemm_rows(cfg))
-    return flops / rate + m * MICROBATCH_S
+    moe_layers = sum(moe_pattern(cfg.model)) / par.pipeline_model_parallel_size
+    return flops / rate + m * (MICROBATCH_S + moe_layers * MOE_LAYER_MICROBATCH_S)
 
 
 def frontier(cfg: dict, budget_gib: float, profile: Profile | None = None, why: str = "given") -> dict:
