@@ -188,3 +188,22 @@ def test_the_mla_offload_sweep_is_predicted():
         assert abs(p["peak_bytes"] / 2**30 / rank["memory"]["peak_allocated_gib"] - 1) < 0.01, data["name"]
         if modules_of(cfg):
             assert p["host_bytes"] == rank["ledger"]["host_total_bytes"], data["name"]
+
+
+@pytest.mark.parametrize("name", [n for n in evidence.names() if n.startswith("planner-")])
+def test_every_planner_verdict_held_on_its_gpu(name, tmp_path):
+    """Every top point a plan called fitting that ran did not run out of memory (a refused one, such as
+    GDN on a Triton too old for Hopper, never started), and every point planned past its budget that
+    today's estimator calls ``over`` ran out of memory."""
+    from recipes.predict.fit import OVER
+
+    ev = evidence.load(name)
+    for r in ev.records:
+        if r.get("file", "").endswith(".plan.json"):
+            question = r["file"][: -len(".plan.json")]
+            ran = {next(o for o in p["overrides"] if o.startswith("+point="))[7:]: p["result"]["status"]
+                   for p in ev.points(question)}
+            for top in r["json"]["top"]:
+                assert top["fits"] and ran.get(top["point"]) != "oom", (question, top["point"])
+    for o in evidence.over_points(ev, tmp_path):
+        assert o["verdict"] != OVER or o["status"] == "oom", o

@@ -268,35 +268,47 @@ def plan_section(ev: Evidence, tmp: Path) -> list[str]:
     return [*out, "", *over_section(ev, tmp)] if out else over_section(ev, tmp)
 
 
-def over_section(ev: Evidence, tmp: Path) -> list[str]:
-    """The points just past their budget (sweep ``over``, gpu_planner.sh's OVER=1): each one's verdict, as
-    today's estimator gives it from the point's config and the calibrated profile (the ``gpu.yaml`` record),
-    beside how the run capped at that budget ended."""
+def over_points(ev: Evidence, tmp: Path) -> list[dict]:
+    """The points just past their budget (sweep ``over``, gpu_planner.sh's OVER=1), each with its budget,
+    the peak and verdict today's estimator gives from its config and the calibrated profile (the
+    ``gpu.yaml`` record), and how the run capped at that budget ended."""
     from recipes.predict.estimate import predict
-    from recipes.predict.fit import OVER, verdict
+    from recipes.predict.fit import verdict
 
     points = ev.points("over")
     profile = next((r["text"] for r in ev.records if r.get("file") == "gpu.yaml"), None)
     if not points or profile is None:
         return []
     (tmp / "gpu.yaml").write_text(profile)
-    out = ["## over", "", "Each point capped at its budget (`measure.memory_budget_gib`): an `over` verdict must "
-           "end as `oom`.", "", "| point | budget GiB | peak GiB predicted | verdict | status | peak reserved GiB |",
-           "|---|---|---|---|---|---|"]
-    failed = []
+    out = []
     for point in points:
         res = point["result"]
         cfg = {**res["config"], "cluster": {**res["config"]["cluster"], "gpu": str(tmp / "gpu.yaml")}}
         budget, p = cfg["measure"]["memory_budget_gib"], predict(cfg, device="cuda")
-        said = verdict(p["peak_bytes"] / 2**30, budget, p["allocator_slack"])
         mem = (res["ranks"][res.get("worst_rank") or 0].get("memory") or {}) if res["status"] == "ok" else {}
-        reserved = f"{mem['peak_reserved_gib']:.2f}" if mem else "-"
-        out.append(f"| {point['point']} | {budget:g} | {p['peak_bytes'] / 2**30:.2f} | {said} | {res['status']} | {reserved} |")
-        if said == OVER and res["status"] != "oom":
-            failed.append(point["point"])
-    out.append("")
-    out.append(f"An `over` that ran: {', '.join(failed)}." if failed else "Every `over` ran out of memory.")
-    return [*out, ""]
+        out.append({"point": point["point"], "budget_gib": budget, "peak_gib": p["peak_bytes"] / 2**30,
+                    "verdict": verdict(p["peak_bytes"] / 2**30, budget, p["allocator_slack"]),
+                    "status": res["status"], "reserved_gib": mem.get("peak_reserved_gib")})
+    return out
+
+
+def over_section(ev: Evidence, tmp: Path) -> list[str]:
+    """``over_points`` as a table: an ``over`` verdict must end as ``oom``."""
+    from recipes.predict.fit import OVER
+
+    points = over_points(ev, tmp)
+    if not points:
+        return []
+    out = ["## over", "", "Each point capped at its budget (`measure.memory_budget_gib`): an `over` verdict must "
+           "end as `oom`.", "", "| point | budget GiB | peak GiB predicted | verdict | status | peak reserved GiB |",
+           "|---|---|---|---|---|---|"]
+    for o in points:
+        reserved = "-" if o["reserved_gib"] is None else f"{o['reserved_gib']:.2f}"
+        out.append(f"| {o['point']} | {o['budget_gib']:g} | {o['peak_gib']:.2f} | {o['verdict']} | {o['status']} "
+                   f"| {reserved} |")
+    ran = [o["point"] for o in points if o["verdict"] == OVER and o["status"] != "oom"]
+    out += ["", f"An `over` that ran: {', '.join(ran)}." if ran else "Every `over` ran out of memory.", ""]
+    return out
 
 
 def determinism_section(ev: Evidence, tmp: Path) -> list[str]:
