@@ -330,6 +330,7 @@ def determinism_section(ev: Evidence, tmp: Path) -> list[str]:
 #: Tables an evidence file gets before its sweep reports, beyond the header.
 EXTRA_SECTIONS: dict[str, Callable[[Evidence, Path], list[str]]] = {
     "h200": mfu_section, "planner-h100": plan_section, "planner-h200": plan_section, "planner-h200-2": plan_section,
+    "planner-h100-2": plan_section,
     "determinism-h100": determinism_section, "determinism-h200": determinism_section}
 
 
