@@ -101,6 +101,20 @@ def test_the_clusters_host_memory_is_used_not_this_machines(monkeypatch):
     assert small["over_host"] and "offload fewer modules" in small["over_host"][0]["fix"]
 
 
+def test_estimate_weighs_offload_copies_against_the_clusters_host_memory_and_refuses_its_bad_layout(capsys):
+    from recipes.predict import estimate_command
+
+    run = ["model=standard_attn", "size=h200", "offload=core_attn", "cluster.gpu=h100_sxm", "--budget-gib", "70"]
+    assert estimate_command.main([*run, "cluster.host_memory_gib=0.01"]) == 0
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("host memory:"))
+    assert "of 0.01 GiB (cluster.host_memory_gib): does NOT fit" in line and "offload fewer modules" in line
+    assert estimate_command.main([*run, "cluster.host_memory_gib=2000"]) == 0
+    assert "of 2000 GiB (cluster.host_memory_gib): fits" in capsys.readouterr().out
+    assert estimate_command.main([*run, "parallel=tp2", "cluster.gpus_per_node=3"]) == 2
+    err = capsys.readouterr().err
+    assert "error: cluster.gpus_per_node:" in err and "multiple of 2" in err
+
+
 def test_offload_confirm_commands_set_expandable_segments():
     rows = [{"recompute": "none", "offload": "core_attn"}, {"recompute": "full"}]
     off, rc, _ = confirm_commands("model=standard_attn", rows, 19.0)

@@ -282,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="what PyTorch's allocator may hold per GPU (default: the profile's GPU, all of it)")
     parser.add_argument("--dir", type=Path, default=None, help="the confirm sweep's directory (default multirun/plan)")
     parser.add_argument("--json", action="store_true")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # overrides on either side of an option
     from recipes.recipe import at_full_depth, compose_recipe
 
     try:

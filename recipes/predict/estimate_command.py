@@ -14,9 +14,9 @@ from pathlib import Path
 
 from recipes.errors import ConfigError
 from recipes.files import GIB, UnreadableFile
-from recipes.hardware import check_budget, resolve_profile
+from recipes.hardware import check_budget, check_cluster, cluster_of, resolve_profile
 from recipes.predict.compare import compare_result, format_comparison, mean_share
-from recipes.predict.estimate import predict, predict_options
+from recipes.predict.estimate import held_host_bytes, predict, predict_options
 from recipes.predict.fit import ALLOCATOR_SLACK, FITS, OVER, TIGHT, verdict, with_slack
 from recipes.recipe import at_full_depth, compose_recipe
 from recipes.recompute import KINDS
@@ -94,6 +94,21 @@ def format_prediction(p: dict, title: str, budget_gib: float | None = None, term
     return "\n".join(lines)
 
 
+def host_line(p: dict, cluster: dict) -> str | None:
+    """The host memory verdict of an offload prediction on ``cluster`` (``recipes.hardware.cluster_of``):
+    its copies per node against the node's memory, as the validator refuses the run before launch."""
+    if not p.get("host_bytes"):
+        return None
+    rank, gpus, host = held_host_bytes(p), cluster["gpus_per_node"], cluster["host_memory_gib"]
+    per_node = rank * gpus / GIB
+    head = (f"host memory: the copies hold {per_node:.1f} GiB a node ({rank / GIB:.2f} a rank x {gpus} GPUs), "
+            f"of {host:g} GiB ({cluster['host_memory_from']}): ").replace("x 1 GPUs", "x 1 GPU")
+    if per_node <= host:
+        return head + "fits"
+    return head + ("does NOT fit; fix: offload fewer modules (a smaller conf/offload option), use recompute "
+                   "instead, or, if the nodes have more, set cluster.host_memory_gib to it")
+
+
 def budget_line(peak_gib: float, budget_gib: float, slack: float = ALLOCATOR_SLACK) -> str:
     """The fit verdict for a budget, with the allocator's slack (recipes.predict.fit: ``slack_for``)."""
     need = with_slack(peak_gib, slack)
@@ -166,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--terms", action="store_true", help="list the named terms of one layer")
     parser.add_argument("--compare", metavar="DIR", help="predicted next to measured for every "
                         "result.json under DIR (a run or a sweep); overrides are ignored")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # overrides on either side of an option
     if args.compare:
         return compare_command(args.compare)
     title = " ".join(args.overrides) or "(defaults)"
@@ -180,11 +195,17 @@ def main(argv: list[str] | None = None) -> int:
             profile, why = resolve_profile(cfg)
             check_budget(args.budget_gib, profile)
             print(f"[gpu] {profile.describe()} ({why})")
+            cluster = cluster_of(cfg, profile)
+            check_cluster(cfg, cluster)
         if args.all:
             done, refused = predict_options(cfg, args.device)
             print(format_options(done, refused, title, args.budget_gib))
         else:
-            print(format_prediction(predict(cfg, args.device), title, args.budget_gib, args.terms))
+            p = predict(cfg, args.device)
+            print(format_prediction(p, title, args.budget_gib, args.terms))
+            host = host_line(p, cluster) if args.budget_gib is not None else None
+            if host:
+                print(host)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
