@@ -21,6 +21,7 @@ from recipes.predict.fit import ALLOCATOR_SLACK, FITS, OVER, TIGHT, verdict, wit
 from recipes.recipe import at_full_depth, compose_recipe
 from recipes.recompute import KINDS
 from recipes.results import load_result
+from recipes.validate.offload import FEWER_COPIES
 
 
 def _fmt(nbytes: float, unit: float = 2**20) -> str:
@@ -101,12 +102,11 @@ def host_line(p: dict, cluster: dict) -> str | None:
         return None
     rank, gpus, host = held_host_bytes(p), cluster["gpus_per_node"], cluster["host_memory_gib"]
     per_node = rank * gpus / GIB
-    head = (f"host memory: the copies hold {per_node:.1f} GiB a node ({rank / GIB:.2f} a rank x {gpus} GPUs), "
-            f"of {host:g} GiB ({cluster['host_memory_from']}): ").replace("x 1 GPUs", "x 1 GPU")
+    head = (f"host memory: the copies hold {per_node:.1f} GiB a node ({rank / GIB:.2f} a rank x {gpus} "
+            f"GPU{'s' if gpus > 1 else ''}), of {host:g} GiB ({cluster['host_memory_from']}): ")
     if per_node <= host:
         return head + "fits"
-    return head + ("does NOT fit; fix: offload fewer modules (a smaller conf/offload option), use recompute "
-                   "instead, or, if the nodes have more, set cluster.host_memory_gib to it")
+    return head + f"does NOT fit; fix: {FEWER_COPIES}, or, if the nodes have more, set cluster.host_memory_gib to it"
 
 
 def budget_line(peak_gib: float, budget_gib: float, slack: float = ALLOCATOR_SLACK) -> str:

@@ -66,6 +66,10 @@ def check_offload(cfg, num_gpus: int, te_available: bool) -> None:
                "set train.train_iters>=3, or measure.ledger=false")
 
 
+#: The first remedies for offload copies above a node's host memory (the validator's, the planner's, estimate's).
+FEWER_COPIES = "offload fewer modules (a smaller conf/offload option), use recompute instead"
+
+
 def host_memory_problem(cfg: dict, planned_host_bytes: int | None,
                         job_memory_gib: float | None = None) -> tuple[str, str, str] | None:
     """(option, problem, fix) where the host memory one rank's offload is predicted to hold
@@ -93,7 +97,7 @@ def host_memory_problem(cfg: dict, planned_host_bytes: int | None,
             f"the copies are predicted at {_size(per_node)} of host memory per node "
             f"({_size(planned_host_bytes)} per rank x {launch.nproc_per_node} "
             f"rank{'s' if launch.nproc_per_node > 1 else ''}), above {where} ({_size(host)})",
-            f"offload fewer modules (a smaller conf/offload option), use recompute instead, {more}")
+            f"{FEWER_COPIES}, {more}")
 
 
 def _size(nbytes: float) -> str:
