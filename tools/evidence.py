@@ -327,11 +327,10 @@ def determinism_section(ev: Evidence, tmp: Path) -> list[str]:
             (root / "table.md").read_text().rstrip("\n"), ""]
 
 
-#: Tables an evidence file gets before its sweep reports, beyond the header.
+#: Tables an evidence file gets before its sweep reports, beyond the header, by its campaign's kind (the
+#: name before its first "-": every planner-* file gets the planner's table, every determinism-* file its own).
 EXTRA_SECTIONS: dict[str, Callable[[Evidence, Path], list[str]]] = {
-    "h200": mfu_section, "planner-h100": plan_section, "planner-h200": plan_section, "planner-h200-2": plan_section,
-    "planner-h100-2": plan_section,
-    "determinism-h100": determinism_section, "determinism-h200": determinism_section}
+    "h200": mfu_section, "planner": plan_section, "determinism": determinism_section}
 
 
 def render(ev: Evidence) -> str:
@@ -339,8 +338,8 @@ def render(ev: Evidence) -> str:
     lines = _head(ev)
     lines += compare_section(ev)
     with tempfile.TemporaryDirectory() as tmp:
-        if ev.name in EXTRA_SECTIONS:
-            lines += EXTRA_SECTIONS[ev.name](ev, Path(tmp))
+        if (section := EXTRA_SECTIONS.get(ev.name.split("-")[0])) is not None:
+            lines += section(ev, Path(tmp))
         for sweep in ev.sweeps():
             lines += sweep_section(ev, sweep, Path(tmp))
     for r in ev.records:  # console output; JSON files and logs are data for the checks, not tables
